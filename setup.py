@@ -1,0 +1,35 @@
+"""Arbor: JAX RL post-training. Install with `pip install -e '.[test]'`."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="arbor",
+    version="0.1.0",
+    description="JAX research codebase for efficient RL post-training of language models.",
+    python_requires=">=3.11,<3.12",
+    packages=find_packages(include=["models*", "sampling*", "rl*", "sharding*", "experiments*"]),
+    # Exact pins: the JAX stack moves fast and these versions are tested together.
+    install_requires=[
+        "jax==0.10.2",
+        "jaxlib==0.10.2",
+        "flax==0.12.8",
+        "optax==0.2.8",
+        "orbax-checkpoint==0.12.8",
+        "chex==0.1.92",
+        "tensorstore==0.1.86",
+        "numpy==2.4.6",
+        "absl-py==2.5.1",
+        "ml_collections==1.1.0",
+        "reasoning-gym==0.1.25",
+        "tqdm==4.70.1",
+        "matplotlib==3.11.2",
+        "safetensors==0.8.0",
+        "tokenizers==0.23.3",
+        "gguf==0.19.0",
+    ],
+    extras_require={
+        "test": [
+            "pytest==9.2.0",
+        ],
+    },
+)
