@@ -45,201 +45,201 @@ _STOP_STRINGS = ("\n", "<|endoftext|>", "<|im_end|>", "</s>")
 
 @dataclasses.dataclass(frozen=True)
 class Example:
-    prompt: str  # the text fed to the policy
-    answer: str  # reference answer (used for the supervised warm start)
-    entry: dict  # the reasoning-gym entry, passed back to its scorer
+  prompt: str  # the text fed to the policy
+  answer: str  # reference answer (used for the supervised warm start)
+  entry: dict  # the reasoning-gym entry, passed back to its scorer
 
 
 def _nospace(text: str) -> str:
-    return text.replace(" ", "")
+  return text.replace(" ", "")
 
 
 @dataclasses.dataclass(frozen=True)
 class _TaskSpec:
-    """How one reasoning-gym dataset becomes a Task."""
+  """How one reasoning-gym dataset becomes a Task."""
 
-    key: Callable[[dict], Hashable]  # question identity, for split disjointness
-    compact_prompt: Callable[[dict], str]
-    compact_answer: Callable[[dict], str]
-    default_eval_size: int
+  key: Callable[[dict], Hashable]  # question identity, for split disjointness
+  compact_prompt: Callable[[dict], str]
+  compact_answer: Callable[[dict], str]
+  default_eval_size: int
 
 
 def _expression_key(entry: dict) -> Hashable:
-    return _nospace(entry["metadata"]["expression"])
+  return _nospace(entry["metadata"]["expression"])
 
 
 def _countdown_key(entry: dict) -> Hashable:
-    meta = entry["metadata"]
-    return (tuple(sorted(meta["numbers"])), meta["target"])
+  meta = entry["metadata"]
+  return (tuple(sorted(meta["numbers"])), meta["target"])
 
 
 def _countdown_prompt(entry: dict) -> str:
-    meta = entry["metadata"]
-    return ",".join(str(x) for x in meta["numbers"]) + f":{meta['target']}="
+  meta = entry["metadata"]
+  return ",".join(str(x) for x in meta["numbers"]) + f":{meta['target']}="
 
 
 _SPECS = {
-    "chain_sum": _TaskSpec(
-        key=_expression_key,
-        compact_prompt=lambda e: _nospace(e["metadata"]["expression"]) + "=",
-        compact_answer=lambda e: e["answer"],
-        default_eval_size=1000,
-    ),
-    "basic_arithmetic": _TaskSpec(
-        key=_expression_key,
-        compact_prompt=lambda e: _nospace(e["metadata"]["expression"]) + "=",
-        compact_answer=lambda e: e["answer"],
-        default_eval_size=1000,
-    ),
-    # Countdown items cost ~10 ms each to generate (the generator searches for a
-    # solvable target), hence the smaller default eval set.
-    "countdown": _TaskSpec(
-        key=_countdown_key,
-        compact_prompt=_countdown_prompt,
-        compact_answer=lambda e: _nospace(e["answer"]),
-        default_eval_size=100,
-    ),
+  "chain_sum": _TaskSpec(
+    key=_expression_key,
+    compact_prompt=lambda e: _nospace(e["metadata"]["expression"]) + "=",
+    compact_answer=lambda e: e["answer"],
+    default_eval_size=1000,
+  ),
+  "basic_arithmetic": _TaskSpec(
+    key=_expression_key,
+    compact_prompt=lambda e: _nospace(e["metadata"]["expression"]) + "=",
+    compact_answer=lambda e: e["answer"],
+    default_eval_size=1000,
+  ),
+  # Countdown items cost ~10 ms each to generate (the generator searches for a
+  # solvable target), hence the smaller default eval set.
+  "countdown": _TaskSpec(
+    key=_countdown_key,
+    compact_prompt=_countdown_prompt,
+    compact_answer=lambda e: _nospace(e["answer"]),
+    default_eval_size=100,
+  ),
 }
 
 TASK_NAMES = tuple(sorted(_SPECS))
 
 
 def parse_completion(completion: str) -> str:
-    """Returns the answer part of a completion: the text before the first newline or
-    end-of-sequence marker (after leading whitespace), stripped."""
-    text = completion.lstrip()
-    for stop in _STOP_STRINGS:
-        text = text.split(stop, 1)[0]
-    return text.strip()
+  """Returns the answer part of a completion: the text before the first newline or
+  end-of-sequence marker (after leading whitespace), stripped."""
+  text = completion.lstrip()
+  for stop in _STOP_STRINGS:
+    text = text.split(stop, 1)[0]
+  return text.strip()
 
 
 class Task:
-    """One reasoning-gym dataset: deterministic train/eval examples and its scorer.
+  """One reasoning-gym dataset: deterministic train/eval examples and its scorer.
 
-    Build with `make_task`. Attributes: `name`, `prompt_style`, `difficulty` (the
-    reasoning-gym config fields set), `seed`, `eval_size` (items in the eval split).
-    """
+  Build with `make_task`. Attributes: `name`, `prompt_style`, `difficulty` (the
+  reasoning-gym config fields set), `seed`, `eval_size` (items in the eval split).
+  """
 
-    def __init__(self, name: str, prompt_style: str, seed: int, eval_size: int,
-                 difficulty: dict[str, Any]):
-        self.name = name
-        self.prompt_style = prompt_style
-        self.seed = seed
-        self.eval_size = eval_size
-        self.difficulty = dict(difficulty)
-        self._spec = _SPECS[name]
-        self._datasets = {}
-        self._eval_entries = None
-        self._eval_keys = None
-        # Build one dataset now so that a bad difficulty value fails at make_task.
-        self._scorer = self._dataset(seed)
+  def __init__(self, name: str, prompt_style: str, seed: int, eval_size: int,
+         difficulty: dict[str, Any]):
+    self.name = name
+    self.prompt_style = prompt_style
+    self.seed = seed
+    self.eval_size = eval_size
+    self.difficulty = dict(difficulty)
+    self._spec = _SPECS[name]
+    self._datasets = {}
+    self._eval_entries = None
+    self._eval_keys = None
+    # Build one dataset now so that a bad difficulty value fails at make_task.
+    self._scorer = self._dataset(seed)
 
-    def __repr__(self) -> str:
-        return (f"Task({self.name!r}, prompt_style={self.prompt_style!r}, seed={self.seed}, "
-                f"eval_size={self.eval_size}, difficulty={self.difficulty})")
+  def __repr__(self) -> str:
+    return (f"Task({self.name!r}, prompt_style={self.prompt_style!r}, seed={self.seed}, "
+        f"eval_size={self.eval_size}, difficulty={self.difficulty})")
 
-    def _dataset(self, seed: int):
-        dataset = self._datasets.get(seed)
-        if dataset is None:
-            try:
-                dataset = reasoning_gym.create_dataset(
-                    self.name, size=_VIRTUAL_SIZE, seed=seed, **self.difficulty)
-            except (AssertionError, ValueError) as error:  # reasoning-gym validates with asserts
-                raise ValueError(
-                    f"Task {self.name!r}: invalid difficulty {self.difficulty}: {error}"
-                ) from error
-            self._datasets[seed] = dataset
-        return dataset
-
-    def _eval_set(self) -> tuple[list[dict], frozenset]:
-        if self._eval_entries is None:
-            dataset = self._dataset(self.seed + _EVAL_SEED_OFFSET)
-            entries = [dataset[i] for i in range(self.eval_size)]
-            self._eval_keys = frozenset(self._spec.key(e) for e in entries)
-            self._eval_entries = entries
-        return self._eval_entries, self._eval_keys
-
-    def _train_entry(self, position: int) -> dict:
-        _, eval_keys = self._eval_set()
-        for draw in range(_MAX_TRAIN_DRAWS):
-            entry = self._dataset(self.seed + draw * _TRAIN_SEED_STRIDE)[position]
-            if self._spec.key(entry) not in eval_keys:
-                return entry
+  def _dataset(self, seed: int):
+    dataset = self._datasets.get(seed)
+    if dataset is None:
+      try:
+        dataset = reasoning_gym.create_dataset(
+          self.name, size=_VIRTUAL_SIZE, seed=seed, **self.difficulty)
+      except (AssertionError, ValueError) as error:  # reasoning-gym validates with asserts
         raise ValueError(
-            f"Task {self.name!r}: train position {position} collided with the eval set "
-            f"{_MAX_TRAIN_DRAWS} times; difficulty {self.difficulty} has too few distinct "
-            f"questions for eval_size={self.eval_size}. Lower eval_size or raise the "
-            f"difficulty.")
+          f"Task {self.name!r}: invalid difficulty {self.difficulty}: {error}"
+        ) from error
+      self._datasets[seed] = dataset
+    return dataset
 
-    def _example(self, entry: dict) -> Example:
-        if self.prompt_style == "compact":
-            return Example(prompt=self._spec.compact_prompt(entry),
-                           answer=self._spec.compact_answer(entry), entry=entry)
-        return Example(prompt=entry["question"], answer=entry["answer"], entry=entry)
+  def _eval_set(self) -> tuple[list[dict], frozenset]:
+    if self._eval_entries is None:
+      dataset = self._dataset(self.seed + _EVAL_SEED_OFFSET)
+      entries = [dataset[i] for i in range(self.eval_size)]
+      self._eval_keys = frozenset(self._spec.key(e) for e in entries)
+      self._eval_entries = entries
+    return self._eval_entries, self._eval_keys
 
-    def examples(self, split: str, n: int, start: int = 0) -> list[Example]:
-        """Returns examples at positions start, ..., start + n - 1 of `split`.
+  def _train_entry(self, position: int) -> dict:
+    _, eval_keys = self._eval_set()
+    for draw in range(_MAX_TRAIN_DRAWS):
+      entry = self._dataset(self.seed + draw * _TRAIN_SEED_STRIDE)[position]
+      if self._spec.key(entry) not in eval_keys:
+        return entry
+    raise ValueError(
+      f"Task {self.name!r}: train position {position} collided with the eval set "
+      f"{_MAX_TRAIN_DRAWS} times; difficulty {self.difficulty} has too few distinct "
+      f"questions for eval_size={self.eval_size}. Lower eval_size or raise the "
+      f"difficulty.")
 
-        Deterministic: the same (split, n, start) always gives the same examples, so a
-        loop stores only an integer cursor. 'train' is unbounded; 'eval' holds
-        `eval_size` examples, none of whose questions occur in 'train'.
-        """
-        if n < 0 or start < 0:
-            raise ValueError(f"Task {self.name!r}: n={n} and start={start} must be >= 0.")
-        if split == "eval":
-            entries, _ = self._eval_set()
-            if start + n > self.eval_size:
-                raise ValueError(
-                    f"Task {self.name!r}: eval positions {start}..{start + n - 1} exceed "
-                    f"eval_size={self.eval_size}; pass a larger eval_size to make_task.")
-            return [self._example(e) for e in entries[start:start + n]]
-        if split == "train":
-            return [self._example(self._train_entry(p)) for p in range(start, start + n)]
-        raise ValueError(f"Task {self.name!r}: unknown split {split!r}; use 'train' or 'eval'.")
+  def _example(self, entry: dict) -> Example:
+    if self.prompt_style == "compact":
+      return Example(prompt=self._spec.compact_prompt(entry),
+              answer=self._spec.compact_answer(entry), entry=entry)
+    return Example(prompt=entry["question"], answer=entry["answer"], entry=entry)
 
-    def reward(self, completion: str, example: Example) -> float:
-        """Scores `completion` with reasoning-gym's own `score_answer`, in [0, 1].
+  def examples(self, split: str, n: int, start: int = 0) -> list[Example]:
+    """Returns examples at positions start, ..., start + n - 1 of `split`.
 
-        The completion is first cut by `parse_completion`. Partial credit is the scorer's
-        (chain_sum gives 0.5 for "-3" against "3"; countdown gives 0.01-0.05 for wrong
-        expressions). Never NaN: if the scorer raises (malformed completions can reach its
-        expression parser) or returns a non-finite value, the reward is 0.0, since an
-        unscorable completion deserves no credit.
-        """
-        try:
-            score = float(self._scorer.score_answer(parse_completion(completion), example.entry))
-        except Exception:  # pylint: disable=broad-except
-            return 0.0
-        return score if math.isfinite(score) else 0.0
+    Deterministic: the same (split, n, start) always gives the same examples, so a
+    loop stores only an integer cursor. 'train' is unbounded; 'eval' holds
+    `eval_size` examples, none of whose questions occur in 'train'.
+    """
+    if n < 0 or start < 0:
+      raise ValueError(f"Task {self.name!r}: n={n} and start={start} must be >= 0.")
+    if split == "eval":
+      entries, _ = self._eval_set()
+      if start + n > self.eval_size:
+        raise ValueError(
+          f"Task {self.name!r}: eval positions {start}..{start + n - 1} exceed "
+          f"eval_size={self.eval_size}; pass a larger eval_size to make_task.")
+      return [self._example(e) for e in entries[start:start + n]]
+    if split == "train":
+      return [self._example(self._train_entry(p)) for p in range(start, start + n)]
+    raise ValueError(f"Task {self.name!r}: unknown split {split!r}; use 'train' or 'eval'.")
 
-    def exact_match(self, completion: str, example: Example) -> bool:
-        """True when the scorer gives full credit (so equivalent answers such as "+03" for
-        "3", or any correct countdown expression, count as exact)."""
-        return self.reward(completion, example) >= 1.0
+  def reward(self, completion: str, example: Example) -> float:
+    """Scores `completion` with reasoning-gym's own `score_answer`, in [0, 1].
+
+    The completion is first cut by `parse_completion`. Partial credit is the scorer's
+    (chain_sum gives 0.5 for "-3" against "3"; countdown gives 0.01-0.05 for wrong
+    expressions). Never NaN: if the scorer raises (malformed completions can reach its
+    expression parser) or returns a non-finite value, the reward is 0.0, since an
+    unscorable completion deserves no credit.
+    """
+    try:
+      score = float(self._scorer.score_answer(parse_completion(completion), example.entry))
+    except Exception:  # pylint: disable=broad-except
+      return 0.0
+    return score if math.isfinite(score) else 0.0
+
+  def exact_match(self, completion: str, example: Example) -> bool:
+    """True when the scorer gives full credit (so equivalent answers such as "+03" for
+    "3", or any correct countdown expression, count as exact)."""
+    return self.reward(completion, example) >= 1.0
 
 
 def make_task(name: str, prompt_style: str = "compact", *, seed: int = 0,
-              eval_size: int | None = None, **difficulty) -> Task:
-    """Builds the task `name`; `difficulty` kwargs go to its reasoning-gym config.
+       eval_size: int | None = None, **difficulty) -> Task:
+  """Builds the task `name`; `difficulty` kwargs go to its reasoning-gym config.
 
-    Example: `make_task("chain_sum", min_terms=2, max_terms=3, max_digits=2)`.
-    `eval_size` defaults per task (1000; 100 for countdown, whose items are slow to make).
-    """
-    if name not in _SPECS:
-        raise ValueError(f"Unknown task {name!r}; known tasks: {', '.join(TASK_NAMES)}.")
-    if prompt_style not in PROMPT_STYLES:
-        raise ValueError(
-            f"Task {name!r}: unknown prompt_style {prompt_style!r}; use one of {PROMPT_STYLES}.")
-    _, config_cls = _RG_DATASETS[name]
-    fields = sorted(f.name for f in dataclasses.fields(config_cls)
-                    if f.name not in ("seed", "size"))
-    unknown = sorted(set(difficulty) - set(fields))
-    if unknown:
-        raise ValueError(
-            f"Task {name!r} has no difficulty field(s) {unknown}; valid fields: "
-            f"{', '.join(fields)}.")
-    if eval_size is None:
-        eval_size = _SPECS[name].default_eval_size
-    if eval_size < 1:
-        raise ValueError(f"Task {name!r}: eval_size={eval_size} must be >= 1.")
-    return Task(name, prompt_style, seed, eval_size, difficulty)
+  Example: `make_task("chain_sum", min_terms=2, max_terms=3, max_digits=2)`.
+  `eval_size` defaults per task (1000; 100 for countdown, whose items are slow to make).
+  """
+  if name not in _SPECS:
+    raise ValueError(f"Unknown task {name!r}; known tasks: {', '.join(TASK_NAMES)}.")
+  if prompt_style not in PROMPT_STYLES:
+    raise ValueError(
+      f"Task {name!r}: unknown prompt_style {prompt_style!r}; use one of {PROMPT_STYLES}.")
+  _, config_cls = _RG_DATASETS[name]
+  fields = sorted(f.name for f in dataclasses.fields(config_cls)
+          if f.name not in ("seed", "size"))
+  unknown = sorted(set(difficulty) - set(fields))
+  if unknown:
+    raise ValueError(
+      f"Task {name!r} has no difficulty field(s) {unknown}; valid fields: "
+      f"{', '.join(fields)}.")
+  if eval_size is None:
+    eval_size = _SPECS[name].default_eval_size
+  if eval_size < 1:
+    raise ValueError(f"Task {name!r}: eval_size={eval_size} must be >= 1.")
+  return Task(name, prompt_style, seed, eval_size, difficulty)

@@ -2,10 +2,10 @@
 
 - `HF_HUB_OFFLINE=1`: tests never reach the network.
 - `XLA_FLAGS=--xla_force_host_platform_device_count=8`: eight virtual CPU devices for the
-  sharding tests (single-device code runs a little slower; that is the price).
+ sharding tests (single-device code runs a little slower; that is the price).
 - `JAX_PLATFORMS=cpu`: tests are CPU-only (export another value to override).
 - Persistent compilation cache in `<repo>/.jax_cache` (git-ignored), so reruns of the
-  suite skip most XLA compilation. Override the place with JAX_COMPILATION_CACHE_DIR.
+ suite skip most XLA compilation. Override the place with JAX_COMPILATION_CACHE_DIR.
 """
 
 import os
@@ -19,7 +19,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(_REPO / ".jax_cache"))
 _xla_flags = os.environ.get("XLA_FLAGS", "")
 if _DEVICE_FLAG not in _xla_flags:  # an explicit device count from the caller wins
-    os.environ["XLA_FLAGS"] = f"{_xla_flags} {_DEVICE_FLAG}=8".strip()
+  os.environ["XLA_FLAGS"] = f"{_xla_flags} {_DEVICE_FLAG}=8".strip()
 
 import jax  # pylint: disable=wrong-import-position  (must follow the environment)
 

@@ -1,0 +1,67 @@
+"""The embedded default run: a tiny from-scratch policy learns chain_sum, then GRPO.
+
+`python -m experiments.train` uses this file; override any field on the command line,
+e.g. `--config.rl.steps=50 --config.loss.name=grpo`.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0                          # seeds parameters, data order and sampling
+  c.workdir = "runs/default"          # metrics.jsonl, plot.png, checkpoints/ go here
+  c.resume = True                     # continue from the newest checkpoint in workdir
+
+  c.task = ml_collections.ConfigDict()
+  c.task.name = "chain_sum"           # a reasoning-gym dataset (rl/tasks.py)
+  c.task.prompt_style = "compact"     # "compact" ("4-1=") for the char tokenizer; "full"
+  c.task.eval_size = 1000             # held-out items (greedy exact match)
+  c.task.difficulty = ml_collections.ConfigDict(dict(
+      min_terms=2, max_terms=3, min_digits=1, max_digits=2))  # reasoning-gym config fields
+
+  c.model = ml_collections.ConfigDict()
+  c.model.preset = "tiny"             # models/config.py PRESETS
+  c.model.dtype = "float32"
+
+  c.rollout = ml_collections.ConfigDict()
+  c.rollout.prompt_len = 12           # prompt slots (BOS + prompt, left-padded)
+  c.rollout.max_new_tokens = 6        # completion slots
+  c.rollout.temperature = 1.0
+  c.rollout.top_k = 0                 # 0 = off
+  c.rollout.top_p = 1.0               # 1.0 = off
+  c.rollout.group_size = 8            # completions per prompt (G)
+  c.rollout.prompts_per_step = 32     # prompts per GRPO step
+
+  c.warm_start = ml_collections.ConfigDict()
+  c.warm_start.steps = 300            # supervised steps on reference answers (0 = skip)
+  c.warm_start.batch_size = 64
+  c.warm_start.learning_rate = 1e-3   # peak; linear warmup then linear decay to 10%
+  c.warm_start.warmup_steps = 20
+
+  c.rl = ml_collections.ConfigDict()
+  c.rl.steps = 200                    # GRPO steps
+  c.rl.learning_rate = 3e-5
+  c.rl.weight_decay = 0.0
+  c.rl.max_grad_norm = 1.0
+  c.rl.num_microbatches = 1           # gradient accumulation; divides prompts*group_size
+
+  c.loss = ml_collections.ConfigDict()
+  c.loss.name = "grpo"                # rl/losses.py registry
+  c.loss.eps_low = 0.2
+  c.loss.eps_high = 0.2
+  c.loss.aggregation = "seq_mean_token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+  c.loss.norm_len = 6.0               # constant normaliser of seq_mean_token_sum_norm
+  c.loss.kl_coef = 0.0                # k3 KL to a reference policy (0 = none)
+
+  c.advantage = ml_collections.ConfigDict()
+  c.advantage.name = "grpo"           # rl/advantages.py registry
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.every = 50                   # GRPO steps between held-out evaluations
+  c.eval.batch_size = 250
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every = 100            # iterations between checkpoints (and at phase ends)
+  c.checkpoint.max_to_keep = 2
+  return c

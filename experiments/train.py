@@ -1,0 +1,213 @@
+"""Launch an Arbor RL run: supervised warm start, then GRPO, with held-out evaluation.
+
+    python -m experiments.train                                   # the embedded default
+    python -m experiments.train --config=experiments/configs/default.py --config.rl.steps=50
+
+Writes to config.workdir: metrics.jsonl (one line per iteration and per evaluation),
+plot.png (train reward and held-out accuracy against step), checkpoints/ (orbax), and
+summary.json. A rerun with the same workdir resumes from the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from absl import app
+from absl import flags
+from absl import logging
+import jax
+import ml_collections
+from ml_collections import config_flags
+import tqdm
+
+from experiments import metrics
+from models import transformer
+from models.config import get_preset
+from models.tokenizer import CharTokenizer
+from rl import advantages
+from rl import checkpoint
+from rl import evaluation
+from rl import loop
+from rl import train
+from rl.tasks import make_task
+from sampling.sampler import SamplingConfig
+
+_DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "configs", "default.py")
+_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Run configuration file.")
+
+WARM_START, RL = "warm_start", "rl"
+
+
+def validate(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError naming the inconsistent fields and how to fix them."""
+  r = config.rollout
+  rows = r.prompts_per_step * r.group_size
+  if rows % config.rl.num_microbatches:
+    raise ValueError(f"config.rollout.prompts_per_step * group_size = {rows} is not divisible "
+                     f"by config.rl.num_microbatches = {config.rl.num_microbatches}.")
+  if config.warm_start.batch_size % config.rl.num_microbatches:
+    raise ValueError(f"config.warm_start.batch_size = {config.warm_start.batch_size} is not "
+                     f"divisible by config.rl.num_microbatches = {config.rl.num_microbatches}.")
+  if r.group_size < 2:
+    raise ValueError(f"config.rollout.group_size = {r.group_size}: group-relative advantages "
+                     "need at least 2 completions per prompt.")
+  if config.warm_start.steps < 0 or config.rl.steps < 0:
+    raise ValueError("config.warm_start.steps and config.rl.steps must be >= 0.")
+  if config.eval.every <= 0 or config.checkpoint.every <= 0:
+    raise ValueError("config.eval.every and config.checkpoint.every must be positive.")
+
+
+def build_model_config(config, tokenizer):
+  """The preset's shapes, with the tokenizer's vocabulary (the policy is trained from
+  scratch) and room for prompt + completion."""
+  needed = config.rollout.prompt_len + config.rollout.max_new_tokens
+  model_config = get_preset(config.model.preset, dtype=config.model.dtype,
+                            vocab_size=tokenizer.vocab_size)
+  return model_config.replace(max_seq_len=max(model_config.max_seq_len, needed))
+
+
+def make_context(config, task, tokenizer, model_config, phase):
+  """The LoopContext (and optimizer) of one phase of the run."""
+  if phase == WARM_START:
+    optimizer = train.make_optimizer(
+        config.warm_start.learning_rate, warmup_steps=config.warm_start.warmup_steps,
+        decay_steps=max(config.warm_start.steps - config.warm_start.warmup_steps, 1),
+        end_lr_fraction=0.1, max_grad_norm=config.rl.max_grad_norm)
+    loss_config = ml_collections.FrozenConfigDict(dict(
+        name="sft", aggregation="token_mean", norm_len=1.0))
+    prompts = config.warm_start.batch_size
+  else:
+    optimizer = train.make_optimizer(config.rl.learning_rate, weight_decay=config.rl.weight_decay,
+                                      max_grad_norm=config.rl.max_grad_norm)
+    loss_config = ml_collections.FrozenConfigDict(config.loss)
+    prompts = config.rollout.prompts_per_step
+  sampling_config = SamplingConfig(
+      max_new_tokens=config.rollout.max_new_tokens, temperature=config.rollout.temperature,
+      top_k=config.rollout.top_k, top_p=config.rollout.top_p,
+      stop_tokens=(tokenizer.eos_id,), pad_id=tokenizer.pad_id)
+  step = train.make_train_step(model_config, optimizer, loss_config,
+                               num_microbatches=config.rl.num_microbatches,
+                               temperature=config.rollout.temperature if phase == RL else 1.0)
+  ctx = loop.LoopContext(
+      task=task, tokenizer=tokenizer, model_config=model_config,
+      sampling_config=sampling_config, prompt_len=config.rollout.prompt_len,
+      prompts_per_step=prompts, group_size=config.rollout.group_size, train_step=step,
+      advantage_fn=advantages.get_advantage_fn(config.advantage.name))
+  return ctx, optimizer
+
+
+def run(config: ml_collections.ConfigDict) -> dict:
+  """Runs (or resumes) the configured job and returns its summary."""
+  validate(config)
+  started = time.time()
+  os.makedirs(config.workdir, exist_ok=True)
+  tokenizer = CharTokenizer()
+  task = make_task(config.task.name, config.task.prompt_style, seed=config.seed,
+                   eval_size=config.task.eval_size, **config.task.difficulty)
+  model_config = build_model_config(config, tokenizer)
+  eval_examples = task.examples("eval", config.task.eval_size)
+
+  def held_out(params):
+    return evaluation.evaluate(params, eval_examples, task=task, tokenizer=tokenizer,
+                               prompt_len=config.rollout.prompt_len,
+                               max_new_tokens=config.rollout.max_new_tokens,
+                               model_config=model_config, batch_size=config.eval.batch_size)
+
+  contexts = {phase: make_context(config, task, tokenizer, model_config, phase)
+              for phase in (WARM_START, RL)}
+  init_rng, loop_rng = jax.random.split(jax.random.PRNGKey(config.seed))
+  params = transformer.init_params(model_config, init_rng)
+  state = loop.LoopState(train=train.init_train_state(params, contexts[WARM_START][1]), rng=loop_rng)
+  meta = {"phase": WARM_START, "data_cursor": 0, "iteration": 0, "evals": []}
+
+  manager = checkpoint.make_manager(os.path.join(config.workdir, "checkpoints"),
+                                    config.checkpoint.max_to_keep)
+  log = metrics.MetricsLog(os.path.join(config.workdir, "metrics.jsonl"))
+  restored = checkpoint.restore_latest(manager, state) if config.resume else None
+  if restored is not None:
+    step, state, meta = restored
+    state = state.replace(data_cursor=meta["data_cursor"], iteration=meta["iteration"])
+    log.truncate_after(step)
+    logging.info("Resumed from checkpoint step %d (%s).", step, meta["phase"])
+  else:
+    log.truncate_after(-1)
+
+  phase_steps = {WARM_START: config.warm_start.steps, RL: config.rl.steps}
+  done = (0 if meta["phase"] == WARM_START else phase_steps[WARM_START]) + state.iteration
+  bar = tqdm.tqdm(total=sum(phase_steps.values()), initial=done, desc=meta["phase"],
+                  dynamic_ncols=True)
+
+  def save():
+    checkpoint.save(manager, done, state, dict(meta, data_cursor=state.data_cursor,
+                                               iteration=state.iteration))
+
+  def evaluate_now(label):
+    result = held_out(state.train.params)
+    record = {"step": done, "phase": meta["phase"], "event": label,
+              "eval_accuracy": result.accuracy, "eval_reward": result.mean_reward,
+              "eval_length": result.mean_length}
+    meta["evals"].append(record)
+    log.write(record)
+    bar.write(f"[step {done}] {label}: held-out accuracy {result.accuracy:.3f}, "
+              f"mean reward {result.mean_reward:.3f}")
+    return result
+
+  for phase in (WARM_START, RL):
+    if meta["phase"] != phase:
+      continue
+    ctx, _ = contexts[phase]
+    iterate = loop.sft_iteration if phase == WARM_START else loop.grpo_iteration
+    bar.set_description(phase)
+    if phase == RL and not any(e["event"] == "warm_start_end" for e in meta["evals"]):
+      evaluate_now("warm_start_end")
+    while state.iteration < phase_steps[phase]:
+      state, step_metrics = iterate(state, ctx)
+      done += 1
+      record = {"step": done, "phase": phase, **{k: float(v) for k, v in step_metrics.items()}}
+      log.write(record)
+      bar.update(1)
+      bar.set_postfix({k: f"{record[k]:.3f}" for k in ("loss", "reward_mean") if k in record})
+      if phase == RL and state.iteration % config.eval.every == 0:
+        evaluate_now("eval")
+      if state.iteration % config.checkpoint.every == 0 and state.iteration < phase_steps[phase]:
+        save()  # the phase's last step is saved below
+    if phase == WARM_START:
+      # The RL phase starts from the warm-started parameters with a fresh optimiser.
+      meta["phase"] = RL
+      state = loop.LoopState(
+          train=train.init_train_state(state.train.params, contexts[RL][1]),
+          rng=state.rng, data_cursor=state.data_cursor, iteration=0)
+      save()
+  bar.close()
+  if not any(e["event"] == "warm_start_end" for e in meta["evals"]):
+    evaluate_now("warm_start_end")
+  last = meta["evals"][-1]
+  if config.rl.steps and (last["step"] != done or last["event"] != "eval"):
+    evaluate_now("eval")
+  save()
+
+  warm = next(e for e in meta["evals"] if e["event"] == "warm_start_end")
+  final = meta["evals"][-1]
+  summary = {"warm_start_accuracy": warm["eval_accuracy"], "final_accuracy": final["eval_accuracy"],
+             "warm_start_reward": warm["eval_reward"], "final_reward": final["eval_reward"],
+             "steps": done, "wall_time_s": time.time() - started,
+             "nonfinite_updates": int(state.train.nonfinite_updates)}
+  with open(os.path.join(config.workdir, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  metrics.plot_run(log.read(), os.path.join(config.workdir, "plot.png"))
+  return summary
+
+
+def main(argv):
+  del argv
+  summary = run(_CONFIG.value)
+  print(f"Warm-start held-out accuracy: {summary['warm_start_accuracy']:.3f}")
+  print(f"Final held-out accuracy:      {summary['final_accuracy']:.3f}  "
+        f"({100 * (summary['final_accuracy'] - summary['warm_start_accuracy']):+.1f} points)")
+  print(f"Wall time: {summary['wall_time_s']:.0f} s; outputs in {_CONFIG.value.workdir}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,93 @@
+"""Configuration of the Llama / Qwen2 / Qwen3 decoder family, with named presets."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shapes and options of a decoder-only transformer.
+
+  Fields:
+    vocab_size: number of token ids.
+    d_model: residual stream width.
+    n_layers: decoder blocks (stacked and run under `lax.scan`).
+    n_heads: query heads.
+    n_kv_heads: key/value heads (grouped-query attention; divides n_heads).
+    head_dim: width of one attention head.
+    mlp_dim: hidden width of the SwiGLU MLP.
+    rope_theta: RoPE base frequency.
+    norm_eps: RMSNorm epsilon.
+    qkv_bias: add biases to the q/k/v projections (Qwen2).
+    qk_norm: RMSNorm over each head of q and k before RoPE (Qwen3).
+    tie_embeddings: the output projection is the transposed input embedding.
+    max_seq_len: longest sequence (prompt + completion) the KV cache is sized for.
+    dtype: dtype of parameters and activations ('float32' or 'bfloat16').
+  """
+
+  vocab_size: int
+  d_model: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-5
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  tie_embeddings: bool = True
+  max_seq_len: int = 2048
+  dtype: str = "float32"
+
+  def __post_init__(self):
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
+                 "head_dim", "mlp_dim", "max_seq_len"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}.")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(
+          f"ModelConfig.n_heads={self.n_heads} must be a multiple of n_kv_heads="
+          f"{self.n_kv_heads} (grouped-query attention shares each KV head among "
+          "n_heads / n_kv_heads query heads).")
+    if self.head_dim % 2:
+      raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE.")
+    if self.dtype not in ("float32", "bfloat16"):
+      raise ValueError(f"ModelConfig.dtype={self.dtype!r}: use 'float32' or 'bfloat16'.")
+
+  @property
+  def jnp_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  def replace(self, **changes) -> "ModelConfig":
+    return dataclasses.replace(self, **changes)
+
+
+PRESETS = {
+    # From-scratch runs on the built-in character-level arithmetic tasks (~0.8M params).
+    "tiny": ModelConfig(vocab_size=64, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
+                        head_dim=32, mlp_dim=512, max_seq_len=64, tie_embeddings=True),
+    # Benchmark B1 shape (BENCHMARKS.md).
+    "b1": ModelConfig(vocab_size=1024, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2,
+                      head_dim=64, mlp_dim=1024, qkv_bias=True, tie_embeddings=False,
+                      rope_theta=1000000.0, norm_eps=1e-6, max_seq_len=512),
+    # HuggingFaceTB/SmolLM2-135M(-Instruct).
+    "smollm2_135m": ModelConfig(vocab_size=49152, d_model=576, n_layers=30, n_heads=9,
+                                n_kv_heads=3, head_dim=64, mlp_dim=1536, rope_theta=100000.0,
+                                norm_eps=1e-5, tie_embeddings=True, max_seq_len=2048),
+    # Qwen/Qwen2.5-0.5B(-Instruct).
+    "qwen2_5_0_5b": ModelConfig(vocab_size=151936, d_model=896, n_layers=24, n_heads=14,
+                                n_kv_heads=2, head_dim=64, mlp_dim=4864, rope_theta=1000000.0,
+                                norm_eps=1e-6, qkv_bias=True, tie_embeddings=True,
+                                max_seq_len=32768),
+}
+
+
+def get_preset(name: str, **overrides) -> ModelConfig:
+  """Returns the named preset, with fields replaced by `overrides`."""
+  if name not in PRESETS:
+    raise ValueError(f"Unknown model preset {name!r}; known presets: {sorted(PRESETS)}.")
+  return PRESETS[name].replace(**overrides)

@@ -1,0 +1,126 @@
+"""The train step: one jitted pure function `(TrainState, Rollout) -> (TrainState, metrics)`.
+
+It is the only place parameters change. Gradients are accumulated over microbatches
+under `lax.scan`; a non-finite loss or gradient skips the update and is counted, never
+applied; an objective's `metrics['lr_scale']` (VCPO) scales the update.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from models import transformer
+from models.config import ModelConfig
+from rl import losses
+from rl.types import Rollout
+
+
+@flax.struct.dataclass
+class TrainState:
+  """step: updates applied; params; opt_state; nonfinite_updates: updates skipped."""
+  step: jax.Array
+  params: Any
+  opt_state: Any
+  nonfinite_updates: jax.Array
+
+
+def make_optimizer(learning_rate: float, *, warmup_steps: int = 0, decay_steps: int = 0,
+                   end_lr_fraction: float = 1.0, weight_decay: float = 0.0, b1: float = 0.9,
+                   b2: float = 0.999, max_grad_norm: float = 1.0) -> optax.GradientTransformation:
+  """AdamW with global-norm clipping and a warmup + linear-decay schedule.
+
+  The learning rate rises linearly over `warmup_steps`, then decays linearly to
+  `end_lr_fraction * learning_rate` over `decay_steps` (0: constant). A decaying rate keeps
+  the supervised warm start from swinging between checkpoints (BENCHMARKS.md calibration).
+  """
+  schedule = optax.join_schedules(
+      [optax.linear_schedule(0.0 if warmup_steps else learning_rate, learning_rate,
+                             max(warmup_steps, 1)),
+       optax.linear_schedule(learning_rate, learning_rate * end_lr_fraction,
+                             max(decay_steps, 1))],
+      boundaries=[warmup_steps])
+  return optax.chain(
+      optax.clip_by_global_norm(max_grad_norm) if max_grad_norm else optax.identity(),
+      optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay))
+
+
+def init_train_state(params, optimizer: optax.GradientTransformation) -> TrainState:
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                    opt_state=optimizer.init(params),
+                    nonfinite_updates=jnp.zeros((), jnp.int32))
+
+
+def policy_logprobs(params, batch: Rollout, model_config: ModelConfig,
+                    temperature: float = 1.0) -> jax.Array:
+  """log-probs [B, T] of the batch's tokens at the sampling temperature."""
+  logits, _ = transformer.forward(params, batch.tokens,
+                                  transformer.positions_from_mask(batch.token_mask),
+                                  batch.token_mask, model_config)
+  if temperature not in (0.0, 1.0):
+    logits = logits / temperature
+  return transformer.token_logprobs(logits, batch.tokens)
+
+
+def _split_microbatches(batch: Rollout, num_microbatches: int) -> Rollout:
+  """Reshapes every [B, ...] leaf to [num_microbatches, B / num_microbatches, ...]."""
+  size = batch.tokens.shape[0]
+  if size % num_microbatches:
+    raise ValueError(f"Batch of {size} sequences does not split into num_microbatches="
+                     f"{num_microbatches}; choose a divisor of the batch size.")
+  return jax.tree.map(lambda x: x.reshape(num_microbatches, size // num_microbatches, *x.shape[1:]),
+                      batch)
+
+
+def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransformation,
+                    loss_config, *, num_microbatches: int = 1,
+                    temperature: float = 1.0) -> Callable[[TrainState, Rollout], tuple[TrainState, dict]]:
+  """Builds the jitted train step for the objective `loss_config.name`.
+
+  Microbatch gradients (and metrics) are averaged; with one microbatch the step is exactly
+  the full-batch gradient. Batch-level statistics inside an objective (token counts,
+  quantiles, M2 masks) are per microbatch.
+  """
+  loss_fn = losses.get_loss(loss_config.name)
+
+  def objective(params, micro: Rollout):
+    logp = policy_logprobs(params, micro, model_config, temperature)
+    loss, metrics = loss_fn(logp, micro, prox_logp=micro.prox_logp, config=loss_config)
+    return loss, metrics
+
+  grad_fn = jax.value_and_grad(objective, has_aux=True)
+
+  def step(state: TrainState, batch: Rollout) -> tuple[TrainState, dict]:
+    micro = _split_microbatches(batch, num_microbatches)
+
+    def accumulate(grads, one):
+      (loss, metrics), g = grad_fn(state.params, one)
+      grads = jax.tree.map(lambda a, b: a + b / num_microbatches, grads, g)
+      return grads, (loss, metrics)
+
+    zeros = jax.tree.map(jnp.zeros_like, state.params)
+    grads, (loss, metrics) = jax.lax.scan(accumulate, zeros, micro)
+    loss = loss.mean()
+    metrics = jax.tree.map(jnp.mean, metrics)
+    lr_scale = metrics.get("lr_scale", jnp.ones(()))
+    grad_norm = optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(lr_scale)
+
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    updates = jax.tree.map(lambda u: u * lr_scale, updates)
+    params = optax.apply_updates(state.params, updates)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    new_state = TrainState(
+        step=state.step + finite.astype(jnp.int32),
+        params=keep(params, state.params),
+        opt_state=keep(opt_state, state.opt_state),
+        nonfinite_updates=state.nonfinite_updates + (~finite).astype(jnp.int32))
+    metrics = dict(metrics, loss=loss, grad_norm=grad_norm, lr_scale=lr_scale,
+                   update_skipped=(~finite).astype(jnp.float32))
+    return new_state, metrics
+
+  return jax.jit(step, donate_argnums=0)

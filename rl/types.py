@@ -1,0 +1,41 @@
+"""The rollout batch that flows from the sampler, through scoring and advantages, to the loss."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.struct
+import jax
+
+
+@flax.struct.dataclass
+class Rollout:
+  """One training batch of B sequences of T slots (prompt left-padded, then completion).
+
+  tokens [B, T] int32; prompt_mask, completion_mask [B, T] bool; behavior_logp [B, T]
+  log-prob each completion token had under the sampler (0 elsewhere); version [B, T]
+  parameter version that generated each token (-1 for prompt and padding); group [B]
+  prompt id (rows of one group share a prompt); reward [B]; advantages [B, T] per-token
+  advantage (a sequence's advantage broadcast over its completion, or per-node advantages
+  for tree rollouts); prox_logp [B, T] optional log-probs under the parameters at the start
+  of this update (decoupled PPO); ref_logp [B, T] optional reference-policy log-probs (KL).
+  Tree fields (node, parent, depth, prefix_len; [B] each) are None for independent samples.
+  """
+  tokens: jax.Array
+  prompt_mask: jax.Array
+  completion_mask: jax.Array
+  behavior_logp: jax.Array
+  version: jax.Array
+  group: jax.Array
+  reward: jax.Array
+  advantages: jax.Array
+  prox_logp: Optional[jax.Array] = None
+  ref_logp: Optional[jax.Array] = None
+  node: Optional[jax.Array] = None
+  parent: Optional[jax.Array] = None
+  depth: Optional[jax.Array] = None
+  prefix_len: Optional[jax.Array] = None
+
+  @property
+  def token_mask(self) -> jax.Array:
+    return self.prompt_mask | self.completion_mask

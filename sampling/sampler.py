@@ -1,0 +1,184 @@
+"""Prefill + decode as one jitted loop over an explicit sampler state.
+
+Layout: every row holds a left-padded prompt in slots [0, P) and its completion in slots
+[P, P + N). All rows write the same slot at each decode step, so the KV cache index is a
+scalar; per-row RoPE positions count real tokens, so left padding does not shift them.
+
+The state is a pytree (`SamplerState`): a loop can stop mid-sequence and resume later
+(partial rollouts), and rows can be gathered/copied (tree rollouts fork KV rows).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import chex
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from models import transformer
+from models.config import ModelConfig
+from sampling.logits import sample_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """How to decode.
+
+  Fields:
+    max_new_tokens: completion slots N per row.
+    temperature: softmax temperature; 0 is greedy.
+    top_k: keep the k most likely tokens (0 = off).
+    top_p: nucleus mass (1.0 = off).
+    stop_tokens: ids that end a row (the stop token is part of the completion).
+    pad_id: id written into slots after a row has stopped.
+  """
+  max_new_tokens: int
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  stop_tokens: tuple[int, ...] = ()
+  pad_id: int = 0
+
+  def __post_init__(self):
+    if self.max_new_tokens <= 0:
+      raise ValueError(f"SamplingConfig.max_new_tokens must be positive, got {self.max_new_tokens}.")
+    if self.temperature < 0:
+      raise ValueError(f"SamplingConfig.temperature must be >= 0, got {self.temperature}.")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}.")
+    if self.top_k < 0:
+      raise ValueError(f"SamplingConfig.top_k must be >= 0 (0 = off), got {self.top_k}.")
+
+
+@flax.struct.dataclass
+class SamplerState:
+  """Everything a decode loop needs to continue. S = P + N slots per row.
+
+  tokens [B, S] ids; token_mask [B, S] real tokens (prompt or generated);
+  prompt_len: P (static); behavior_logp [B, S] sampler log-prob of each generated token
+  (0 elsewhere); version [B, S] parameter version that generated each token (-1 for the
+  prompt and empty slots); done [B] rows that emitted a stop token; step: decode steps
+  taken (next completion slot is P + step); next_logits [B, V] logits for the next token;
+  next_position [B] RoPE position of the next token; cache: KV cache of S slots; rng.
+  """
+  tokens: jax.Array
+  token_mask: jax.Array
+  behavior_logp: jax.Array
+  version: jax.Array
+  done: jax.Array
+  step: jax.Array
+  next_logits: jax.Array
+  next_position: jax.Array
+  cache: dict
+  rng: jax.Array
+  prompt_len: int = flax.struct.field(pytree_node=False)
+
+
+@flax.struct.dataclass
+class Generation:
+  """A finished (or stopped) batch of sequences, ready to be scored.
+
+  tokens [B, S]; prompt_mask / completion_mask [B, S]; behavior_logp [B, S];
+  version [B, S]; completion_len [B]; stopped [B] (emitted a stop token, as opposed to
+  running out of slots); decode_steps: loop iterations run (scalar).
+  """
+  tokens: jax.Array
+  prompt_mask: jax.Array
+  completion_mask: jax.Array
+  behavior_logp: jax.Array
+  version: jax.Array
+  completion_len: jax.Array
+  stopped: jax.Array
+  decode_steps: jax.Array
+
+
+def prefill(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng: jax.Array,
+            model_config: ModelConfig, sampling_config: SamplingConfig) -> SamplerState:
+  """Runs the prompts [B, P] (left-padded) through the model and returns a fresh state."""
+  chex.assert_rank([prompt_tokens, prompt_mask], 2)
+  batch, prompt_len = prompt_tokens.shape
+  slots = prompt_len + sampling_config.max_new_tokens
+  pad = ((0, 0), (0, sampling_config.max_new_tokens))
+  tokens = jnp.pad(prompt_tokens.astype(jnp.int32), pad, constant_values=sampling_config.pad_id)
+  token_mask = jnp.pad(prompt_mask.astype(bool), pad)
+  positions = transformer.positions_from_mask(prompt_mask)
+  cache = transformer.init_cache(model_config, batch, slots)
+  logits, cache = transformer.forward(params, prompt_tokens, positions, token_mask, model_config,
+                                      cache=cache, cache_index=0)
+  return SamplerState(
+      tokens=tokens, token_mask=token_mask,
+      behavior_logp=jnp.zeros((batch, slots), jnp.float32),
+      version=jnp.full((batch, slots), -1, jnp.int32),
+      done=jnp.zeros((batch,), bool), step=jnp.zeros((), jnp.int32),
+      next_logits=logits[:, -1], next_position=positions[:, -1] + 1,
+      cache=cache, rng=rng, prompt_len=prompt_len)
+
+
+def decode_step(params, state: SamplerState, version: jax.Array, model_config: ModelConfig,
+                sampling_config: SamplingConfig) -> SamplerState:
+  """Samples one token for every live row, writes it, and advances the cache."""
+  rng, key = jax.random.split(state.rng)
+  token, logp = sample_tokens(key, state.next_logits, sampling_config.temperature,
+                              sampling_config.top_k, sampling_config.top_p)
+  live = ~state.done
+  token = jnp.where(live, token, sampling_config.pad_id)
+  slot = state.prompt_len + state.step
+  write = lambda buf, val: jax.lax.dynamic_update_index_in_dim(buf, val, slot, axis=1)
+  token_mask = write(state.token_mask, live)
+  stop_ids = jnp.asarray(sampling_config.stop_tokens, jnp.int32)
+  stopped = live & jnp.isin(token, stop_ids) if sampling_config.stop_tokens else jnp.zeros_like(live)
+  logits, cache = transformer.forward(params, token[:, None], state.next_position[:, None],
+                                      token_mask, model_config, cache=state.cache,
+                                      cache_index=slot)
+  return state.replace(
+      tokens=write(state.tokens, token),
+      token_mask=token_mask,
+      behavior_logp=write(state.behavior_logp, jnp.where(live, logp, 0.0)),
+      version=write(state.version, jnp.where(live, version, -1).astype(jnp.int32)),
+      done=state.done | stopped,
+      step=state.step + 1,
+      next_logits=logits[:, 0],
+      next_position=state.next_position + live.astype(jnp.int32),
+      cache=cache, rng=rng)
+
+
+def decode(params, state: SamplerState, version: jax.Array, model_config: ModelConfig,
+           sampling_config: SamplingConfig, max_steps: jax.Array | int | None = None) -> SamplerState:
+  """Decodes until every row is done, the slots run out, or `max_steps` more steps."""
+  total = state.tokens.shape[1] - state.prompt_len
+  limit = total if max_steps is None else jnp.minimum(total, state.step + max_steps)
+
+  def cond(s):
+    return (s.step < limit) & ~jnp.all(s.done)
+
+  return jax.lax.while_loop(
+      cond, lambda s: decode_step(params, s, version, model_config, sampling_config), state)
+
+
+def to_generation(state: SamplerState) -> Generation:
+  """The state's sequences as a `Generation` (rows still running count as unstopped)."""
+  slots = jnp.arange(state.tokens.shape[1])
+  is_completion = slots[None, :] >= state.prompt_len
+  completion_mask = state.token_mask & is_completion
+  return Generation(
+      tokens=state.tokens, prompt_mask=state.token_mask & ~is_completion,
+      completion_mask=completion_mask, behavior_logp=state.behavior_logp,
+      version=state.version, completion_len=completion_mask.sum(axis=1).astype(jnp.int32),
+      stopped=state.done, decode_steps=state.step)
+
+
+@functools.partial(jax.jit, static_argnames=("model_config", "sampling_config"))
+def generate(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng: jax.Array,
+             model_config: ModelConfig, sampling_config: SamplingConfig,
+             version: jax.Array | int = 0) -> Generation:
+  """Samples completions for left-padded prompts [B, P]; one jitted prefill + decode loop.
+
+  `version` (the parameter version, traced so it never recompiles) is recorded on every
+  generated token.
+  """
+  state = prefill(params, prompt_tokens, prompt_mask, rng, model_config, sampling_config)
+  state = decode(params, state, jnp.asarray(version, jnp.int32), model_config, sampling_config)
+  return to_generation(state)
