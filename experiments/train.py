@@ -186,7 +186,8 @@ def run(config: ml_collections.ConfigDict) -> dict:
   last = meta["evals"][-1]
   if config.rl.steps and (last["step"] != done or last["event"] != "eval"):
     evaluate_now("eval")
-  save()
+  if manager.latest_step() != done:
+    save()
 
   warm = next(e for e in meta["evals"] if e["event"] == "warm_start_end")
   final = meta["evals"][-1]
@@ -202,6 +203,8 @@ def run(config: ml_collections.ConfigDict) -> dict:
 
 def main(argv):
   del argv
+  if not flags.FLAGS["verbosity"].present:
+    logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   summary = run(_CONFIG.value)
   print(f"Warm-start held-out accuracy: {summary['warm_start_accuracy']:.3f}")
   print(f"Final held-out accuracy:      {summary['final_accuracy']:.3f}  "

@@ -107,7 +107,7 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
     loss = loss.mean()
     metrics = jax.tree.map(jnp.mean, metrics)
     lr_scale = metrics.get("lr_scale", jnp.ones(()))
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(lr_scale)
 
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
