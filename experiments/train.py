@@ -160,8 +160,6 @@ def run(config: ml_collections.ConfigDict) -> dict:
     ctx, _ = contexts[phase]
     iterate = loop.sft_iteration if phase == WARM_START else loop.grpo_iteration
     bar.set_description(phase)
-    if phase == RL and not any(e["event"] == "warm_start_end" for e in meta["evals"]):
-      evaluate_now("warm_start_end")
     while state.iteration < phase_steps[phase]:
       state, step_metrics = iterate(state, ctx)
       done += 1
@@ -174,6 +172,7 @@ def run(config: ml_collections.ConfigDict) -> dict:
       if state.iteration % config.checkpoint.every == 0 and state.iteration < phase_steps[phase]:
         save()  # the phase's last step is saved below
     if phase == WARM_START:
+      evaluate_now("warm_start_end")
       # The RL phase starts from the warm-started parameters with a fresh optimiser.
       meta["phase"] = RL
       state = loop.LoopState(
@@ -181,8 +180,6 @@ def run(config: ml_collections.ConfigDict) -> dict:
           rng=state.rng, data_cursor=state.data_cursor, iteration=0)
       save()
   bar.close()
-  if not any(e["event"] == "warm_start_end" for e in meta["evals"]):
-    evaluate_now("warm_start_end")
   last = meta["evals"][-1]
   if config.rl.steps and (last["step"] != done or last["event"] != "eval"):
     evaluate_now("eval")
