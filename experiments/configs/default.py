@@ -34,14 +34,14 @@ def get_config() -> ml_collections.ConfigDict:
   c.rollout.prompts_per_step = 32     # prompts per GRPO step
 
   c.warm_start = ml_collections.ConfigDict()
-  c.warm_start.steps = 300            # supervised steps on reference answers (0 = skip)
+  c.warm_start.steps = 500            # supervised steps on reference answers (0 = skip)
   c.warm_start.batch_size = 64
-  c.warm_start.learning_rate = 1e-3   # peak; linear warmup then linear decay to 10%
+  c.warm_start.learning_rate = 2e-3   # peak; linear warmup then linear decay to 10%
   c.warm_start.warmup_steps = 20
 
   c.rl = ml_collections.ConfigDict()
-  c.rl.steps = 200                    # GRPO steps
-  c.rl.learning_rate = 3e-5
+  c.rl.steps = 600                    # GRPO steps
+  c.rl.learning_rate = 5e-5
   c.rl.weight_decay = 0.0
   c.rl.max_grad_norm = 1.0
   c.rl.num_microbatches = 1           # gradient accumulation; divides prompts*group_size
@@ -58,7 +58,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.advantage.name = "grpo"           # rl/advantages.py registry
 
   c.eval = ml_collections.ConfigDict()
-  c.eval.every = 50                   # GRPO steps between held-out evaluations
+  c.eval.every = 100                  # GRPO steps between held-out evaluations
   c.eval.batch_size = 250
 
   c.checkpoint = ml_collections.ConfigDict()
