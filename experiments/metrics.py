@@ -1,25 +1,42 @@
-"""A run's metrics file (JSONL, resumable) and its end-of-run plot."""
+"""A run's metrics: JSONL (resumable) and TensorBoard from one write, and the end-of-run plot."""
 
 from __future__ import annotations
 
 import json
+import numbers
 import os
+import time
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+import tensorboardX  # pylint: disable=g-import-not-at-top
 
 
 class MetricsLog:
-  """Append-only JSONL of metric records, each with a global 'step'.
+  """Append-only JSONL of metric records, each with a global 'step', mirrored to TensorBoard.
+
+  Every `write` appends one JSON line and, when `tensorboard` is on, adds each numeric field
+  as a scalar tagged `<phase>/<field>` (or `<field>` when the record has no 'phase') at the
+  record's step, in TensorBoard event files in the JSONL's directory (so
+  `tensorboard --logdir runs` shows one run per workdir).
 
   After a resume from checkpoint step s, `truncate_after(s)` drops the records written
   after that checkpoint, so the log of a killed and resumed run equals an uninterrupted one.
+  TensorBoard files are append-only, so the next event file starts with a purge marker at
+  step s + 1 (`purge_step`): TensorBoard then discards the older files' events from that
+  step on, and the curves match the JSONL.
+
+  TensorBoard writer: tensorboardX (pure Python on protobuf and numpy). clu's writer would
+  pull in TensorFlow, which Arbor does not otherwise need.
   """
 
-  def __init__(self, path: str):
+  def __init__(self, path: str, tensorboard: bool = True):
     self.path = path
+    self.tensorboard = tensorboard
+    self._writer = None
+    self._purge_step = None
 
   def read(self) -> list[dict]:
     if not os.path.exists(self.path):
@@ -33,14 +50,47 @@ class MetricsLog:
     with open(tmp, "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in kept)
     os.replace(tmp, self.path)
+    self._restart_tensorboard(purge_step=step + 1)
 
   def write(self, record: dict) -> None:
     with open(self.path, "a") as f:
       f.write(json.dumps(record) + "\n")
+    if not self.tensorboard:
+      return
+    writer = self._tensorboard_writer()
+    prefix = f"{record['phase']}/" if "phase" in record else ""
+    for key, value in record.items():
+      if key != "step" and isinstance(value, numbers.Real) and not isinstance(value, bool):
+        writer.add_scalar(prefix + key, float(value), global_step=record["step"])
+
+  def close(self) -> None:
+    """Closes the TensorBoard event file, so every event written so far is on disk (the
+    JSONL is never buffered); a later `write` opens a new event file.
+
+    Closing is the only way to get tensorboardX's queued events to disk: its `flush` does
+    not drain the queue its writer thread reads from.
+    """
+    if self._writer is not None:
+      self._writer.close()
+      self._writer = None
+
+  def _restart_tensorboard(self, purge_step: int) -> None:
+    self.close()
+    self._purge_step = max(purge_step, 0)
+
+  def _tensorboard_writer(self) -> tensorboardX.SummaryWriter:
+    if self._writer is None:
+      # A unique suffix: tensorboardX names files by the second, and a second writer in
+      # the same second would otherwise overwrite the first file.
+      self._writer = tensorboardX.SummaryWriter(
+          logdir=os.path.dirname(os.path.abspath(self.path)), purge_step=self._purge_step,
+          filename_suffix=f".{os.getpid()}.{time.time_ns()}")
+      self._purge_step = None  # a file reopened after `close` continues; it purges nothing
+    return self._writer
 
 
-def plot_run(records: list[dict], path: str) -> None:
-  """Train reward (GRPO steps) and held-out accuracy against global step, as a PNG."""
+def run_figure(records: list[dict]) -> plt.Figure:
+  """Train reward (GRPO steps) and held-out accuracy against global step."""
   train = [r for r in records if "reward_mean" in r]
   evals = [r for r in records if "eval_accuracy" in r]
   fig, (ax_reward, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -55,5 +105,11 @@ def plot_run(records: list[dict], path: str) -> None:
   for ax in (ax_reward, ax_acc):
     ax.grid(alpha=0.3)
   fig.tight_layout()
+  return fig
+
+
+def plot_run(records: list[dict], path: str) -> None:
+  """Saves `run_figure(records)` as a PNG."""
+  fig = run_figure(records)
   fig.savefig(path, dpi=110)
   plt.close(fig)

@@ -4,8 +4,9 @@
     python -m experiments.train --config=experiments/configs/default.py --config.rl.steps=50
 
 Writes to config.workdir: metrics.jsonl (one line per iteration and per evaluation),
-plot.png (train reward and held-out accuracy against step), checkpoints/ (orbax), and
-summary.json. A rerun with the same workdir resumes from the newest checkpoint.
+TensorBoard event files of the same scalars (`tensorboard --logdir runs`), plot.png (train
+reward and held-out accuracy against step), checkpoints/ (orbax), and summary.json.
+A rerun with the same workdir resumes from the newest checkpoint.
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ def run(config: ml_collections.ConfigDict) -> dict:
   def save():
     checkpoint.save(manager, done, state, dict(meta, data_cursor=state.data_cursor,
                                                iteration=state.iteration))
+    log.close()  # TensorBoard events up to the checkpoint reach disk with it
 
   def evaluate_now(label):
     result = held_out(state.train.params)
@@ -194,6 +196,7 @@ def run(config: ml_collections.ConfigDict) -> dict:
              "nonfinite_updates": int(state.train.nonfinite_updates)}
   with open(os.path.join(config.workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
+  log.close()
   metrics.plot_run(log.read(), os.path.join(config.workdir, "plot.png"))
   return summary
 

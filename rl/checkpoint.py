@@ -41,3 +41,22 @@ def restore_latest(manager: ocp.CheckpointManager, like: Any) -> tuple[int, Any,
   restored = manager.restore(step, args=ocp.args.Composite(
       state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
   return step, restored["state"], restored["meta"]
+
+
+def restore(manager: ocp.CheckpointManager, step: int, like: Any) -> tuple[Any, dict]:
+  """(state, meta) of checkpoint `step`; `like` as in `restore_latest`."""
+  if step not in manager.all_steps():
+    raise ValueError(f"No checkpoint step {step} in {manager.directory}; it holds steps "
+                     f"{sorted(manager.all_steps())}.")
+  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+  restored = manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+  return restored["state"], restored["meta"]
+
+
+def read_meta(manager: ocp.CheckpointManager, step: int) -> dict:
+  """The JSON meta of checkpoint `step` alone (e.g. its phase, to build a `like` state)."""
+  if step not in manager.all_steps():
+    raise ValueError(f"No checkpoint step {step} in {manager.directory}; it holds steps "
+                     f"{sorted(manager.all_steps())}.")
+  return manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]

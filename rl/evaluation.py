@@ -1,13 +1,20 @@
-"""Held-out evaluation: greedy exact-match accuracy and mean reward of a policy on a task."""
+"""Held-out evaluation of a policy on a task: greedy exact match, and sampled pass@k.
+
+`evaluate` greedy-decodes each example once (the launcher's held-out accuracy).
+`evaluate_sampled` draws n completions per example and reports pass@k with the unbiased
+estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained on Code").
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import functools
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tqdm
 
 from models.config import ModelConfig
 from rl import rollout as rollout_lib
@@ -23,24 +30,108 @@ class EvalResult:
   num_examples: int
 
 
+@dataclasses.dataclass(frozen=True)
+class SampledEvalResult:
+  """pass_at_k: {k: mean over examples of the unbiased pass@k}; num_correct [E]: exact
+  matches among each example's num_samples completions; mean_reward / mean_length over all
+  sampled completions."""
+  pass_at_k: dict[int, float]
+  mean_reward: float
+  mean_length: float
+  num_examples: int
+  num_samples: int
+  num_correct: np.ndarray
+
+
+def pass_at_k(num_samples: int, num_correct, k: int) -> np.ndarray:
+  """Unbiased pass@k of Chen et al. 2021: 1 - C(n - c, k) / C(n, k), per example.
+
+  The probability that at least one of k completions drawn without replacement from the n
+  sampled is correct, when c of the n are. Computed as 1 - prod_{i=n-c+1}^{n} (1 - k / i),
+  which avoids the huge binomials; it is exactly 1 when n - c < k.
+  """
+  c = np.asarray(num_correct, np.int64)
+  if not 1 <= k <= num_samples:
+    raise ValueError(f"pass@k needs 1 <= k <= num_samples; got k={k}, num_samples={num_samples}. "
+                     "Draw more samples per example or lower k.")
+  if np.any((c < 0) | (c > num_samples)):
+    raise ValueError(f"num_correct must lie in [0, num_samples={num_samples}]; got {c}.")
+  i = np.arange(1, num_samples + 1, dtype=np.float64)            # [n]
+  counted = i[None, :] > (num_samples - c.reshape(-1))[:, None]  # i in (n - c, n]
+  terms = np.where(counted, 1.0 - k / i[None, :], 1.0)
+  return (1.0 - terms.prod(axis=1)).reshape(c.shape)
+
+
+def _decode_and_score(generate_fn: Callable, params, chunk: Sequence[Example], repeats: int,
+                      rows: int, rng: jax.Array, *, task: Task, tokenizer, prompt_len: int):
+  """Decodes `repeats` completions of each example in one batch of `rows` (padded with
+  copies of the last example); (rewards, exact, lengths) [len(chunk) * repeats]."""
+  prompts = [e.prompt for e in chunk for _ in range(repeats)]
+  used = len(prompts)
+  prompts += [prompts[-1]] * (rows - used)
+  tokens, mask = rollout_lib.encode_prompts(tokenizer, prompts, prompt_len)
+  gen = generate_fn(params, jnp.asarray(tokens), jnp.asarray(mask), rng)
+  out_tokens, completion_mask = jax.device_get((gen.tokens, gen.completion_mask))
+  completions = rollout_lib.decode_completions(tokenizer, out_tokens, completion_mask)[:used]
+  rewards, exact = rollout_lib.score(task, [e for e in chunk for _ in range(repeats)], completions)
+  return rewards, exact, completion_mask.sum(axis=1)[:used]
+
+
 def evaluate(params, examples: Sequence[Example], *, task: Task, tokenizer, prompt_len: int,
-             max_new_tokens: int, model_config: ModelConfig, batch_size: int = 256) -> EvalResult:
+             max_new_tokens: int, model_config: ModelConfig, batch_size: int = 256,
+             progress: bool = False) -> EvalResult:
   """Greedy-decodes every example (fixed batch shape, last batch padded) and scores it."""
   sampling_config = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0,
                                    stop_tokens=(tokenizer.eos_id,), pad_id=tokenizer.pad_id)
+  generate_fn = functools.partial(generate, model_config=model_config,
+                                  sampling_config=sampling_config)
   rewards, exact, lengths = [], [], []
-  for start in range(0, len(examples), batch_size):
-    chunk = list(examples[start:start + batch_size])
-    padded = chunk + [chunk[-1]] * (batch_size - len(chunk))
-    tokens, mask = rollout_lib.encode_prompts(tokenizer, [e.prompt for e in padded], prompt_len)
-    gen = generate(params, jnp.asarray(tokens), jnp.asarray(mask), jax.random.PRNGKey(0),
-                   model_config, sampling_config)
-    out_tokens, completion_mask = jax.device_get((gen.tokens, gen.completion_mask))
-    completions = rollout_lib.decode_completions(tokenizer, out_tokens, completion_mask)[:len(chunk)]
-    r, e = rollout_lib.score(task, chunk, completions)
+  starts = range(0, len(examples), batch_size)
+  for start in tqdm.tqdm(starts, desc="greedy eval", disable=not progress, leave=False):
+    r, e, n = _decode_and_score(generate_fn, params, examples[start:start + batch_size], 1,
+                                batch_size, jax.random.PRNGKey(0), task=task,
+                                tokenizer=tokenizer, prompt_len=prompt_len)
     rewards.append(r)
     exact.append(e)
-    lengths.append(completion_mask.sum(axis=1)[:len(chunk)])
+    lengths.append(n)
   rewards, exact, lengths = map(np.concatenate, (rewards, exact, lengths))
   return EvalResult(accuracy=float(exact.mean()), mean_reward=float(rewards.mean()),
                     mean_length=float(lengths.mean()), num_examples=len(examples))
+
+
+def evaluate_sampled(params, examples: Sequence[Example], *, task: Task, tokenizer,
+                     prompt_len: int, model_config: ModelConfig, sampling_config: SamplingConfig,
+                     num_samples: int, ks: Sequence[int], rng: jax.Array,
+                     batch_size: int = 256, progress: bool = False) -> SampledEvalResult:
+  """Samples `num_samples` completions per example and reports the unbiased pass@k.
+
+  Rows of one batch are whole groups: batch_size // num_samples examples per batch (at
+  least one), the last batch padded, so the sampler compiles once. Batch b uses
+  `fold_in(rng, b)`. pass@1 is the mean exact-match rate of the samples.
+  """
+  if num_samples < 1:
+    raise ValueError(f"num_samples={num_samples} must be >= 1.")
+  for k in ks:
+    if not 1 <= k <= num_samples:
+      raise ValueError(f"pass@{k} needs 1 <= k <= num_samples={num_samples}; raise "
+                       "num_samples or drop that k.")
+  per_batch = max(batch_size // num_samples, 1)
+  rows = per_batch * num_samples
+  generate_fn = functools.partial(generate, model_config=model_config,
+                                  sampling_config=sampling_config)
+  rewards, exact, lengths = [], [], []
+  starts = range(0, len(examples), per_batch)
+  for b, start in enumerate(tqdm.tqdm(starts, desc=f"sampled eval (n={num_samples})",
+                                      disable=not progress, leave=False)):
+    r, e, n = _decode_and_score(generate_fn, params, examples[start:start + per_batch],
+                                num_samples, rows, jax.random.fold_in(rng, b), task=task,
+                                tokenizer=tokenizer, prompt_len=prompt_len)
+    rewards.append(r)
+    exact.append(e)
+    lengths.append(n)
+  rewards, exact, lengths = map(np.concatenate, (rewards, exact, lengths))
+  num_correct = exact.reshape(len(examples), num_samples).sum(axis=1)
+  return SampledEvalResult(
+      pass_at_k={k: float(pass_at_k(num_samples, num_correct, k).mean()) for k in ks},
+      mean_reward=float(rewards.mean()), mean_length=float(lengths.mean()),
+      num_examples=len(examples), num_samples=num_samples, num_correct=num_correct)
