@@ -26,10 +26,17 @@ setup(
         "safetensors==0.8.0",
         "tokenizers==0.23.3",
         "gguf==0.19.0",
+        # TensorBoard event files (experiments/metrics.py): pure Python on protobuf, no
+        # TensorFlow (clu's writer needs TensorFlow).
+        "tensorboardX==2.6.5",
     ],
     extras_require={
         "test": [
             "pytest==9.2.0",
+            # Execute experiments/notebooks/quickstart.ipynb (tests/test_notebook.py).
+            "nbclient==0.11.0",
+            "nbformat==5.11.1",
+            "ipykernel==7.4.0",
         ],
     },
 )

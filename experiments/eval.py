@@ -15,6 +15,7 @@ and from `num_samples` completions per example at `--temperature` the unbiased p
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Sequence
@@ -92,9 +93,11 @@ def load_params(config: ml_collections.ConfigDict, policy: Policy, step: int):
   phase = checkpoint.read_meta(manager, step)["phase"]
   _, optimizer = train_launcher.make_context(config, policy.task, policy.tokenizer,
                                              policy.model_config, phase)
-  params = jax.eval_shape(transformer.init_params, policy.model_config, jax.random.PRNGKey(0))
-  like = loop.LoopState(train=jax.eval_shape(train.init_train_state, params, optimizer),
-                        rng=jax.random.PRNGKey(0))
+  params = jax.eval_shape(functools.partial(transformer.init_params, policy.model_config),
+                          jax.random.PRNGKey(0))
+  like = loop.LoopState(
+      train=jax.eval_shape(functools.partial(train.init_train_state, optimizer=optimizer), params),
+      rng=jax.random.PRNGKey(0))
   state, _ = checkpoint.restore(manager, step, like)
   return state.train.params
 
