@@ -62,6 +62,8 @@ class _TaskSpec:
   compact_prompt: Callable[[dict], str]
   compact_answer: Callable[[dict], str]
   default_eval_size: int
+  # (parsed answer, entry) -> score; None: the dataset's own `score_answer`.
+  reward: Callable[[str, dict], float] | None = None
 
 
 def _expression_key(entry: dict) -> Hashable:
@@ -101,7 +103,36 @@ _SPECS = {
   ),
 }
 
-TASK_NAMES = tuple(sorted(_SPECS))
+
+
+def register_task(name: str, *, key: Callable[[dict], Hashable],
+                  compact_prompt: Callable[[dict], str], compact_answer: Callable[[dict], str],
+                  default_eval_size: int = 1000,
+                  reward: Callable[[str, dict], float] | None = None) -> None:
+  """Makes the reasoning-gym dataset `name` a task for `make_task` (and config.task.name).
+
+  key(entry): the question's identity (train questions equal to an eval question are
+  skipped); compact_prompt / compact_answer(entry): text for the character tokenizer
+  (prompt_style "full" uses the dataset's question and answer); reward(answer, entry): a
+  score in [0, 1] of the parsed answer (`parse_completion`), replacing the dataset's own
+  `score_answer`. docs/add_task.md walks through an example.
+  """
+  if name in _SPECS:
+    raise ValueError(f"Task {name!r} is already registered.")
+  if name not in _RG_DATASETS:
+    raise ValueError(f"{name!r} is not a reasoning-gym dataset; known datasets: "
+                     f"{', '.join(sorted(_RG_DATASETS))}.")
+  _SPECS[name] = _TaskSpec(key=key, compact_prompt=compact_prompt,
+                           compact_answer=compact_answer, default_eval_size=default_eval_size,
+                           reward=reward)
+
+
+def task_names() -> tuple[str, ...]:
+  """Names `make_task` accepts: the built-in tasks and those added by `register_task`."""
+  return tuple(sorted(_SPECS))
+
+
+TASK_NAMES = task_names()  # the built-in tasks
 
 
 def parse_completion(completion: str) -> str:
@@ -198,7 +229,8 @@ class Task:
     raise ValueError(f"Task {self.name!r}: unknown split {split!r}; use 'train' or 'eval'.")
 
   def reward(self, completion: str, example: Example) -> float:
-    """Scores `completion` with reasoning-gym's own `score_answer`, in [0, 1].
+    """Scores `completion` with reasoning-gym's own `score_answer` (or the `reward` given
+    to `register_task`), in [0, 1].
 
     The completion is first cut by `parse_completion`. Partial credit is the scorer's
     (chain_sum gives 0.5 for "-3" against "3"; countdown gives 0.01-0.05 for wrong
@@ -206,8 +238,9 @@ class Task:
     expression parser) or returns a non-finite value, the reward is 0.0, since an
     unscorable completion deserves no credit.
     """
+    score_answer = self._spec.reward or self._scorer.score_answer
     try:
-      score = float(self._scorer.score_answer(parse_completion(completion), example.entry))
+      score = float(score_answer(parse_completion(completion), example.entry))
     except Exception:  # pylint: disable=broad-except
       return 0.0
     return score if math.isfinite(score) else 0.0
@@ -226,7 +259,8 @@ def make_task(name: str, prompt_style: str = "compact", *, seed: int = 0,
   `eval_size` defaults per task (1000; 100 for countdown, whose items are slow to make).
   """
   if name not in _SPECS:
-    raise ValueError(f"Unknown task {name!r}; known tasks: {', '.join(TASK_NAMES)}.")
+    raise ValueError(f"Unknown task {name!r}; known tasks: {', '.join(task_names())} "
+                     "(rl.tasks.register_task adds one).")
   if prompt_style not in PROMPT_STYLES:
     raise ValueError(
       f"Task {name!r}: unknown prompt_style {prompt_style!r}; use one of {PROMPT_STYLES}.")

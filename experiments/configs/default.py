@@ -22,12 +22,12 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.model = ml_collections.ConfigDict()
   c.model.preset = "tiny"             # models/config.py PRESETS
-  c.model.dtype = "float32"
+  c.model.dtype = "float32"           # parameters and activations: float32 | bfloat16
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.prompt_len = 12           # prompt slots (BOS + prompt, left-padded)
   c.rollout.max_new_tokens = 6        # completion slots
-  c.rollout.temperature = 1.0
+  c.rollout.temperature = 1.0         # sampling temperature of GRPO rollouts (0 = greedy)
   c.rollout.top_k = 0                 # 0 = off
   c.rollout.top_p = 1.0               # 1.0 = off
   c.rollout.group_size = 8            # completions per prompt (G)
@@ -35,21 +35,21 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.warm_start = ml_collections.ConfigDict()
   c.warm_start.steps = 500            # supervised steps on reference answers (0 = skip)
-  c.warm_start.batch_size = 64
+  c.warm_start.batch_size = 64        # (prompt, reference answer) pairs per step
   c.warm_start.learning_rate = 2e-3   # peak; linear warmup then linear decay to 10%
-  c.warm_start.warmup_steps = 20
+  c.warm_start.warmup_steps = 20      # steps of linear learning-rate warmup
 
   c.rl = ml_collections.ConfigDict()
   c.rl.steps = 600                    # GRPO steps
-  c.rl.learning_rate = 5e-5
-  c.rl.weight_decay = 0.0
-  c.rl.max_grad_norm = 1.0
+  c.rl.learning_rate = 5e-5           # AdamW, constant
+  c.rl.weight_decay = 0.0             # AdamW decoupled weight decay
+  c.rl.max_grad_norm = 1.0            # global-norm gradient clipping, both phases (0 = off)
   c.rl.num_microbatches = 1           # gradient accumulation; divides prompts*group_size
 
   c.loss = ml_collections.ConfigDict()
   c.loss.name = "grpo"                # rl/losses.py registry
-  c.loss.eps_low = 0.2
-  c.loss.eps_high = 0.2
+  c.loss.eps_low = 0.2                # PPO clip: ratio >= 1 - eps_low where A < 0
+  c.loss.eps_high = 0.2               # PPO clip: ratio <= 1 + eps_high where A > 0
   c.loss.aggregation = "seq_mean_token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
   c.loss.norm_len = 6.0               # constant normaliser of seq_mean_token_sum_norm
   c.loss.kl_coef = 0.0                # k3 KL to a reference policy (0 = none)
@@ -59,9 +59,9 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 100                  # GRPO steps between held-out evaluations
-  c.eval.batch_size = 250
+  c.eval.batch_size = 250             # prompts per greedy decoding batch
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 100            # iterations between checkpoints (and at phase ends)
-  c.checkpoint.max_to_keep = 2
+  c.checkpoint.max_to_keep = 2        # newest checkpoints kept in workdir/checkpoints
   return c
