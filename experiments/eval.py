@@ -28,12 +28,13 @@ import ml_collections
 
 from experiments import train as train_launcher
 from models import transformer
+from models.config import ModelConfig
 from models.tokenizer import CharTokenizer
 from rl import checkpoint
 from rl import evaluation
 from rl import loop
 from rl import train
-from rl.tasks import make_task
+from rl.tasks import Task, make_task
 from sampling.sampler import SamplingConfig
 
 _STEPS = flags.DEFINE_string("steps", "latest",
@@ -50,9 +51,9 @@ _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 @dataclasses.dataclass(frozen=True)
 class Policy:
   """What a run's config fixes about its policy: task, tokenizer and model shapes."""
-  task: object
-  tokenizer: object
-  model_config: object
+  task: Task
+  tokenizer: CharTokenizer
+  model_config: ModelConfig
 
 
 def build_policy(config: ml_collections.ConfigDict) -> Policy:
