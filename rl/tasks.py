@@ -104,7 +104,6 @@ _SPECS = {
 }
 
 
-
 def register_task(name: str, *, key: Callable[[dict], Hashable],
                   compact_prompt: Callable[[dict], str], compact_answer: Callable[[dict], str],
                   default_eval_size: int = 1000,
