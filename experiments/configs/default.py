@@ -40,7 +40,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.warm_start.warmup_steps = 20      # steps of linear learning-rate warmup
 
   c.rl = ml_collections.ConfigDict()
-  c.rl.steps = 600                    # GRPO steps
+  c.rl.steps = 400                    # GRPO steps
   c.rl.learning_rate = 5e-5           # AdamW, constant
   c.rl.weight_decay = 0.0             # AdamW decoupled weight decay
   c.rl.max_grad_norm = 1.0            # global-norm gradient clipping, both phases (0 = off)
@@ -58,7 +58,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.advantage.name = "grpo"           # rl/advantages.py registry
 
   c.eval = ml_collections.ConfigDict()
-  c.eval.every = 100                  # GRPO steps between held-out evaluations
+  c.eval.every = 50                   # GRPO steps between held-out evaluations
   c.eval.batch_size = 250             # prompts per greedy decoding batch
 
   c.checkpoint = ml_collections.ConfigDict()
