@@ -54,6 +54,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if r.group_size < 2:
     raise ValueError(f"config.rollout.group_size = {r.group_size}: group-relative advantages "
                      "need at least 2 completions per prompt.")
+  if config.rl.staleness < 0:
+    raise ValueError(f"config.rl.staleness = {config.rl.staleness} must be >= 0 (0 = on-policy).")
   if config.warm_start.steps < 0 or config.rl.steps < 0:
     raise ValueError("config.warm_start.steps and config.rl.steps must be >= 0.")
   if config.eval.every <= 0 or config.checkpoint.every <= 0:
@@ -95,7 +97,8 @@ def make_context(config, task, tokenizer, model_config, phase):
       task=task, tokenizer=tokenizer, model_config=model_config,
       sampling_config=sampling_config, prompt_len=config.rollout.prompt_len,
       prompts_per_step=prompts, group_size=config.rollout.group_size, train_step=step,
-      advantage_fn=advantages.get_advantage_fn(config.advantage.name))
+      advantage_fn=advantages.get_advantage_fn(config.advantage.name),
+      staleness=config.rl.staleness if phase == RL else 0)
   return ctx, optimizer
 
 
@@ -120,7 +123,9 @@ def run(config: ml_collections.ConfigDict) -> dict:
               for phase in (WARM_START, RL)}
   init_rng, loop_rng = jax.random.split(jax.random.PRNGKey(config.seed))
   params = transformer.init_params(model_config, init_rng)
-  state = loop.LoopState(train=train.init_train_state(params, contexts[WARM_START][1]), rng=loop_rng)
+  history = lambda p: loop.init_history(p, config.rl.staleness) if config.rl.staleness else None
+  state = loop.LoopState(train=train.init_train_state(params, contexts[WARM_START][1]),
+                         rng=loop_rng, history=history(params))
   meta = {"phase": WARM_START, "data_cursor": 0, "iteration": 0, "evals": []}
 
   manager = checkpoint.make_manager(os.path.join(config.workdir, "checkpoints"),
@@ -179,7 +184,7 @@ def run(config: ml_collections.ConfigDict) -> dict:
       meta["phase"] = RL
       state = loop.LoopState(
           train=train.init_train_state(state.train.params, contexts[RL][1]),
-          rng=state.rng, data_cursor=state.data_cursor, iteration=0)
+          rng=state.rng, history=history(state.train.params), data_cursor=state.data_cursor, iteration=0)
       save()
   bar.close()
   last = meta["evals"][-1]

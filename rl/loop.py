@@ -3,15 +3,22 @@
 Each iteration is a plain function of explicit state, so a launcher (experiments/train.py)
 can checkpoint between any two of them and resume exactly: the data cursor, RNG and
 TrainState are all the loop carries.
+
+Simulated staleness (METHODS.md section 4): with `LoopContext.staleness = k > 0`, GRPO
+iteration t samples with the parameters of iteration max(t - k, 0), kept in a ring buffer
+of the last k parameter versions (`ParamHistory`, part of the checkpointed state), and the
+tokens record that version. Deterministic: the same seed gives the same run.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+import functools
+from typing import Any, Callable, Optional
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
@@ -23,14 +30,62 @@ from sampling.sampler import SamplingConfig
 
 
 @flax.struct.dataclass
+class ParamHistory:
+  """Ring buffer of past parameter versions for simulated staleness.
+
+  params: the parameter pytree with every leaf stacked [k, ...]; slot t % k holds the
+  parameters in force at iteration t. version [k] int32: their TrainState.step.
+  """
+  params: Any
+  version: jax.Array
+
+
+def init_history(params, staleness: int, version: int = 0) -> ParamHistory:
+  """A ring of `staleness` slots, every slot holding `params` (the version before step 0)."""
+  if staleness <= 0:
+    raise ValueError(f"init_history needs staleness > 0 (config.rl.staleness), got {staleness}.")
+  stacked = jax.tree.map(lambda p: jnp.broadcast_to(p, (staleness, *p.shape)).copy(), params)
+  return ParamHistory(params=stacked, version=jnp.full((staleness,), version, jnp.int32))
+
+
+@jax.jit
+def _read_slot(history: ParamHistory, slot) -> tuple[Any, jax.Array]:
+  return jax.tree.map(lambda b: b[slot], history.params), history.version[slot]
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _write_slot(history: ParamHistory, slot, params, version) -> ParamHistory:
+  put = lambda buf, value: jax.lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), slot, 0)
+  return ParamHistory(params=jax.tree.map(put, history.params, params),
+                      version=put(history.version, jnp.asarray(version, jnp.int32)))
+
+
+def stale_params(history: ParamHistory, iteration: int, params, version) -> tuple[Any, jax.Array, ParamHistory]:
+  """(sampling params, their version, updated ring) for iteration t with staleness k.
+
+  Samples with the parameters of iteration max(t - k, 0), read before this iteration's
+  parameters are written into slot t % k (the slot of iteration t - k, no longer needed).
+  """
+  k = history.version.shape[0]
+  source = max(iteration - k, 0)
+  if source == iteration:
+    sample_params, sample_version = params, jnp.asarray(version, jnp.int32)
+  else:
+    sample_params, sample_version = _read_slot(history, source % k)
+  return sample_params, sample_version, _write_slot(history, iteration % k, params, version)
+
+
+@flax.struct.dataclass
 class LoopState:
   """What the loop carries between iterations (all of it is checkpointed).
 
-  train: the TrainState; rng: the loop's PRNG key; data_cursor: next train-split position
-  (host int); iteration: iterations done in the current phase (host int).
+  train: the TrainState; rng: the loop's PRNG key; history: the parameter ring for
+  simulated staleness (None when off); data_cursor: next train-split position (host int);
+  iteration: iterations done in the current phase (host int).
   """
   train: TrainState
   rng: jax.Array
+  history: Optional[ParamHistory] = None
   data_cursor: int = flax.struct.field(pytree_node=False, default=0)
   iteration: int = flax.struct.field(pytree_node=False, default=0)
 
@@ -47,6 +102,7 @@ class LoopContext:
   group_size: int
   train_step: Callable[[TrainState, Rollout], tuple[TrainState, dict]]
   advantage_fn: Callable
+  staleness: int = 0  # simulated staleness k (GRPO samples with parameters k iterations old)
 
 
 def sft_iteration(state: LoopState, ctx: LoopContext) -> tuple[LoopState, dict]:
@@ -61,14 +117,25 @@ def sft_iteration(state: LoopState, ctx: LoopContext) -> tuple[LoopState, dict]:
 
 
 def grpo_iteration(state: LoopState, ctx: LoopContext) -> tuple[LoopState, dict]:
-  """Sample G completions for each of the next prompts, score them, take one train step."""
+  """Sample G completions for each of the next prompts, score them, take one train step.
+
+  With ctx.staleness = k > 0 the samples come from the parameters of iteration
+  max(t - k, 0) (state.history) and carry that version.
+  """
   rng, sample_rng = jax.random.split(state.rng)
   examples = ctx.task.examples("train", ctx.prompts_per_step, state.data_cursor)
+  params, version, history = state.train.params, state.train.step, state.history
+  if ctx.staleness:
+    if history is None or history.version.shape[0] != ctx.staleness:
+      raise ValueError(f"LoopContext.staleness={ctx.staleness} needs LoopState.history = "
+                       f"init_history(params, {ctx.staleness}).")
+    params, version, history = stale_params(history, state.iteration, params, version)
   samples = rollout_lib.sample_and_score(
-      state.train.params, examples, task=ctx.task, tokenizer=ctx.tokenizer, rng=sample_rng,
+      params, examples, task=ctx.task, tokenizer=ctx.tokenizer, rng=sample_rng,
       group_size=ctx.group_size, prompt_len=ctx.prompt_len, model_config=ctx.model_config,
       sampling_config=ctx.sampling_config, advantage_fn=ctx.advantage_fn,
-      version=int(state.train.step))
+      version=version)
+  behind = int(state.train.step) - int(version)
   train, metrics = ctx.train_step(state.train, samples.rollout)
   metrics = jax.device_get(metrics)
   rewards = np.asarray(samples.rollout.reward).reshape(-1, ctx.group_size)
@@ -76,8 +143,8 @@ def grpo_iteration(state: LoopState, ctx: LoopContext) -> tuple[LoopState, dict]
       reward_mean=float(rewards.mean()), exact_match=float(samples.exact.mean()),
       informative_groups=float(np.mean(rewards.std(axis=1) > 0)),
       completion_len=float(np.asarray(samples.rollout.completion_mask).sum(axis=1).mean()),
-      decode_steps=samples.decode_steps)
-  new_state = state.replace(train=train, rng=rng,
+      decode_steps=samples.decode_steps, staleness=float(behind))
+  new_state = state.replace(train=train, rng=rng, history=history,
                             data_cursor=state.data_cursor + len(examples),
                             iteration=state.iteration + 1)
   return new_state, metrics

@@ -7,21 +7,40 @@ Every objective is
 where `logp` [B, T] are the log-probs of `batch.tokens` under the parameters being trained,
 `batch` is an `rl.types.Rollout`, and `config` is the (frozen) `config.loss` ConfigDict.
 Metrics may carry 'lr_scale', which the train step applies to the update.
+
+An objective is a per-token surrogate plus a chain of corrections (`rl.corrections`:
+small transforms of log-ratios, advantages and masks into weights, masks and clip
+widths), plus fixed settings that define the method (DAPO's clip-higher and token-mean
+aggregation, GSPO's small sequence-level clip, ...). Those settings override the same
+fields of `config.loss`; `config.loss.corrections` appends corrections to any objective
+(e.g. `name='dapo', corrections=('m2po',)`). Unset fields take `LOSS_DEFAULTS`.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import types
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
+from rl import corrections as corr
 from rl.types import Rollout
 
 LossFn = Callable[..., tuple[jax.Array, dict]]
 LOSSES: dict[str, LossFn] = {}
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+PROX_ESTIMATES = ("recompute", "loglinear")
+
+# Defaults of the config.loss fields (experiments/configs/default.py documents each).
+LOSS_DEFAULTS = dict(
+    eps_low=0.2, eps_high=0.2, aggregation="seq_mean_token_mean", norm_len=1.0, kl_coef=0.0,
+    corrections=(), prox_estimate="recompute",
+    is_cap=5.0, is_floor=0.0,            # TIS truncation / MIS window (decoupled PPO cap 5)
+    m2_tau=0.04,                          # M2PO bound on the kept tokens' mean d^2
+    sat_quantile=0.9, sat_bandwidth=0.1,  # SAT tail quantile of |d| and kernel width
+    vcpo_rho_ref=1.0, vcpo_is_cap=8.0)    # VCPO reference ESS ratio and IS truncation
 
 
 def register_loss(name: str) -> Callable[[LossFn], LossFn]:
@@ -75,35 +94,175 @@ def k3_kl(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
   return jnp.exp(delta) - delta - 1.0
 
 
-@register_loss("grpo")
-def ppo_clip_loss(logp: jax.Array, batch: Rollout, *, prox_logp=None, config) -> tuple[jax.Array, dict]:
-  """PPO-clip / GRPO (DeepSeekMath): -min(r A, clip(r, 1-eps_low, 1+eps_high) A).
 
-  The ratio is taken against `prox_logp` when given, else the behaviour log-probs. An
-  optional k3 KL penalty to `batch.ref_logp` is added with weight config.kl_coef.
+
+def resolve_config(config, overrides=None) -> types.SimpleNamespace:
+  """LOSS_DEFAULTS, updated by `config` (a ConfigDict, dict or None), then by `overrides`."""
+  values = dict(LOSS_DEFAULTS)
+  if config is not None:
+    values.update(config.items() if hasattr(config, "items") else vars(config).items())
+  values.update(overrides or {})
+  values["corrections"] = tuple(values["corrections"])
+  if values["prox_estimate"] not in PROX_ESTIMATES:
+    raise ValueError(f"Unknown config.loss.prox_estimate {values['prox_estimate']!r}; known: "
+                     f"{PROX_ESTIMATES}.")
+  return types.SimpleNamespace(**values)
+
+
+def correction_chain(loss_fn: LossFn, config) -> tuple[str, ...]:
+  """The corrections an objective applies: its own, then config.loss.corrections."""
+  return tuple(getattr(loss_fn, "corrections", ())) + resolve_config(config).corrections
+
+
+def needs_prox(config) -> bool:
+  """Whether the objective `config.name` (with its corrections) reads proximal log-probs."""
+  loss_fn = get_loss(config.name)
+  return bool(getattr(loss_fn, "uses_prox", False)) or any(
+      corr.get_correction(n).needs_prox for n in correction_chain(loss_fn, config))
+
+
+# --- Per-token surrogates: (TokenTerms, resolved config) -> (per-token loss, metrics) ---
+
+
+def clip_objective(ratio: jax.Array, adv: jax.Array, eps_low, eps_high,
+                   clip_scale: jax.Array | float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """PPO-clip per token: (-min(r A, clip(r, lo, hi) A), clipping-active indicator).
+
+  The interval is [1 - eps_low * k_lo, 1 + eps_high * k_hi] where only the endpoint the
+  advantage sign selects is contracted by `clip_scale` (SAT): A > 0 -> k_hi = clip_scale,
+  A < 0 -> k_lo = clip_scale; the other endpoint never binds for that sign.
   """
-  mask = batch.completion_mask
-  old = batch.behavior_logp if prox_logp is None else prox_logp
-  log_ratio = logp - old
-  ratio = jnp.exp(log_ratio)
-  adv = batch.advantages
-  clipped = jnp.clip(ratio, 1.0 - config.eps_low, 1.0 + config.eps_high)
-  per_token = -jnp.minimum(ratio * adv, clipped * adv)
-  metrics = {
-      "clip_fraction": masked_mean((ratio * adv > clipped * adv).astype(jnp.float32), mask),
-      "ratio_mean": masked_mean(ratio, mask),
-      "approx_kl_behavior": masked_mean(k3_kl(logp, jax.lax.stop_gradient(old)), mask),
-  }
-  if config.kl_coef:
-    if batch.ref_logp is None:
-      raise ValueError("config.loss.kl_coef > 0 needs reference log-probs (batch.ref_logp); "
-                       "set config.loss.kl_coef=0 or provide a reference policy.")
-    kl = k3_kl(logp, batch.ref_logp)
-    per_token = per_token + config.kl_coef * kl
-    metrics["kl_ref"] = masked_mean(kl, mask)
-  loss = aggregate(per_token, mask, config.aggregation, config.norm_len)
-  return loss, metrics
+  hi = 1.0 + eps_high * jnp.where(adv > 0, clip_scale, 1.0)
+  lo = 1.0 - eps_low * jnp.where(adv < 0, clip_scale, 1.0)
+  clipped = jnp.clip(ratio, lo, hi)
+  return -jnp.minimum(ratio * adv, clipped * adv), (ratio * adv > clipped * adv)
 
+
+def clipped_surrogate(terms: corr.TokenTerms, cfg) -> tuple[jax.Array, dict]:
+  """PPO-clip / GRPO: token ratio against prox when supplied (decoupled PPO), else behav."""
+  log_ratio = terms.logp - terms.old
+  ratio = jnp.exp(log_ratio)
+  per_token, active = clip_objective(ratio, terms.advantages, cfg.eps_low, cfg.eps_high,
+                                     terms.clip_scale)
+  return per_token, {"clip_fraction": masked_mean(active.astype(jnp.float32), terms.mask),
+                     "ratio_mean": masked_mean(ratio, terms.mask)}
+
+
+def _sequence_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+  return (x * mask).sum(axis=1) / jnp.maximum(mask.sum(axis=1), 1.0)
+
+
+def gspo_surrogate(terms: corr.TokenTerms, cfg) -> tuple[jax.Array, dict]:
+  """GSPO: sequence ratio s_i = exp(mean_t(logp - old)) clipped at sequence level with the
+  sequence advantage (token mean of the advantages), broadcast to the sequence's tokens."""
+  s = jnp.exp(_sequence_mean(terms.logp - terms.old, terms.mask))
+  adv = _sequence_mean(terms.advantages, terms.mask)
+  per_seq, active = clip_objective(s, adv, cfg.eps_low, cfg.eps_high,
+                                   _sequence_mean(terms.clip_scale, terms.mask))
+  per_token = per_seq[:, None] * terms.mask
+  active = jnp.broadcast_to(active[:, None], terms.mask.shape).astype(jnp.float32)
+  return per_token, {"clip_fraction": masked_mean(active, terms.mask), "ratio_mean": s.mean()}
+
+
+def gspo_token_surrogate(terms: corr.TokenTerms, cfg) -> tuple[jax.Array, dict]:
+  """GSPO-token: per-token ratio sg(s_i) * exp(logp - sg(logp)) (value s_i, token-wise
+  gradient), clipped per token with the token's advantage."""
+  s = jnp.exp(_sequence_mean(corr.sg(terms.logp) - terms.old, terms.mask))
+  ratio = s[:, None] * jnp.exp(terms.logp - corr.sg(terms.logp))
+  per_token, active = clip_objective(ratio, terms.advantages, cfg.eps_low, cfg.eps_high,
+                                     terms.clip_scale)
+  return per_token, {"clip_fraction": masked_mean(active.astype(jnp.float32), terms.mask),
+                     "ratio_mean": s.mean()}
+
+
+def importance_pg_surrogate(cap: Optional[str]) -> Callable:
+  """Unclipped IS policy gradient against behav, -w A with w = exp(logp - behav) (M2PO), or
+  with the weight truncated at config field `cap` (VCPO): value min(r, C), gradient
+  min(r, C) * A * grad logp (the truncation is detached)."""
+  def surrogate(terms: corr.TokenTerms, cfg) -> tuple[jax.Array, dict]:
+    log_ratio = terms.logp - terms.behav
+    if cap is None:
+      weighted = jnp.exp(log_ratio)
+      truncated = jnp.zeros_like(log_ratio)
+    else:
+      log_cap = jnp.log(getattr(cfg, cap))
+      weighted = jnp.exp(log_ratio - corr.sg(jnp.maximum(log_ratio - log_cap, 0.0)))
+      truncated = (log_ratio > log_cap).astype(jnp.float32)
+    return -weighted * terms.advantages, {
+        "ratio_mean": masked_mean(jnp.exp(corr.sg(log_ratio)), terms.mask),
+        "clip_fraction": masked_mean(truncated, terms.mask)}
+  return surrogate
+
+
+def make_objective(surrogate: Callable, corrections: tuple[str, ...] = (),
+                   uses_prox: bool = False, **overrides) -> LossFn:
+  """A loss_fn: terms from the batch -> corrections chain -> surrogate * weight -> (+KL) ->
+  aggregation. `overrides` fix config.loss fields that define the method."""
+  def loss_fn(logp: jax.Array, batch: Rollout, *, prox_logp=None, config) -> tuple[jax.Array, dict]:
+    cfg = resolve_config(config, overrides)
+    mask = batch.completion_mask.astype(jnp.float32)
+    terms = corr.TokenTerms(
+        logp=logp, behav=batch.behavior_logp,
+        prox=None if prox_logp is None else corr.sg(prox_logp),
+        advantages=batch.advantages, mask=mask, weight=jnp.ones_like(logp),
+        clip_scale=jnp.ones_like(logp), reward=batch.reward, group=batch.group)
+    if uses_prox and terms.prox is None:
+      raise ValueError("This objective needs prox_logp; build the train step with rl.train, "
+                       "which supplies it (config.loss.prox_estimate).")
+    terms, metrics = corr.chain(corrections + cfg.corrections, terms, cfg)
+    per_token, surrogate_metrics = surrogate(terms, cfg)
+    per_token = per_token * corr.sg(terms.weight)
+    metrics.update(surrogate_metrics)
+    metrics["approx_kl_behavior"] = masked_mean(k3_kl(logp, batch.behavior_logp), mask)
+    if cfg.kl_coef:
+      if batch.ref_logp is None:
+        raise ValueError("config.loss.kl_coef > 0 needs reference log-probs (batch.ref_logp); "
+                         "set config.loss.kl_coef=0 or provide a reference policy.")
+      kl = k3_kl(logp, batch.ref_logp)
+      per_token = per_token + cfg.kl_coef * kl
+      metrics["kl_ref"] = masked_mean(kl, mask)
+    return aggregate(per_token, mask, cfg.aggregation, cfg.norm_len), metrics
+
+  loss_fn.corrections = tuple(corrections)
+  loss_fn.uses_prox = uses_prox
+  loss_fn.overrides = dict(overrides)
+  return loss_fn
+
+
+def _register(name: str, doc: str, *args, **kwargs) -> None:
+  fn = make_objective(*args, **kwargs)
+  fn.__doc__ = doc
+  fn.__name__ = name
+  register_loss(name)(fn)
+
+
+_register("grpo", "PPO-clip / GRPO (DeepSeekMath): -min(r A, clip(r, 1-eps_low, 1+eps_high) A), "
+          "r against prox when supplied, else behav; optional k3 KL (config.kl_coef).",
+          clipped_surrogate)
+_register("dapo", "DAPO: PPO-clip with clip-higher (0.2 / 0.28) and token-mean aggregation. "
+          "(Dynamic sampling and overlong shaping act on the data and rewards, not the loss.)",
+          clipped_surrogate, eps_low=0.2, eps_high=0.28, aggregation="token_mean")
+_register("drgrpo", "Dr.GRPO: PPO-clip with a constant normaliser (seq_mean_token_sum_norm, "
+          "norm_len); pair with config.advantage.name='drgrpo' (no std division).",
+          clipped_surrogate, aggregation="seq_mean_token_sum_norm")
+_register("gspo", "GSPO: sequence-level ratio exp(mean_t(logp - old)), clipped at sequence level "
+          "(eps 3e-4 / 4e-4); one loss per sequence.",
+          gspo_surrogate, eps_low=3e-4, eps_high=4e-4, aggregation="seq_mean_token_mean")
+_register("gspo_token", "GSPO-token: per-token ratio sg(s_i) exp(logp - sg(logp)), clipped at "
+          "eps 3e-4 / 4e-4; equals GSPO when a sequence's tokens share an advantage.",
+          gspo_token_surrogate, eps_low=3e-4, eps_high=4e-4, aggregation="seq_mean_token_mean")
+_register("decoupled", "Decoupled PPO (AReaL): clip exp(logp - prox) and weight by "
+          "sg(min(exp(prox - behav), is_cap)) (the 'tis' correction; cap 5 by default; use "
+          "name='grpo', corrections=('mis',) for the masking variant).",
+          clipped_surrogate, corrections=("tis",), uses_prox=True)
+_register("m2po", "M2PO: unclipped -(1/N) sum m M exp(logp - behav) A with the second-moment "
+          "mask M (the 'm2po' correction), N = valid tokens.",
+          importance_pg_surrogate(None), corrections=("m2po",), aggregation="token_mean")
+_register("sat", "SAT: PPO-clip against behav whose high-mismatch tokens get a contracted "
+          "interval (the 'sat' correction).", clipped_surrogate, corrections=("sat",))
+_register("vcpo", "VCPO: truncated-IS (vcpo_is_cap, 8) policy gradient, the off-policy optimal "
+          "baseline per group, and the ESS learning-rate scale (metrics['lr_scale']).",
+          importance_pg_surrogate("vcpo_is_cap"), corrections=("vcpo_baseline", "vcpo_ess"))
 
 @register_loss("sft")
 def sft_loss(logp: jax.Array, batch: Rollout, *, prox_logp=None, config) -> tuple[jax.Array, dict]:

@@ -16,6 +16,7 @@ import optax
 
 from models import transformer
 from models.config import ModelConfig
+from rl import corrections
 from rl import losses
 from rl.types import Rollout
 
@@ -84,12 +85,24 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
   Microbatch gradients (and metrics) are averaged; with one microbatch the step is exactly
   the full-batch gradient. Batch-level statistics inside an objective (token counts,
   quantiles, M2 masks) are per microbatch.
+
+  When the objective reads proximal log-probs (decoupled PPO, TIS / MIS) and the batch
+  carries none, the step supplies them (config.loss.prox_estimate): 'recompute' runs one
+  extra forward with the parameters before the update; 'loglinear' interpolates between
+  behav and the current log-probs (`rl.corrections.loglinear_prox`) with no forward. Each
+  batch gets one update here, so the proximal version is the current one (state.step):
+  both estimates equal sg(logp) on stale tokens and behav on fresh ones.
   """
   loss_fn = losses.get_loss(loss_config.name)
+  prox_estimate = (losses.resolve_config(loss_config).prox_estimate
+                   if losses.needs_prox(loss_config) else None)
 
-  def objective(params, micro: Rollout):
+  def objective(params, micro: Rollout, version):
     logp = policy_logprobs(params, micro, model_config, temperature)
-    loss, metrics = loss_fn(logp, micro, prox_logp=micro.prox_logp, config=loss_config)
+    prox = micro.prox_logp
+    if prox is None and prox_estimate == "loglinear":
+      prox = corrections.loglinear_prox(logp, micro.behavior_logp, micro.version, version, version)
+    loss, metrics = loss_fn(logp, micro, prox_logp=prox, config=loss_config)
     return loss, metrics
 
   grad_fn = jax.value_and_grad(objective, has_aux=True)
@@ -98,7 +111,10 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
     micro = _split_microbatches(batch, num_microbatches)
 
     def accumulate(grads, one):
-      (loss, metrics), g = grad_fn(state.params, one)
+      if one.prox_logp is None and prox_estimate == "recompute":
+        one = one.replace(prox_logp=jax.lax.stop_gradient(
+            policy_logprobs(state.params, one, model_config, temperature)))
+      (loss, metrics), g = grad_fn(state.params, one, state.step)
       grads = jax.tree.map(lambda a, b: a + b / num_microbatches, grads, g)
       return grads, (loss, metrics)
 

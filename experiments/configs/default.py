@@ -45,6 +45,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.weight_decay = 0.0             # AdamW decoupled weight decay
   c.rl.max_grad_norm = 1.0            # global-norm gradient clipping, both phases (0 = off)
   c.rl.num_microbatches = 1           # gradient accumulation; divides prompts*group_size
+  c.rl.staleness = 0                  # simulated staleness k: sample with params k steps old
 
   c.loss = ml_collections.ConfigDict()
   c.loss.name = "grpo"                # rl/losses.py registry
@@ -53,6 +54,18 @@ def get_config() -> ml_collections.ConfigDict:
   c.loss.aggregation = "seq_mean_token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
   c.loss.norm_len = 6.0               # constant normaliser of seq_mean_token_sum_norm
   c.loss.kl_coef = 0.0                # k3 KL to a reference policy (0 = none)
+  # Off-policy corrections (rl/corrections.py) appended to the objective's own, in order:
+  # 'tis' | 'mis' | 'm2po' | 'sat' | 'vcpo_baseline' | 'vcpo_ess'. Objectives fix the fields
+  # that define them (e.g. dapo: eps 0.2/0.28, token_mean), overriding the values here.
+  c.loss.corrections = ()
+  c.loss.prox_estimate = "recompute"  # proximal log-probs: "recompute" (a forward) | "loglinear"
+  c.loss.is_cap = 5.0                 # TIS truncation / MIS upper bound (decoupled PPO cap)
+  c.loss.is_floor = 0.0               # MIS lower bound
+  c.loss.m2_tau = 0.04                # M2PO: kept tokens' mean squared log-ratio <= tau
+  c.loss.sat_quantile = 0.9           # SAT: tail quantile of |logp - behav| in the batch
+  c.loss.sat_bandwidth = 0.1          # SAT: kernel exp(-(|d| - q) / bandwidth)
+  c.loss.vcpo_rho_ref = 1.0           # VCPO: lr scale sqrt(ESS ratio / rho_ref)
+  c.loss.vcpo_is_cap = 8.0            # VCPO: truncation of the IS weight
 
   c.advantage = ml_collections.ConfigDict()
   c.advantage.name = "grpo"           # rl/advantages.py registry

@@ -1,0 +1,270 @@
+"""Off-policy corrections as composable transforms (METHODS.md section 1).
+
+A correction is a small pure function `(TokenTerms, config) -> (TokenTerms, metrics)` that
+reads the per-token log-ratios, advantages and masks of a batch and rewrites the detached
+per-token `weight`, the per-token `clip_scale` or the `advantages`, in the spirit of
+`optax.chain`: corrections are selected by name (`config.loss.corrections=('tis',)`) and
+chained in order onto any objective of `rl.losses`, so M2PO masking on top of DAPO is a
+chain, not a new objective.
+
+Two log-ratios appear. The staleness proxy `d = sg(logp - behav)` (how far the policy being
+trained has moved from the sampler) drives M2PO, SAT and VCPO. The proximal gap
+`prox - behav` (the sampler against the parameters at the start of this update) drives
+TIS / MIS and decoupled PPO; corrections that read it declare `needs_prox`, and the train
+step then supplies `prox_logp` (`config.loss.prox_estimate`: a recomputing forward or the
+log-linear approximation, see `loglinear_prox`).
+
+Cross-stage IS (CoPRIS): a sequence generated across several parameter versions (partial
+rollouts) carries the concatenation of its per-segment sampler log-probs in
+`behavior_logp`, and every ratio here is taken per token against exactly that array, so
+the sequence ratio `exp(sum_t m * (logp - behav))` is against the concatenation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+sg = jax.lax.stop_gradient
+
+
+@flax.struct.dataclass
+class TokenTerms:
+  """What objectives and corrections read, per token [B, T] (group, reward: [B]).
+
+  logp: current log-probs (carry the gradient; corrections only read sg(logp)).
+  behav: sampler log-probs (the concatenation across versions for cross-stage sequences).
+  prox: proximal log-probs (parameters at the start of this update) or None.
+  advantages: per-token advantages. mask: float 0/1 valid completion tokens (the
+  normaliser of the aggregation; corrections never change it). weight: detached per-token
+  multiplier of the per-token loss (IS weights; 0 masks a token out). clip_scale: per-token
+  factor in (0, 1] on the clip widths eps_low / eps_high (SAT).
+  """
+  logp: jax.Array
+  behav: jax.Array
+  prox: Optional[jax.Array]
+  advantages: jax.Array
+  mask: jax.Array
+  weight: jax.Array
+  clip_scale: jax.Array
+  reward: jax.Array
+  group: jax.Array
+
+  @property
+  def stale_log_ratio(self) -> jax.Array:
+    """d = sg(logp - behav), zero on invalid tokens."""
+    return sg(self.logp - self.behav) * self.mask
+
+  @property
+  def old(self) -> jax.Array:
+    """The anchor of PPO-style ratios: prox when supplied, else the sampler's behav."""
+    return self.behav if self.prox is None else self.prox
+
+
+Correction = Callable[[TokenTerms, Any], tuple[TokenTerms, dict]]
+
+
+@dataclasses.dataclass(frozen=True)
+class CorrectionSpec:
+  fn: Correction
+  needs_prox: bool
+
+
+CORRECTIONS: dict[str, CorrectionSpec] = {}
+
+
+def register_correction(name: str, needs_prox: bool = False):
+  """Decorator adding a correction to the registry under `name` (config.loss.corrections)."""
+  def wrap(fn: Correction) -> Correction:
+    if name in CORRECTIONS:
+      raise ValueError(f"Correction {name!r} is already registered.")
+    CORRECTIONS[name] = CorrectionSpec(fn, needs_prox)
+    return fn
+  return wrap
+
+
+def get_correction(name: str) -> CorrectionSpec:
+  if name not in CORRECTIONS:
+    raise ValueError(f"Unknown correction {name!r} (config.loss.corrections); known: "
+                     f"{sorted(CORRECTIONS)}.")
+  return CORRECTIONS[name]
+
+
+def chain(names, terms: TokenTerms, config) -> tuple[TokenTerms, dict]:
+  """Applies the named corrections in order; metrics of later ones win on name clashes."""
+  metrics = {}
+  for name in names:
+    terms, m = get_correction(name).fn(terms, config)
+    metrics.update(m)
+  return terms, metrics
+
+
+def _masked_mean(x, mask):
+  return (x * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+
+def _require_prox(terms: TokenTerms, name: str) -> jax.Array:
+  if terms.prox is None:
+    raise ValueError(f"Correction {name!r} needs proximal log-probs; the train step supplies "
+                     "them when the objective is built with rl.losses (prox_logp=None here).")
+  return sg(terms.prox)
+
+
+# --- Importance weights against the proximal policy (TIS / MIS, decoupled PPO) ---------
+
+
+@register_correction("tis", needs_prox=True)
+def truncated_is(terms: TokenTerms, config) -> tuple[TokenTerms, dict]:
+  """Truncated IS (TIS; also AReaL decoupled PPO's behaviour weight): multiplies each
+  token's loss by sg(min(exp(prox - behav), is_cap))."""
+  log_w = _require_prox(terms, "tis") - terms.behav
+  w = jnp.exp(jnp.minimum(log_w, jnp.log(config.is_cap)))
+  truncated = (log_w > jnp.log(config.is_cap)).astype(jnp.float32)
+  return terms.replace(weight=terms.weight * w), {
+      "is_weight_mean": _masked_mean(w, terms.mask),
+      "is_truncated_fraction": _masked_mean(truncated, terms.mask)}
+
+
+@register_correction("mis", needs_prox=True)
+def masked_is(terms: TokenTerms, config) -> tuple[TokenTerms, dict]:
+  """Masked IS (MIS): zero tokens whose exp(prox - behav) leaves [is_floor, is_cap]; kept
+  tokens are weighted by that ratio (the decoupled-PPO 'mask' mode)."""
+  log_w = _require_prox(terms, "mis") - terms.behav
+  w = jnp.exp(log_w)
+  keep = (w >= config.is_floor) & (w <= config.is_cap)
+  return terms.replace(weight=terms.weight * jnp.where(keep, w, 0.0)), {
+      "masked_fraction": _masked_mean(1.0 - keep.astype(jnp.float32), terms.mask)}
+
+
+def loglinear_prox(logp: jax.Array, behav: jax.Array, version: jax.Array,
+                   prox_version, current_version) -> jax.Array:
+  """Proximal log-probs without a forward pass (log-linear in parameter-version space).
+
+  prox ~ behav + alpha * (sg(logp) - behav), alpha = (v_prox - v_behav) / (v_theta - v_behav)
+  clipped to [0, 1] per token; alpha = 0 for fresh tokens (v_behav >= v_prox) and 1 when
+  the proximal policy is the current one. [B, T] -> [B, T].
+  """
+  v_behav = version.astype(jnp.float32)
+  gap = jnp.asarray(current_version, jnp.float32) - v_behav
+  alpha = jnp.where(gap > 0, (jnp.asarray(prox_version, jnp.float32) - v_behav) / jnp.where(gap > 0, gap, 1.0), 0.0)
+  alpha = jnp.clip(alpha, 0.0, 1.0)
+  return behav + alpha * (sg(logp) - behav)
+
+
+# --- M2PO: second-moment trust via minimal masking -----------------------------------
+
+
+def m2_mask(d: jax.Array, mask: jax.Array, tau: float) -> jax.Array:
+  """M2PO's mask (1 keep / 0 drop) [B, T]: drop the tokens with the largest d^2, largest
+  first, until the mean d^2 of the valid tokens kept is <= tau.
+
+  Dropping largest-first gives the fewest dropped tokens (for a fixed count, dropping the
+  largest values minimises the mean of the rest), and the kept mean is non-increasing in
+  the count, so the first count that satisfies the bound is the minimal mask. One sort and
+  one cumulative sum; ties break by position (stable sort). If no single token is within
+  tau, every token is dropped (the empty set's mean is taken as 0).
+  """
+  mask = mask.astype(jnp.float32)
+  flat_d2 = jnp.where(mask > 0, d * d, -1.0).reshape(-1)  # invalid tokens sort last
+  n = mask.sum()
+  order = jnp.argsort(-flat_d2, stable=True)
+  sorted_d2 = jnp.maximum(flat_d2[order], 0.0)
+  dropped_sum = jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(sorted_d2)])  # j = 0..BT
+  j = jnp.arange(dropped_sum.shape[0], dtype=jnp.float32)
+  ok = ((sorted_d2.sum() - dropped_sum) <= tau * (n - j)) & (j <= n)
+  num_drop = jnp.argmax(ok)
+  rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
+  keep = (rank >= num_drop).reshape(mask.shape).astype(jnp.float32)
+  return keep * mask + (1.0 - mask)  # invalid tokens are left to the aggregation mask
+
+
+@register_correction("m2po")
+def m2po_mask(terms: TokenTerms, config) -> tuple[TokenTerms, dict]:
+  """M2PO (second-moment trust policy optimisation): zero the fewest, largest-d^2 tokens so
+  that the kept tokens' mean squared log-ratio d = sg(logp - behav) is <= config.m2_tau."""
+  d = terms.stale_log_ratio
+  keep = m2_mask(d, terms.mask, config.m2_tau)
+  return terms.replace(weight=terms.weight * keep), {
+      "m2": _masked_mean(d * d, terms.mask),
+      "masked_fraction": _masked_mean(1.0 - keep, terms.mask)}
+
+
+# --- SAT: staleness-adaptive trust region --------------------------------------------
+
+
+def sat_kernel(abs_d: jax.Array, mask: jax.Array, quantile: float, bandwidth: float) -> jax.Array:
+  """SAT's kernel factor k in (0, 1] per token [B, T]: 1 up to the batch `quantile` q of
+  |d| over valid tokens, exp(-(|d| - q) / bandwidth) beyond it (the chosen kernel)."""
+  q = jnp.nanquantile(jnp.where(mask > 0, abs_d, jnp.nan), quantile)
+  q = jnp.where(jnp.isfinite(q), q, 0.0)
+  return jnp.exp(-jnp.maximum(abs_d - q, 0.0) / bandwidth)
+
+
+@register_correction("sat")
+def staleness_adaptive_trust(terms: TokenTerms, config) -> tuple[TokenTerms, dict]:
+  """SAT: shrink the PPO clip width of high-mismatch tokens by the kernel factor (the
+  clipped objective contracts only the endpoint the advantage sign selects)."""
+  k = sat_kernel(jnp.abs(terms.stale_log_ratio), terms.mask, config.sat_quantile,
+                 config.sat_bandwidth)
+  return terms.replace(clip_scale=terms.clip_scale * k), {
+      "sat_kernel_mean": _masked_mean(k, terms.mask),
+      "sat_contracted_fraction": _masked_mean((k < 1.0).astype(jnp.float32), terms.mask)}
+
+
+# --- VCPO: variance control ----------------------------------------------------------
+
+
+def sequence_log_weights(terms: TokenTerms) -> jax.Array:
+  """log w_i = sum_t m * sg(logp - behav) [B]: the unclipped sequence IS log-weight
+  (against the concatenated behaviour log-probs of cross-stage sequences)."""
+  return terms.stale_log_ratio.sum(axis=1)
+
+
+def effective_sample_size_ratio(log_w: jax.Array) -> jax.Array:
+  """rho = (sum w)^2 / (B * sum w^2) in (0, 1], computed in log space. [B] -> []."""
+  log_b = jnp.log(jnp.asarray(log_w.shape[0], jnp.float32))
+  return jnp.exp(2.0 * jax.nn.logsumexp(log_w) - log_b - jax.nn.logsumexp(2.0 * log_w))
+
+
+@register_correction("vcpo_ess")
+def vcpo_step_scale(terms: TokenTerms, config) -> tuple[TokenTerms, dict]:
+  """VCPO (a): ESS step scaling, metrics['lr_scale'] = sqrt(rho / vcpo_rho_ref) (the train
+  step multiplies the update by it); 1 on-policy."""
+  rho = effective_sample_size_ratio(sequence_log_weights(terms))
+  return terms, {"ess_ratio": rho, "lr_scale": jnp.sqrt(rho / config.vcpo_rho_ref)}
+
+
+def optimal_baseline(log_w: jax.Array, g: jax.Array, reward: jax.Array,
+                     group: jax.Array) -> jax.Array:
+  """Off-policy variance-minimising baseline per group, b = sum w^2 g R / sum w^2 g,
+  broadcast to rows [B]. log_w: log sequence IS weights, g > 0: squared score norms (or a
+  proxy). Computed with per-group max-shifted weights, so large log-weights do not overflow.
+  """
+  same = group[:, None] == group[None, :]
+  log_c = 2.0 * log_w + jnp.log(g)
+  shift = jnp.max(jnp.where(same, log_c[None, :], -jnp.inf), axis=1, keepdims=True)
+  c = jnp.where(same, jnp.exp(log_c[None, :] - shift), 0.0)
+  return c @ reward / c.sum(axis=1)
+
+
+@register_correction("vcpo_baseline")
+def vcpo_baseline(terms: TokenTerms, config) -> tuple[TokenTerms, dict]:
+  """VCPO (b): advantages (R - b) / (std_group(R) + 1e-6) with the off-policy optimal
+  baseline b replacing the group mean (the std keeps GRPO's scale).
+
+  g_i is a forward-only proxy of ||grad log pi(tau_i)||^2: sum_t m (1 - p_t)^2, the
+  sampled-token part of the squared logit gradient summed over tokens (cross-token terms
+  and the other logits ignored); a 1e-6 floor keeps confident sequences in play.
+  """
+  g = ((1.0 - jnp.exp(sg(terms.logp))) ** 2 * terms.mask).sum(axis=1) + 1e-6
+  reward = terms.reward.astype(jnp.float32)
+  b = optimal_baseline(sequence_log_weights(terms), g, reward, terms.group)
+  same = (terms.group[:, None] == terms.group[None, :]).astype(jnp.float32)
+  mean = same @ reward / same.sum(axis=1)
+  std = jnp.sqrt(same @ (reward - mean) ** 2 / same.sum(axis=1))
+  adv = ((reward - b) / (std + 1e-6))[:, None] * terms.mask
+  return terms.replace(advantages=adv), {"baseline_shift": jnp.mean(jnp.abs(b - mean))}
