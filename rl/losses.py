@@ -38,7 +38,9 @@ LOSS_DEFAULTS = dict(
     eps_low=0.2, eps_high=0.2, aggregation="seq_mean_token_mean", norm_len=1.0, kl_coef=0.0,
     corrections=(), prox_estimate="recompute",
     is_cap=5.0, is_floor=0.0,            # TIS truncation / MIS window (decoupled PPO cap 5)
-    m2_tau=0.04,                          # M2PO bound on the kept tokens' mean d^2
+    # M2PO bound on the kept tokens' mean d^2: 0.04 = (0.2)^2, a typical |log-ratio| of 0.2,
+    # about PPO's eps = 0.2 trust region in log space (log 1.2 = 0.18); the M2PO paper's value.
+    m2_tau=0.04,
     sat_quantile=0.9, sat_bandwidth=0.1,  # SAT tail quantile of |d| and kernel width
     vcpo_rho_ref=1.0, vcpo_is_cap=8.0)    # VCPO reference ESS ratio and IS truncation
 
@@ -124,16 +126,24 @@ def needs_prox(config) -> bool:
 # --- Per-token surrogates: (TokenTerms, resolved config) -> (per-token loss, metrics) ---
 
 
-def clip_objective(ratio: jax.Array, adv: jax.Array, eps_low, eps_high,
-                   clip_scale: jax.Array | float = 1.0) -> tuple[jax.Array, jax.Array]:
-  """PPO-clip per token: (-min(r A, clip(r, lo, hi) A), clipping-active indicator).
+def clip_interval(adv: jax.Array, eps_low, eps_high,
+                  clip_scale: jax.Array | float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """The ratio interval (lo, hi) = (1 - eps_low * k_lo, 1 + eps_high * k_hi) per token.
 
-  The interval is [1 - eps_low * k_lo, 1 + eps_high * k_hi] where only the endpoint the
-  advantage sign selects is contracted by `clip_scale` (SAT): A > 0 -> k_hi = clip_scale,
-  A < 0 -> k_lo = clip_scale; the other endpoint never binds for that sign.
+  Only the endpoint the advantage sign selects is contracted by `clip_scale` (SAT):
+  A > 0 -> k_hi = clip_scale, A < 0 -> k_lo = clip_scale; the other endpoint never binds
+  for that sign, so contracting it too would not change the objective.
   """
   hi = 1.0 + eps_high * jnp.where(adv > 0, clip_scale, 1.0)
   lo = 1.0 - eps_low * jnp.where(adv < 0, clip_scale, 1.0)
+  return lo, hi
+
+
+def clip_objective(ratio: jax.Array, adv: jax.Array, eps_low, eps_high,
+                   clip_scale: jax.Array | float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """PPO-clip per token: (-min(r A, clip(r, lo, hi) A), clipping-active indicator), with
+  the interval of `clip_interval`."""
+  lo, hi = clip_interval(adv, eps_low, eps_high, clip_scale)
   clipped = jnp.clip(ratio, lo, hi)
   return -jnp.minimum(ratio * adv, clipped * adv), (ratio * adv > clipped * adv)
 

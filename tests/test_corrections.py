@@ -1,0 +1,216 @@
+"""Tests for rl.corrections: SAT, M2PO, VCPO, TIS/MIS, log-linear proximal policy."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from rl import corrections
+from rl import losses
+
+EPS_LOW, EPS_HIGH = 0.2, 0.28
+
+
+def random_tokens(seed, shape=(64,)):
+  rng = np.random.default_rng(seed)
+  ratio = np.exp(rng.normal(0, 0.5, shape)).astype(np.float32)
+  adv = rng.normal(0, 1, shape).astype(np.float32)
+  scale = rng.uniform(1e-3, 1.0, shape).astype(np.float32)
+  return jnp.asarray(ratio), jnp.asarray(adv), jnp.asarray(scale)
+
+
+# --- SAT -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_sat_interval_is_inside_ppo_interval(seed):
+  _, adv, k = random_tokens(seed)
+  lo, hi = losses.clip_interval(adv, EPS_LOW, EPS_HIGH, k)
+  assert np.all(lo >= 1 - EPS_LOW) and np.all(hi <= 1 + EPS_HIGH)
+  assert np.all(lo <= 1) and np.all(hi >= 1)
+  # Only the endpoint the advantage sign selects moves.
+  assert np.all(np.where(adv > 0, lo == np.float32(1 - EPS_LOW), hi == np.float32(1 + EPS_HIGH)))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_sat_surrogate_is_pointwise_pessimistic(seed):
+  ratio, adv, k = random_tokens(seed, (4096,))
+  sat_loss, _ = losses.clip_objective(ratio, adv, EPS_LOW, EPS_HIGH, k)
+  ppo_loss, _ = losses.clip_objective(ratio, adv, EPS_LOW, EPS_HIGH)
+  assert np.all(np.asarray(sat_loss) >= np.asarray(ppo_loss) - 1e-6)  # surrogate <= PPO's
+  assert np.any(np.asarray(sat_loss) > np.asarray(ppo_loss) + 1e-3)   # and sometimes strictly
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_sat_is_ppo_where_the_kernel_is_one(seed):
+  rng = np.random.default_rng(seed)
+  d = jnp.asarray(rng.normal(0, 0.3, (8, 16)).astype(np.float32))
+  mask = jnp.asarray(rng.uniform(size=(8, 16)) < 0.8, jnp.float32)
+  k = np.asarray(corrections.sat_kernel(jnp.abs(d), mask, 0.75, 0.1))
+  q = np.quantile(np.abs(np.asarray(d))[np.asarray(mask) > 0], 0.75)
+  np.testing.assert_allclose(k, np.exp(-np.maximum(np.abs(d) - q, 0) / 0.1), rtol=1e-5)
+  assert np.all((k == 1.0) == (np.abs(np.asarray(d)) <= q))
+  ratio, adv, _ = random_tokens(seed, (8, 16))
+  sat_loss, _ = losses.clip_objective(ratio, adv, EPS_LOW, EPS_HIGH, jnp.asarray(k))
+  ppo_loss, _ = losses.clip_objective(ratio, adv, EPS_LOW, EPS_HIGH)
+  ones = k == 1.0
+  np.testing.assert_array_equal(np.asarray(sat_loss)[ones], np.asarray(ppo_loss)[ones])
+
+
+# --- M2PO ----------------------------------------------------------------------------
+
+
+def brute_force_min_drop(d2, tau):
+  """Fewest valid tokens to drop so the kept mean of d^2 <= tau (empty mean = 0)."""
+  n = len(d2)
+  for drop in range(n + 1):
+    for subset in itertools.combinations(range(n), drop):
+      kept = [d2[i] for i in range(n) if i not in subset]
+      if (np.mean(kept) if kept else 0.0) <= tau + 1e-9:
+        return drop
+  raise AssertionError
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_m2po_mask_is_minimal_and_within_tau(seed):
+  rng = np.random.default_rng(seed)
+  shape = (2, 4)
+  d = rng.normal(0, rng.uniform(0.05, 0.6), shape).astype(np.float32)
+  mask = (rng.uniform(size=shape) < 0.85).astype(np.float32)
+  tau = float(rng.choice([0.01, 0.04, 0.1]))
+  keep = np.asarray(corrections.m2_mask(jnp.asarray(d), jnp.asarray(mask), tau))
+  valid = mask > 0
+  kept = valid & (keep > 0)
+  d2 = (d * d)[valid]
+  assert ((d * d)[kept].mean() if kept.any() else 0.0) <= tau + 1e-6
+  assert (valid & (keep == 0)).sum() == brute_force_min_drop(list(d2), tau)
+  # Dropped tokens are the largest: each dropped d^2 >= every kept d^2.
+  if (valid & (keep == 0)).any() and kept.any():
+    assert (d * d)[valid & (keep == 0)].min() >= (d * d)[kept].max()
+
+
+def test_m2po_masks_nothing_when_m2_within_tau():
+  rng = np.random.default_rng(0)
+  d = rng.normal(0, 0.1, (4, 8)).astype(np.float32)
+  mask = np.ones((4, 8), np.float32)
+  tau = float((d * d).mean()) + 1e-4
+  keep = corrections.m2_mask(jnp.asarray(d), jnp.asarray(mask), tau)
+  assert np.all(np.asarray(keep) == 1.0)
+  keep = corrections.m2_mask(jnp.asarray(d), jnp.asarray(mask), float((d * d).mean()) * 0.5)
+  assert np.any(np.asarray(keep) == 0.0)
+
+
+# --- VCPO ----------------------------------------------------------------------------
+
+
+def test_ess_ratio_and_lr_scale_match_the_formula():
+  rng = np.random.default_rng(0)
+  log_w = rng.normal(0, 1.0, 16)
+  w = np.exp(log_w)
+  rho = w.sum() ** 2 / (16 * (w * w).sum())
+  np.testing.assert_allclose(corrections.effective_sample_size_ratio(jnp.asarray(log_w, jnp.float32)),
+                             rho, rtol=1e-5)
+  terms = _terms(log_ratio=np.zeros((16, 3)))
+  terms = terms.replace(behav=terms.logp - jnp.asarray(np.repeat(log_w[:, None] / 3, 3, 1), jnp.float32))
+  cfg = losses.resolve_config(None, dict(vcpo_rho_ref=0.5))
+  _, metrics = corrections.vcpo_step_scale(terms, cfg)
+  np.testing.assert_allclose(metrics["lr_scale"], np.sqrt(rho / 0.5), rtol=1e-5)
+  # Huge log-weights do not overflow (log-space computation).
+  assert np.isfinite(float(corrections.effective_sample_size_ratio(jnp.asarray([500.0, 0.0]))))
+
+
+def test_lr_scale_is_one_on_policy():
+  terms = _terms(log_ratio=np.zeros((8, 5)))
+  _, metrics = corrections.vcpo_step_scale(terms, losses.resolve_config(None))
+  np.testing.assert_allclose(metrics["lr_scale"], 1.0, rtol=1e-6)
+
+
+def test_optimal_baseline_reduces_gradient_variance_in_a_bandit():
+  """Monte-Carlo softmax bandit: samples from a behaviour policy mu, IS weights to the
+  target pi, estimator mean_i w_i (R_i - b) grad log pi(a_i). The off-policy optimal baseline
+  (with exact g = ||grad log pi(a)||^2) has lower total variance than the group mean."""
+  rng = np.random.default_rng(0)
+  n_arms, group, trials = 5, 8, 4000
+  logits_pi = rng.normal(0, 1, n_arms)
+  pi = np.exp(logits_pi) / np.exp(logits_pi).sum()
+  mu = np.exp(logits_pi + rng.normal(0, 1.0, n_arms))
+  mu /= mu.sum()
+  mean_reward = rng.uniform(0, 1, n_arms) + 3.0  # an offset makes the baseline matter
+  score = np.eye(n_arms) - pi[None, :]               # grad_logits log pi(a), rows a
+  g_exact = (score ** 2).sum(1)
+  estimates = {"mean": [], "optimal": []}
+  for _ in range(trials):
+    a = rng.choice(n_arms, size=group, p=mu)
+    reward = mean_reward[a] + rng.normal(0, 0.5, group)
+    log_w = np.log(pi[a]) - np.log(mu[a])
+    w = np.exp(log_w)
+    baselines = {
+        "mean": np.full(group, reward.mean()),
+        "optimal": np.asarray(corrections.optimal_baseline(
+            jnp.asarray(log_w, jnp.float32), jnp.asarray(g_exact[a], jnp.float32),
+            jnp.asarray(reward, jnp.float32), jnp.zeros(group, jnp.int32)))}
+    for name, b in baselines.items():
+      estimates[name].append(((w * (reward - b))[:, None] * score[a]).mean(0))
+  var = {k: np.var(np.asarray(v), axis=0).sum() for k, v in estimates.items()}
+  assert var["optimal"] < 0.8 * var["mean"], var
+
+
+def test_optimal_baseline_matches_numpy_per_group():
+  rng = np.random.default_rng(1)
+  log_w, g, r = rng.normal(size=6), rng.uniform(0.1, 2, 6), rng.normal(size=6)
+  group = np.array([0, 0, 0, 1, 1, 1])
+  c = np.exp(2 * log_w) * g
+  want = np.concatenate([np.full(3, (c[s] * r[s]).sum() / c[s].sum()) for s in (slice(0, 3), slice(3, 6))])
+  got = corrections.optimal_baseline(*(jnp.asarray(x, jnp.float32) for x in (log_w, g, r)),
+                                     jnp.asarray(group))
+  np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+# --- TIS / MIS and the log-linear proximal policy -------------------------------------
+
+
+def _terms(log_ratio, prox_shift=None, seed=0):
+  rng = np.random.default_rng(seed)
+  shape = log_ratio.shape
+  logp = jnp.asarray(-rng.uniform(0.1, 2.0, shape), jnp.float32)
+  behav = logp - jnp.asarray(log_ratio, jnp.float32)
+  prox = None if prox_shift is None else behav + jnp.asarray(prox_shift, jnp.float32)
+  ones = jnp.ones(shape, jnp.float32)
+  return corrections.TokenTerms(
+      logp=logp, behav=behav, prox=prox, advantages=ones, mask=ones, weight=ones,
+      clip_scale=ones, reward=jnp.zeros(shape[0]), group=jnp.zeros(shape[0], jnp.int32))
+
+
+def test_tis_and_mis_weights():
+  shift = np.array([[-3.0, -0.5, 0.0, 1.0, 1.6, 2.5]], np.float32)
+  terms = _terms(np.zeros((1, 6)), prox_shift=shift)
+  cfg = losses.resolve_config(None, dict(is_cap=5.0, is_floor=0.2))
+  out, _ = corrections.truncated_is(terms, cfg)
+  np.testing.assert_allclose(out.weight, np.minimum(np.exp(shift), 5.0), rtol=1e-6)
+  out, metrics = corrections.masked_is(terms, cfg)
+  w = np.exp(shift)
+  np.testing.assert_allclose(out.weight, np.where((w >= 0.2) & (w <= 5.0), w, 0.0), rtol=1e-6)
+  np.testing.assert_allclose(metrics["masked_fraction"], 2 / 6, rtol=1e-6)
+  with pytest.raises(ValueError, match="proximal"):
+    corrections.truncated_is(_terms(np.zeros((1, 6))), cfg)
+
+
+def test_loglinear_prox():
+  logp = jnp.asarray([[-1.0, -2.0, -0.5, -3.0]])
+  behav = jnp.asarray([[-1.5, -1.0, -0.5, -2.0]])
+  version = jnp.asarray([[10, 6, 10, 2]])
+  # Fresh tokens (generated by the proximal version) keep behav.
+  prox = corrections.loglinear_prox(logp, behav, jnp.full((1, 4), 10), 10, 12)
+  np.testing.assert_allclose(prox, behav)
+  # Proximal = current (alpha = 1): the current log-probs.
+  prox = corrections.loglinear_prox(logp, behav, jnp.asarray([[3, 6, 9, 2]]), 12, 12)
+  np.testing.assert_allclose(prox, logp)
+  # In between: alpha = (v_prox - v_behav) / (v_theta - v_behav), clipped to [0, 1].
+  prox = corrections.loglinear_prox(logp, behav, version, 10, 12)
+  alpha = np.array([0.0, 4 / 6, 0.0, 8 / 10])
+  np.testing.assert_allclose(prox[0], behav[0] + alpha * (logp[0] - behav[0]), rtol=1e-6)
+  # The approximation carries no gradient.
+  grad = jax.grad(lambda lp: corrections.loglinear_prox(lp, behav, version, 10, 12).sum())(logp)
+  assert np.all(np.asarray(grad) == 0)
