@@ -96,8 +96,6 @@ def k3_kl(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
   return jnp.exp(delta) - delta - 1.0
 
 
-
-
 def resolve_config(config, overrides=None) -> types.SimpleNamespace:
   """LOSS_DEFAULTS, updated by `config` (a ConfigDict, dict or None), then by `overrides`."""
   values = dict(LOSS_DEFAULTS)
@@ -239,14 +237,14 @@ def make_objective(surrogate: Callable, corrections: tuple[str, ...] = (),
   return loss_fn
 
 
-def _register(name: str, doc: str, *args, **kwargs) -> None:
+def _register(name: str, doc: str, *args, **kwargs) -> LossFn:
   fn = make_objective(*args, **kwargs)
   fn.__doc__ = doc
   fn.__name__ = name
-  register_loss(name)(fn)
+  return register_loss(name)(fn)
 
 
-_register("grpo", "PPO-clip / GRPO (DeepSeekMath): -min(r A, clip(r, 1-eps_low, 1+eps_high) A), "
+ppo_clip_loss = _register("grpo", "PPO-clip / GRPO (DeepSeekMath): -min(r A, clip(r, 1-eps_low, 1+eps_high) A), "
           "r against prox when supplied, else behav; optional k3 KL (config.kl_coef).",
           clipped_surrogate)
 _register("dapo", "DAPO: PPO-clip with clip-higher (0.2 / 0.28) and token-mean aggregation. "

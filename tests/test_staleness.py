@@ -40,13 +40,13 @@ def test_init_history_rejects_zero():
     loop.init_history({"w": jnp.zeros(())}, 0)
 
 
-def _context(staleness, loss_name="grpo"):
+def _context(staleness, loss_name="grpo", prox_estimate="recompute"):
   tokenizer = CharTokenizer()
   task = make_task("chain_sum", "compact", seed=0, eval_size=4, min_terms=2, max_terms=2,
                    min_digits=1, max_digits=1)
   loss_config = ml_collections.FrozenConfigDict(dict(
       name=loss_name, eps_low=0.2, eps_high=0.2, aggregation="token_mean", norm_len=4.0,
-      kl_coef=0.0))
+      kl_coef=0.0, prox_estimate=prox_estimate))
   optimizer = train.make_optimizer(1e-2)
   step = train.make_train_step(TINY, optimizer, loss_config)
   ctx = loop.LoopContext(
@@ -58,8 +58,8 @@ def _context(staleness, loss_name="grpo"):
   return ctx, optimizer
 
 
-def _run(staleness, iterations, loss_name="grpo"):
-  ctx, optimizer = _context(staleness, loss_name)
+def _run(staleness, iterations, loss_name="grpo", prox_estimate="recompute"):
+  ctx, optimizer = _context(staleness, loss_name, prox_estimate)
   params = transformer.init_params(TINY, jax.random.PRNGKey(0))
   state = loop.LoopState(train=train.init_train_state(params, optimizer), rng=jax.random.PRNGKey(1),
                          history=loop.init_history(params, staleness) if staleness else None)
@@ -79,6 +79,11 @@ def test_grpo_loop_samples_stale_versions_deterministically():
   assert int(state_a.train.step) == 5
   _, on_policy = _run(staleness=0, iterations=2)
   assert on_policy == [0, 0]
+  # With one update per batch the proximal policy is the current one, so the log-linear
+  # estimate (no forward) gives the same training as the recomputed one.
+  state_c, _ = _run(staleness=2, iterations=5, loss_name="decoupled", prox_estimate="loglinear")
+  for a, c in zip(jax.tree.leaves(state_a.train.params), jax.tree.leaves(state_c.train.params)):
+    np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-6)
 
 
 def test_loop_without_history_fails_clearly():
