@@ -184,7 +184,8 @@ def run(config: ml_collections.ConfigDict) -> dict:
       meta["phase"] = RL
       state = loop.LoopState(
           train=train.init_train_state(state.train.params, contexts[RL][1]),
-          rng=state.rng, history=history(state.train.params), data_cursor=state.data_cursor, iteration=0)
+          rng=state.rng, history=history(state.train.params), data_cursor=state.data_cursor,
+          iteration=0)
       save()
   bar.close()
   last = meta["evals"][-1]
