@@ -1,11 +1,15 @@
 """Tests for simulated staleness (rl.loop ring buffer) and cross-stage importance sampling."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
 
+from experiments import train as launcher
+from experiments.configs import default
 from models import transformer
 from models.config import ModelConfig
 from models.tokenizer import CharTokenizer
@@ -145,3 +149,33 @@ def test_cross_stage_sequence_uses_concatenated_behaviour_logps():
   _, metrics = losses.get_loss("m2po")(logp, Rollout(**batch_kw), config=None)
   np.testing.assert_allclose(metrics["m2"], ((np.asarray(logp)[:, 4:] - expected) ** 2 * m[:, 4:]).sum() / m.sum(),
                              rtol=1e-4)
+
+
+def test_launcher_runs_and_resumes_with_simulated_staleness(tmp_path):
+  """config.rl.staleness reaches the loop, and the parameter ring is checkpointed with the
+  rest of the state, so a resumed stale run continues."""
+  def config(steps):
+    c = default.get_config()
+    c.workdir = str(tmp_path)
+    c.task.eval_size = 8
+    c.warm_start.steps = 2
+    c.warm_start.batch_size = 4
+    c.rollout.prompts_per_step = 2
+    c.rollout.group_size = 2
+    c.eval.every = 2
+    c.eval.batch_size = 8
+    c.checkpoint.every = 2
+    c.rl.steps = steps
+    c.rl.staleness = 2
+    c.loss.name = "m2po"
+    return c
+
+  launcher.run(config(3))
+  summary = launcher.run(config(4))
+  assert summary["steps"] == 6
+  records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  assert [r["staleness"] for r in records if "staleness" in r] == [0, 1, 2, 2]
+  bad = config(1)
+  bad.rl.staleness = -1
+  with pytest.raises(ValueError, match="staleness"):
+    launcher.run(bad)
