@@ -45,16 +45,18 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
 _OUT = flags.DEFINE_string("out", "runs/bench_staleness", "Output folder.")
-_OBJECTIVES = flags.DEFINE_list("objectives", "grpo,decoupled,m2po,sat,vcpo", "config.loss.name values.")
+_OBJECTIVES = flags.DEFINE_list("objectives", "grpo,decoupled,m2po,sat,vcpo",
+                                "config.loss.name values.")
 _STALENESS = flags.DEFINE_list("staleness", "0,4,16,64,256", "Simulated staleness values k.")
 _SEEDS = flags.DEFINE_list("seeds", "0,1,2", "Seeds (parameters, data order, sampling).")
-_STEPS = flags.DEFINE_integer("steps", 150, "GRPO steps per run.")
-_WARM = flags.DEFINE_integer("warm_start_steps", 150, "Supervised warm-start steps per seed.")
-_LR = flags.DEFINE_float("learning_rate", 3e-4, "GRPO learning rate (Adam).")
+_STEPS = flags.DEFINE_integer("steps", 50, "GRPO steps per run.")
+_WARM = flags.DEFINE_integer("warm_start_steps", 300, "Supervised warm-start steps per seed.")
+_WARM_LR = flags.DEFINE_float("warm_start_lr", 1e-3, "Peak warm-start learning rate.")
+_LR = flags.DEFINE_float("learning_rate", 3e-5, "GRPO learning rate (Adam).")
 _PROMPTS = flags.DEFINE_integer("prompts_per_step", 8, "Prompts per GRPO step.")
 _GROUP = flags.DEFINE_integer("group_size", 8, "Completions per prompt.")
-_EVAL_EVERY = flags.DEFINE_integer("eval_every", 25, "GRPO steps between evaluations.")
-_EVAL_SIZE = flags.DEFINE_integer("eval_size", 256, "Held-out items per evaluation.")
+_EVAL_EVERY = flags.DEFINE_integer("eval_every", 10, "GRPO steps between evaluations.")
+_EVAL_SIZE = flags.DEFINE_integer("eval_size", 512, "Held-out items per evaluation.")
 _MARGIN = flags.DEFINE_float("collapse_margin", 0.02, "Collapse: final < warm start - margin.")
 _REPORT_ONLY = flags.DEFINE_list(
     "report_only", [], "results.json files to merge; writes table.md, plot.png and a merged "
@@ -73,6 +75,7 @@ def bench_config(seed: int, objective: str, staleness: int) -> ml_collections.Co
   c = default_config.get_config()
   c.seed = seed
   c.warm_start.steps = _WARM.value
+  c.warm_start.learning_rate = _WARM_LR.value
   c.rl.steps = _STEPS.value
   c.rl.learning_rate = _LR.value
   c.rl.staleness = staleness
@@ -157,7 +160,9 @@ def write_table(results: dict, table: dict, path: str) -> None:
     for k in ks:
       row = by_k.get(str(k))
       cells.append("" if row is None else
-                   f"{row['final_mean']:.3f} ± {row['final_std']:.3f} (x{row['ratio_to_k0']:.2f}, "
+                   f"{row['final_mean']:.3f}"
+                   + (f" ± {row['final_std']:.3f}" if row["seeds"] > 1 else "")
+                   + f" (x{row['ratio_to_k0']:.2f}, "
                    f"AUC {row['auc_mean']:.3f}, n={row['seeds']})")
     lines.append(f"| {objective} | " + " | ".join(cells) + " |")
   lines += ["", "Mean masked / clipped-token fraction over training:", "",
@@ -221,7 +226,8 @@ def main(argv):
     return
   tokenizer = CharTokenizer()
   results = {"flags": {f: flags.FLAGS[f].value for f in (
-      "objectives", "staleness", "seeds", "steps", "warm_start_steps", "learning_rate",
+      "objectives", "staleness", "seeds", "steps", "warm_start_steps", "warm_start_lr",
+      "learning_rate",
       "prompts_per_step", "group_size", "eval_every", "eval_size")}, "runs": {}, "warm_start": {}}
   started = time.time()
   cache = {}
@@ -239,7 +245,8 @@ def main(argv):
                                  model_config=model_config,
                                  batch_size=config.eval.batch_size).accuracy
 
-    warm_path = os.path.join(_OUT.value, f"warm_start_seed{seed}_{_WARM.value}.msgpack")
+    warm_path = os.path.join(_OUT.value,
+                             f"warm_start_seed{seed}_{_WARM.value}_{_WARM_LR.value:g}.msgpack")
     if os.path.exists(warm_path):  # a rerun reuses the seed's warm start
       with open(warm_path, "rb") as f:
         saved = flax.serialization.msgpack_restore(f.read())

@@ -68,7 +68,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.loss.vcpo_is_cap = 8.0            # VCPO: truncation of the IS weight
 
   c.advantage = ml_collections.ConfigDict()
-  c.advantage.name = "grpo"           # rl/advantages.py registry
+  c.advantage.name = "grpo"           # rl/advantages.py registry: grpo | drgrpo | rloo | median
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 50                   # GRPO steps between held-out evaluations
