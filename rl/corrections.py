@@ -150,8 +150,8 @@ def loglinear_prox(logp: jax.Array, behav: jax.Array, version: jax.Array,
   """
   v_behav = version.astype(jnp.float32)
   gap = jnp.asarray(current_version, jnp.float32) - v_behav
-  alpha = jnp.where(gap > 0, (jnp.asarray(prox_version, jnp.float32) - v_behav) / jnp.where(gap > 0, gap, 1.0), 0.0)
-  alpha = jnp.clip(alpha, 0.0, 1.0)
+  ahead = jnp.asarray(prox_version, jnp.float32) - v_behav
+  alpha = jnp.clip(jnp.where(gap > 0, ahead / jnp.where(gap > 0, gap, 1.0), 0.0), 0.0, 1.0)
   return behav + alpha * (sg(logp) - behav)
 
 

@@ -55,12 +55,15 @@ def _read_slot(history: ParamHistory, slot) -> tuple[Any, jax.Array]:
 
 @functools.partial(jax.jit, donate_argnums=0)
 def _write_slot(history: ParamHistory, slot, params, version) -> ParamHistory:
-  put = lambda buf, value: jax.lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), slot, 0)
+  def put(buf, value):
+    return jax.lax.dynamic_update_index_in_dim(buf, value.astype(buf.dtype), slot, 0)
+
   return ParamHistory(params=jax.tree.map(put, history.params, params),
                       version=put(history.version, jnp.asarray(version, jnp.int32)))
 
 
-def stale_params(history: ParamHistory, iteration: int, params, version) -> tuple[Any, jax.Array, ParamHistory]:
+def stale_params(history: ParamHistory, iteration: int, params,
+                 version) -> tuple[Any, jax.Array, ParamHistory]:
   """(sampling params, their version, updated ring) for iteration t with staleness k.
 
   Samples with the parameters of iteration max(t - k, 0), read before this iteration's

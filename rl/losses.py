@@ -244,9 +244,9 @@ def _register(name: str, doc: str, *args, **kwargs) -> LossFn:
   return register_loss(name)(fn)
 
 
-ppo_clip_loss = _register("grpo", "PPO-clip / GRPO (DeepSeekMath): -min(r A, clip(r, 1-eps_low, 1+eps_high) A), "
-          "r against prox when supplied, else behav; optional k3 KL (config.kl_coef).",
-          clipped_surrogate)
+ppo_clip_loss = _register(
+    "grpo", "PPO-clip / GRPO (DeepSeekMath): -min(r A, clip(r, 1-eps_low, 1+eps_high) A), r "
+    "against prox when supplied, else behav; optional k3 KL (config.kl_coef).", clipped_surrogate)
 _register("dapo", "DAPO: PPO-clip with clip-higher (0.2 / 0.28) and token-mean aggregation. "
           "(Dynamic sampling and overlong shaping act on the data and rewards, not the loss.)",
           clipped_surrogate, eps_low=0.2, eps_high=0.28, aggregation="token_mean")

@@ -1,8 +1,6 @@
 """Tests for rl.losses objectives: reduction to GRPO on-policy, decoupled PPO, VCPO, M2PO,
 registry and config handling."""
 
-import itertools
-
 import jax
 import jax.numpy as jnp
 import ml_collections
