@@ -144,8 +144,8 @@ class TreeState:
   completion position), done [R]; plus born [R] (row holds a tree path), entropy [R, N]
   (sampling entropy at each completion position), branched [R, N] (position already used
   as a branch point), row_key [R, 2], parent [R] (row within the prompt it forked from,
-  -1 for a chain from the prompt), depth [R] (forks on the path), prefix_len [R]
-  (completion tokens shared with the parent), birth_step [R] (step at which the row forked;
+  -1 for a chain from the prompt), depth [R] (fork generations: 0 for a chain, parent's
+  + 1), prefix_len [R] (completion tokens shared with the parent), birth_step [R] (step at which the row forked;
   -1 for chains), window_open [R] (lookahead child not yet checked for pruning), last_fork
   [R] (step of the row's latest fork, as child or parent; lookahead cool-down); counters
   decoded_tokens, refed_tokens, pruned_tokens. The last cache slot is a scratch slot that
@@ -534,7 +534,8 @@ def _lookahead(params, st: TreeState, version, policy: Lookahead, model_config,
     scaled = s.next_logits / (sampling_config.temperature or 1.0)
     forced_logp = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), forced[:, None],
                                       axis=1)[:, 0]
-    return (s, jnp.where(gets_child, forced, token), jnp.where(gets_child, forced_logp, logp))
+    return (s, jnp.where(gets_child, forced, token), jnp.where(gets_child, forced_logp, logp),
+            jnp.where(gets_child, entropy[src_row], entropy))
 
   def prune(s: TreeState) -> TreeState:
     """Closes finished lookahead windows; prunes children that matched their parent."""
@@ -554,7 +555,7 @@ def _lookahead(params, st: TreeState, version, policy: Lookahead, model_config,
 
   def body(s):
     token, logp, entropy = _sample_live(s, sampling_config)
-    s, token, logp = spawn(s, token, logp, entropy)
+    s, token, logp, entropy = spawn(s, token, logp, entropy)
     s = _write_and_forward(params, s, _live(s), token, logp, entropy, version, model_config,
                            sampling_config)
     return prune(s)
