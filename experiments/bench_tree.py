@@ -56,7 +56,11 @@ from sampling import tree
 
 _WORKDIR = flags.DEFINE_string("workdir", "runs/bench_tree", "Output directory.")
 _DOCS_DIR = flags.DEFINE_string("docs_dir", "docs", "Where the markdown and plots are copied.")
-_WARM_STEPS = flags.DEFINE_integer("warm_start_steps", 300, "Supervised steps before B3.")
+_WARM_STEPS = flags.DEFINE_integer("warm_start_steps", None, "config.warm_start.steps "
+                                   "(default: the default config's).")
+_WARM_LR = flags.DEFINE_float("warm_start_lr", None, "config.warm_start.learning_rate.")
+_RL_LR = flags.DEFINE_float("rl_lr", None, "config.rl.learning_rate.")
+_EVAL_EVERY = flags.DEFINE_integer("eval_every", 25, "config.eval.every of the training runs.")
 _INIT_CHECKPOINT = flags.DEFINE_string(
     "init_checkpoint", "", "Optional checkpoints/ directory of an experiments.train run "
     "(default config and seed) whose newest checkpoint is the warm-started policy for B3, "
@@ -66,7 +70,7 @@ _SEEDS = flags.DEFINE_integer("seeds", 4, "B3 rollout batches (different prompts
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repeats (best of) per B3 configuration.")
 _TRAIN_SEEDS = flags.DEFINE_list("train_seeds", ["0"], "Seeds of the training comparison "
                                  "(an empty string skips it).")
-_RL_STEPS = flags.DEFINE_integer("rl_steps", 200, "GRPO steps per training run.")
+_RL_STEPS = flags.DEFINE_integer("rl_steps", None, "config.rl.steps of the training runs.")
 
 TREES = {
     "entropy M4 N2 B2": tree.EntropyFork(init_chains=4, fork_points=2, branches=2, rounds=1),
@@ -80,6 +84,19 @@ TREES = {
                                              lookahead_steps=1, prune_similarity=1.0),
 }
 GROUP_SIZES = (2, 3, 4, 5, 6, 8)
+
+
+def _base_config():
+  """The default config with this benchmark's overrides (flags left unset keep it)."""
+  config = default.get_config()
+  for value, (section, field) in ((_WARM_STEPS.value, ("warm_start", "steps")),
+                                  (_WARM_LR.value, ("warm_start", "learning_rate")),
+                                  (_RL_STEPS.value, ("rl", "steps")),
+                                  (_RL_LR.value, ("rl", "learning_rate"))):
+    if value is not None:
+      config[section][field] = value
+  config.eval.every = _EVAL_EVERY.value
+  return config
 
 
 def _warm_start(config):
@@ -194,11 +211,9 @@ def _run_training(seeds):
   results = {}
   for kind in ("independent", "tree"):
     for seed in seeds:
-      config = default.get_config()
+      config = _base_config()
       config.workdir = os.path.join(_WORKDIR.value, "train", f"{kind}_seed{seed}")
       config.seed = seed
-      config.eval.every = 25
-      config.rl.steps = _RL_STEPS.value
       config.rollout.kind = kind
       metrics_path = os.path.join(config.workdir, "metrics.jsonl")
       if not os.path.exists(metrics_path):
@@ -206,7 +221,7 @@ def _run_training(seeds):
       records = [json.loads(line) for line in open(metrics_path)]
       tokens, curve, decoded, informative, steps = 0.0, [], [], [], 0
       for r in records:
-        if r["phase"] != "rl":
+        if r["phase"] != "rl" and r.get("event") != "warm_start_end":
           continue
         if "decoded_tokens" in r:
           steps += 1
@@ -275,11 +290,13 @@ def _markdown(b3, training, config) -> str:
   if training:
     lines += [
         "## The default task trained both ways", "",
-        f"`experiments.train` default config ({config.warm_start.steps} warm-start steps, "
-        f"up to {_RL_STEPS.value} GRPO steps (column RL steps: how many ran), 32 prompts/step, eval every 25 steps on "
-        f"{config.task.eval_size} held-out items, greedy exact match): independent G=8 vs "
-        "`--config.rollout.kind=tree` (entropy fork M=4, N=2, B=2, L=1: 8 leaves, TreeRL "
-        "advantages, shared-prefix tokens trained once).", "",
+        f"`experiments.train` default config with {config.warm_start.steps} warm-start steps "
+        f"at peak lr {config.warm_start.learning_rate}, up to {config.rl.steps} GRPO steps at "
+        f"lr {config.rl.learning_rate} (column RL steps: how many ran), "
+        f"{config.rollout.prompts_per_step} prompts/step, eval every {config.eval.every} steps "
+        f"on {config.task.eval_size} held-out items (greedy exact match): independent G=8 vs "
+        f"`--config.rollout.kind=tree` ({train_lib.build_fork_policy(config.rollout.tree)}, "
+        f"{config.rollout.tree.advantage} advantages, shared-prefix tokens trained once).", "",
         "| run | seed | RL steps | warm-start acc | final acc | best acc | decoded tokens "
         "(total) | decoded tokens/step | non-zero-var groups | decoded tokens to reach "
         "independent's final acc |",
@@ -299,8 +316,10 @@ def _markdown(b3, training, config) -> str:
   init = f"--init_checkpoint={_INIT_CHECKPOINT.value} " if _INIT_CHECKPOINT.value else ""
   lines += ["Command: `PYTHONPATH=. python -m experiments.bench_tree "
             f"--workdir={_WORKDIR.value} --prompts={_PROMPTS.value} --seeds={_SEEDS.value} "
-            f"{init}--train_seeds={','.join(_TRAIN_SEEDS.value)} --rl_steps={_RL_STEPS.value}`",
-            ""]
+            f"{init}--warm_start_steps={config.warm_start.steps} "
+            f"--warm_start_lr={config.warm_start.learning_rate} --rl_steps={config.rl.steps} "
+            f"--rl_lr={config.rl.learning_rate} --eval_every={config.eval.every} "
+            f"--train_seeds={','.join(_TRAIN_SEEDS.value)}`", ""]
   return "\n".join(lines)
 
 
@@ -338,8 +357,7 @@ def _plots(b3, training, workdir):
 def main(argv):
   del argv
   os.makedirs(_WORKDIR.value, exist_ok=True)
-  config = default.get_config()
-  config.warm_start.steps = _WARM_STEPS.value
+  config = _base_config()
   b3_path = os.path.join(_WORKDIR.value, "b3.json")
   if os.path.exists(b3_path):  # delete it to measure again
     b3 = json.load(open(b3_path))
