@@ -460,16 +460,14 @@ def _entropy_fork(params, st: TreeState, version, policy: EntropyFork, model_con
     child_born, child_pos = rep(ok), rep(fork_pos)
     child = _truncate(child, child_pos)
     child = child.replace(branched=child.branched | (pos == child_pos[:, None]))
-    first = grown
-    child_rows = (jnp.arange(prompts)[:, None] * st.leaves + first
+    child_rows = (jnp.arange(prompts)[:, None] * st.leaves + grown
                   + jnp.arange(n * b)[None, :]).reshape(-1)
     fresh_keys = jax.vmap(jax.random.fold_in)(st.row_key[child_rows], jnp.full_like(child_rows, 1))
     child = _adopt(child, child_born, rep(local_row), child_pos, child.depth + 1,
                    child_pos, fresh_keys)
-    child = child.replace(window_open=jnp.zeros_like(child.born))
     child = _refeed(params, child, child_born, model_config)
     child = _decode(params, child, version, model_config, sampling_config)
-    st = _put_block(st, child, first)
+    st = _put_block(st, child, grown)
   return st
 
 
