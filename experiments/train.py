@@ -11,6 +11,7 @@ A rerun with the same workdir resumes from the newest checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -33,6 +34,7 @@ from rl import evaluation
 from rl import loop
 from rl import train
 from rl.tasks import make_task
+from sampling import tree as tree_lib
 from sampling.sampler import SamplingConfig
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "configs", "default.py")
@@ -41,17 +43,44 @@ _CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Run config
 WARM_START, RL = "warm_start", "rl"
 
 
+def build_fork_policy(tree_config) -> tree_lib.ForkPolicy:
+  """The sampling.tree fork policy named by config.rollout.tree.policy."""
+  t = tree_config
+  if t.policy == "entropy":
+    return tree_lib.EntropyFork(init_chains=t.init_chains, fork_points=t.fork_points,
+                                branches=t.branches, rounds=t.rounds)
+  if t.policy == "segments":
+    return tree_lib.FixedSegments(init_chains=t.init_chains, segment_len=t.segment_len,
+                                  branches=t.branches, max_depth=t.max_depth)
+  if t.policy == "lookahead":
+    return tree_lib.Lookahead(init_chains=t.init_chains, leaves=t.leaves, top_k=t.top_k,
+                              min_entropy=t.min_entropy, lookahead_steps=t.lookahead_steps,
+                              prune_similarity=t.prune_similarity)
+  raise ValueError(f"Unknown config.rollout.tree.policy {t.policy!r}; use 'entropy', "
+                   "'segments' or 'lookahead'.")
+
+
+def rows_per_prompt(config) -> int:
+  """Sequences per prompt in an RL batch: group_size, or the tree's leaf budget."""
+  if config.rollout.kind == "tree":
+    return build_fork_policy(config.rollout.tree).leaves
+  return config.rollout.group_size
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the inconsistent fields and how to fix them."""
   r = config.rollout
-  rows = r.prompts_per_step * r.group_size
+  if r.kind not in ("independent", "tree"):
+    raise ValueError(f"config.rollout.kind = {r.kind!r}; use 'independent' or 'tree'.")
+  rows = r.prompts_per_step * rows_per_prompt(config)
   if rows % config.rl.num_microbatches:
     raise ValueError(f"config.rollout.prompts_per_step * group_size = {rows} is not divisible "
-                     f"by config.rl.num_microbatches = {config.rl.num_microbatches}.")
+                     f"by config.rl.num_microbatches = {config.rl.num_microbatches} (with "
+                     "kind='tree', group_size is the tree's leaf budget).")
   if config.warm_start.batch_size % config.rl.num_microbatches:
     raise ValueError(f"config.warm_start.batch_size = {config.warm_start.batch_size} is not "
                      f"divisible by config.rl.num_microbatches = {config.rl.num_microbatches}.")
-  if r.group_size < 2:
+  if r.kind == "independent" and r.group_size < 2:
     raise ValueError(f"config.rollout.group_size = {r.group_size}: group-relative advantages "
                      "need at least 2 completions per prompt.")
   if config.rl.staleness < 0:
@@ -99,6 +128,10 @@ def make_context(config, task, tokenizer, model_config, phase):
       prompts_per_step=prompts, group_size=config.rollout.group_size, train_step=step,
       advantage_fn=advantages.get_advantage_fn(config.advantage.name),
       staleness=config.rl.staleness if phase == RL else 0)
+  if config.rollout.kind == "tree":
+    ctx = dataclasses.replace(
+        ctx, tree_policy=build_fork_policy(config.rollout.tree),
+        tree_advantage_fn=advantages.get_tree_advantage_fn(config.rollout.tree.advantage))
   return ctx, optimizer
 
 
@@ -166,6 +199,8 @@ def run(config: ml_collections.ConfigDict) -> dict:
       continue
     ctx, _ = contexts[phase]
     iterate = loop.sft_iteration if phase == WARM_START else loop.grpo_iteration
+    if phase == RL and config.rollout.kind == "tree":
+      iterate = loop.tree_iteration
     bar.set_description(phase)
     while state.iteration < phase_steps[phase]:
       state, step_metrics = iterate(state, ctx)

@@ -77,3 +77,135 @@ def get_advantage_fn(name: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
     raise ValueError(f"Unknown advantage estimator {name!r} (config.advantage.name); "
                      f"known: {sorted(ADVANTAGES)}.")
   return ADVANTAGES[name]
+
+
+# --- Tree advantages (METHODS.md section 2). ---
+#
+# A tree rollout is a batch of root-to-leaf rows (rl.types.Rollout tree fields): row r of
+# group g is node `node[r]` of g's tree, forked from the row whose node id is `parent[r]`
+# (-1: a chain from the prompt) after sharing its first `prefix_len[r]` completion tokens.
+# A completion token (r, j) was decoded by its *owner* row: r itself when j >= prefix_len[r],
+# else the owner of (parent, j). Two leaves share token j exactly when their owners of j
+# agree, so a token's leaf set is {s : owner(s, j) == owner(r, j)}. A tree node is a maximal
+# run of tokens of one row with the same leaf set; along a row the leaf sets shrink at
+# each branch point, so a node starts where the leaf count drops.
+
+
+def tree_token_owners(group: jax.Array, node: jax.Array, parent: jax.Array,
+                      prefix_len: jax.Array, completion_len: int) -> jax.Array:
+  """Batch row that decoded each completion position: [B] fields -> owner [B, N].
+
+  Rows with node < 0 (unused slots) own nothing: their entries are -1.
+  """
+  rows = jnp.arange(group.shape[0])
+  is_parent = ((group[:, None] == group[None, :]) & (node[None, :] == parent[:, None])
+               & (parent[:, None] >= 0) & (node[None, :] >= 0))
+  parent_row = jnp.where(is_parent.any(axis=1), jnp.argmax(is_parent, axis=1), -1)
+  pos = jnp.arange(completion_len)[None, :]
+  owner = jnp.broadcast_to(rows[:, None], (rows.shape[0], completion_len))
+
+  def climb(owner):
+    inherited = pos < prefix_len[owner]
+    return jnp.where(inherited & (parent_row[owner] >= 0), parent_row[owner], owner)
+
+  owner = jax.lax.while_loop(lambda o: jnp.any(climb(o) != o), climb, owner)
+  return jnp.where(node[:, None] >= 0, owner, -1)
+
+
+def tree_node_values(reward: jax.Array, group: jax.Array, node: jax.Array, parent: jax.Array,
+                     prefix_len: jax.Array, completion_mask: jax.Array) -> dict[str, jax.Array]:
+  """Per-token node statistics of tree rollouts, all [B, N] (N = completion slots).
+
+  completion_mask [B, N] marks each leaf's whole completion (shared prefix included).
+  Returns owner, value (V(n): mean reward of the leaves below the token's node), leaves
+  (#leaves(n)), start (node's first completion position), parent_value (V of the node
+  before it; V(root), the group's mean leaf reward, for a node starting at position 0),
+  root_value, root_std (population std of the group's leaf rewards), and valid.
+  """
+  batch, completion_len = completion_mask.shape
+  leaf = node >= 0
+  reward = jnp.where(leaf, reward.astype(jnp.float32), 0.0)
+  owner = tree_token_owners(group, node, parent, prefix_len, completion_len)
+  valid = completion_mask & leaf[:, None]
+  ids = jnp.where(valid, owner * completion_len + jnp.arange(completion_len)[None, :],
+                  batch * completion_len)
+  segments = batch * completion_len + 1
+  total = jax.ops.segment_sum(jnp.where(valid, reward[:, None], 0.0).reshape(-1),
+                              ids.reshape(-1), segments)
+  count = jax.ops.segment_sum(valid.astype(jnp.float32).reshape(-1), ids.reshape(-1), segments)
+  leaves = jnp.where(valid, count[ids], 0.0)
+  value = jnp.where(valid, total[ids] / jnp.maximum(count[ids], 1.0), 0.0)
+  same = ((group[:, None] == group[None, :]) & leaf[None, :]).astype(jnp.float32)
+  root_count = jnp.maximum(same.sum(axis=1), 1.0)
+  root_value = same @ reward / root_count
+  root_std = jnp.sqrt(same @ (reward - root_value) ** 2 / root_count)
+  pos = jnp.arange(completion_len)[None, :]
+  previous = jnp.pad(leaves, ((0, 0), (1, 0)), constant_values=jnp.inf)[:, :-1]
+  is_start = valid & (leaves < previous)
+  start = jax.lax.cummax(jnp.where(is_start, pos, 0), axis=1)
+  before = jnp.take_along_axis(value, jnp.maximum(start - 1, 0), axis=1)
+  parent_value = jnp.where(start > 0, before, root_value[:, None])
+  return dict(owner=owner, value=value, leaves=leaves, start=start, parent_value=parent_value,
+              root_value=root_value, root_std=root_std, valid=valid,
+              is_start=is_start)
+
+
+def treerl_advantages(reward: jax.Array, group: jax.Array, node: jax.Array, parent: jax.Array,
+                      prefix_len: jax.Array, completion_mask: jax.Array,
+                      eps: float = 1e-6) -> jax.Array:
+  """TreeRL token advantages [B, N]: ((V(n) - V(root)) + (V(n) - V(parent(n)))) / sqrt(#leaves(n)).
+
+  Choice (METHODS.md leaves the scale open): the two terms are averaged, not summed, and
+  divided by the group's leaf-reward std + eps, so a tree without forks (every leaf a
+  chain from the prompt) gets exactly GRPO's advantages. Tokens of one node get one value
+  in every row that contains them; unused rows and padding get 0.
+  """
+  s = tree_node_values(reward, group, node, parent, prefix_len, completion_mask)
+  raw = 0.5 * ((s["value"] - s["root_value"][:, None]) + (s["value"] - s["parent_value"]))
+  scaled = raw / jnp.sqrt(jnp.maximum(s["leaves"], 1.0)) / (s["root_std"][:, None] + eps)
+  return jnp.where(s["valid"], scaled, 0.0)
+
+
+def sibling_advantages(reward: jax.Array, group: jax.Array, node: jax.Array, parent: jax.Array,
+                       prefix_len: jax.Array, completion_mask: jax.Array,
+                       eps: float = 1e-6) -> jax.Array:
+  """BranchGRPO-style token advantages [B, N]: a node's value normalised among its siblings,
+  (V(n) - mean_siblings V) / (std_siblings V + eps) (population std).
+
+  Siblings are the nodes with the same parent node (the root's children for nodes that
+  start at position 0), so a tree without forks gets exactly GRPO's advantages.
+  """
+  s = tree_node_values(reward, group, node, parent, prefix_len, completion_mask)
+  batch, completion_len = completion_mask.shape
+  rows = jnp.arange(batch)
+  first_row = jnp.argmax(group[:, None] == group[None, :], axis=1)
+  before = jnp.maximum(s["start"] - 1, 0)
+  parent_owner = jnp.take_along_axis(s["owner"], before, axis=1)
+  parent_id = jnp.where(s["start"] > 0, parent_owner * completion_len + before,
+                        batch * completion_len + first_row[:, None])
+  # Each node counted once: at its first token, in the row that decoded it.
+  once = s["is_start"] & (s["owner"] == rows[:, None])
+  segments = batch * completion_len + batch + 1
+  ids = jnp.where(once, parent_id, segments - 1).reshape(-1)
+  n = jax.ops.segment_sum(once.astype(jnp.float32).reshape(-1), ids, segments)
+  total = jax.ops.segment_sum(jnp.where(once, s["value"], 0.0).reshape(-1), ids, segments)
+  mean = total / jnp.maximum(n, 1.0)
+  centred = jnp.where(once, s["value"] - mean[parent_id], 0.0)
+  square = jax.ops.segment_sum((centred ** 2).reshape(-1), ids, segments)
+  std = jnp.sqrt(square / jnp.maximum(n, 1.0))
+  adv = (s["value"] - mean[parent_id]) / (std[parent_id] + eps)
+  return jnp.where(s["valid"], adv, 0.0)
+
+
+TREE_ADVANTAGES: dict[str, Callable[..., jax.Array]] = {
+    "treerl": treerl_advantages,
+    "siblings": sibling_advantages,
+}
+
+
+def get_tree_advantage_fn(name: str) -> Callable[..., jax.Array]:
+  """The registered tree estimator `name`, or a ValueError listing the known ones."""
+  if name not in TREE_ADVANTAGES:
+    raise ValueError(f"Unknown tree advantage estimator {name!r} "
+                     f"(config.rollout.tree.advantage); known: {sorted(TREE_ADVANTAGES)}.")
+  return TREE_ADVANTAGES[name]

@@ -27,6 +27,7 @@ from rl.tasks import Task
 from rl.train import TrainState
 from rl.types import Rollout
 from sampling.sampler import SamplingConfig
+from sampling.tree import ForkPolicy
 
 
 @flax.struct.dataclass
@@ -106,6 +107,9 @@ class LoopContext:
   train_step: Callable[[TrainState, Rollout], tuple[TrainState, dict]]
   advantage_fn: Callable
   staleness: int = 0  # simulated staleness k (GRPO samples with parameters k iterations old)
+  # Tree rollouts (config.rollout.kind='tree'): the fork policy and a TREE_ADVANTAGES fn.
+  tree_policy: ForkPolicy | None = None
+  tree_advantage_fn: Callable | None = None
 
 
 def sft_iteration(state: LoopState, ctx: LoopContext) -> tuple[LoopState, dict]:
@@ -146,8 +150,44 @@ def grpo_iteration(state: LoopState, ctx: LoopContext) -> tuple[LoopState, dict]
       reward_mean=float(rewards.mean()), exact_match=float(samples.exact.mean()),
       informative_groups=float(np.mean(rewards.std(axis=1) > 0)),
       completion_len=float(np.asarray(samples.rollout.completion_mask).sum(axis=1).mean()),
-      decode_steps=samples.decode_steps, staleness=float(behind))
+      decode_steps=samples.decode_steps, staleness=float(behind),
+      decoded_tokens=float(np.asarray(samples.rollout.completion_mask).sum()))
   new_state = state.replace(train=train, rng=rng, history=history,
+                            data_cursor=state.data_cursor + len(examples),
+                            iteration=state.iteration + 1)
+  return new_state, metrics
+
+
+def tree_iteration(state: LoopState, ctx: LoopContext) -> tuple[LoopState, dict]:
+  """Sample one tree per prompt (ctx.tree_policy), score its leaves, take one train step
+  with tree advantages (each shared-prefix token trained once)."""
+  if ctx.tree_policy is None or ctx.tree_advantage_fn is None:
+    raise ValueError("tree_iteration needs LoopContext.tree_policy and tree_advantage_fn "
+                     "(set config.rollout.kind='tree').")
+  rng, sample_rng = jax.random.split(state.rng)
+  examples = ctx.task.examples("train", ctx.prompts_per_step, state.data_cursor)
+  samples = rollout_lib.tree_sample_and_score(
+      state.train.params, examples, task=ctx.task, tokenizer=ctx.tokenizer, rng=sample_rng,
+      prompt_len=ctx.prompt_len, model_config=ctx.model_config,
+      sampling_config=ctx.sampling_config, policy=ctx.tree_policy,
+      advantage_fn=ctx.tree_advantage_fn, version=int(state.train.step))
+  train, metrics = ctx.train_step(state.train, samples.rollout)
+  metrics = jax.device_get(metrics)
+  leaf = samples.leaf.reshape(len(examples), -1)
+  rewards = np.asarray(samples.rollout.reward).reshape(leaf.shape)
+  count = np.maximum(leaf.sum(axis=1), 1)
+  mean = (rewards * leaf).sum(axis=1) / count
+  var = (((rewards - mean[:, None]) ** 2) * leaf).sum(axis=1) / count
+  prompt_mask = np.asarray(samples.rollout.prompt_mask)
+  full_len = (np.asarray(samples.rollout.completion_mask) | prompt_mask)[:, ctx.prompt_len:].sum(axis=1)
+  metrics.update(
+      reward_mean=float(rewards[leaf].mean()), exact_match=float(samples.exact[samples.leaf].mean()),
+      informative_groups=float(np.mean(var > 0)), leaves=float(leaf.sum()),
+      completion_len=float(full_len[samples.leaf].mean()),
+      decoded_tokens=float(samples.decoded_tokens), refed_tokens=float(samples.refed_tokens),
+      pruned_tokens=float(samples.pruned_tokens),
+      decoded_tokens_per_leaf=samples.decoded_tokens / max(int(leaf.sum()), 1))
+  new_state = state.replace(train=train, rng=rng,
                             data_cursor=state.data_cursor + len(examples),
                             iteration=state.iteration + 1)
   return new_state, metrics

@@ -13,6 +13,7 @@ from models.config import ModelConfig
 from rl.tasks import Example, Task
 from rl.types import Rollout
 from sampling.sampler import SamplingConfig, generate
+from sampling.tree import ForkPolicy, TreeGeneration, tree_generate
 
 
 class Tokenizer(Protocol):
@@ -116,3 +117,65 @@ def sample_and_score(params, examples: Sequence[Example], *, task: Task, tokeniz
                     group=group, reward=reward, advantages=advantages)
   return ScoredSamples(rollout=rollout, completions=completions, exact=exact,
                        decode_steps=int(generation.decode_steps))
+
+
+@dataclasses.dataclass
+class ScoredTree:
+  """A sampled, scored tree batch: the Rollout (tree fields set), the leaves' texts and
+  exact-match flags (unused rows: '' and False), the leaf mask and the decode counters."""
+  rollout: Rollout
+  completions: list[str]
+  exact: np.ndarray
+  leaf: np.ndarray
+  decoded_tokens: int
+  refed_tokens: int
+  pruned_tokens: int
+
+
+def tree_rollout(generation: TreeGeneration, reward: jax.Array, group: jax.Array,
+                 advantage_fn: Callable[..., jax.Array]) -> Rollout:
+  """The training batch of a tree: every shared-prefix token is trained once.
+
+  Row r keeps its whole root-to-leaf sequence as context, but its first prefix_len[r]
+  completion tokens (decoded by an ancestor row, which trains them) move from
+  completion_mask to prompt_mask: the loss sees each tree token once, in the row that
+  decoded it, with its node's advantage (`advantage_fn`, a TREE_ADVANTAGES estimator).
+  """
+  prompt_len = generation.tokens.shape[1] - generation.entropy.shape[1]
+  full = generation.completion_mask[:, prompt_len:]
+  token_adv = advantage_fn(reward, group, generation.node, generation.parent,
+                           generation.prefix_len, full)
+  pos = jnp.arange(full.shape[1])[None, :]
+  shared = full & (pos < generation.prefix_len[:, None])
+  pad = lambda x: jnp.pad(x, ((0, 0), (prompt_len, 0)))
+  shared, own = pad(shared), pad(full & ~(pos < generation.prefix_len[:, None]))
+  return Rollout(
+      tokens=generation.tokens, prompt_mask=generation.prompt_mask | shared,
+      completion_mask=own, behavior_logp=generation.behavior_logp,
+      version=generation.version, group=group, reward=reward,
+      advantages=pad(token_adv) * own, node=generation.node, parent=generation.parent,
+      depth=generation.depth, prefix_len=generation.prefix_len)
+
+
+def tree_sample_and_score(params, examples: Sequence[Example], *, task: Task,
+                          tokenizer: Tokenizer, rng: jax.Array, prompt_len: int,
+                          model_config: ModelConfig, sampling_config: SamplingConfig,
+                          policy: ForkPolicy, advantage_fn: Callable[..., jax.Array],
+                          version: int = 0) -> ScoredTree:
+  """Samples one tree per example (policy.leaves rows each, contiguous), scores the
+  leaves and computes tree advantages. Unused rows get reward 0 and no tokens."""
+  prompt_tokens, prompt_mask = encode_prompts(tokenizer, [e.prompt for e in examples], prompt_len)
+  generation = tree_generate(params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), rng,
+                             model_config, sampling_config, policy, version)
+  tokens, completion_mask, leaf = jax.device_get(
+      (generation.tokens, generation.completion_mask, generation.leaf))
+  completions = decode_completions(tokenizer, tokens, completion_mask)
+  repeated = [e for e in examples for _ in range(policy.leaves)]
+  rewards, exact = score(task, repeated, completions)
+  rewards, exact = np.where(leaf, rewards, 0.0), exact & leaf
+  group = jnp.repeat(jnp.arange(len(examples), dtype=jnp.int32), policy.leaves)
+  rollout = tree_rollout(generation, jnp.asarray(rewards, jnp.float32), group, advantage_fn)
+  return ScoredTree(rollout=rollout, completions=completions, exact=exact, leaf=leaf,
+                    decoded_tokens=int(generation.decoded_tokens),
+                    refed_tokens=int(generation.refed_tokens),
+                    pruned_tokens=int(generation.pruned_tokens))

@@ -20,6 +20,11 @@ class Rollout:
   for tree rollouts); prox_logp [B, T] optional log-probs under the parameters at the start
   of this update (decoupled PPO); ref_logp [B, T] optional reference-policy log-probs (KL).
   Tree fields (node, parent, depth, prefix_len; [B] each) are None for independent samples.
+  For tree rollouts (sampling/tree.py) each row is a root-to-leaf path: node is its id in
+  its group's tree (-1: unused row), parent the node it forked from (-1: a chain from the
+  prompt), depth its fork generation, prefix_len the completion tokens it shares with the
+  parent. Those shared tokens are in prompt_mask (context), not completion_mask: every
+  tree token is trained once, in the row that decoded it (rl.rollout.tree_rollout).
   """
   tokens: jax.Array
   prompt_mask: jax.Array

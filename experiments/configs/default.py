@@ -32,6 +32,22 @@ def get_config() -> ml_collections.ConfigDict:
   c.rollout.top_p = 1.0               # 1.0 = off
   c.rollout.group_size = 8            # completions per prompt (G)
   c.rollout.prompts_per_step = 32     # prompts per GRPO step
+  c.rollout.kind = "independent"      # "independent": group_size samples per prompt;
+                                      # "tree": one tree per prompt (sampling/tree.py)
+  c.rollout.tree = ml_collections.ConfigDict()  # used when kind == "tree"
+  c.rollout.tree.policy = "entropy"   # entropy (TreeRL) | segments (TreePO) | lookahead (LATR)
+  c.rollout.tree.advantage = "treerl"  # rl/advantages.py TREE_ADVANTAGES: treerl | siblings
+  c.rollout.tree.init_chains = 4      # chains grown from each prompt (M)
+  c.rollout.tree.fork_points = 2      # entropy: forks per round at the N highest-entropy tokens
+  c.rollout.tree.branches = 2         # entropy: branches per fork point (B); segments: b
+  c.rollout.tree.rounds = 1           # entropy: fork rounds (L); leaves = M + L*N*B
+  c.rollout.tree.segment_len = 2      # segments: tokens between branchings (S)
+  c.rollout.tree.max_depth = 2        # segments: branchings; leaves = M * b**max_depth
+  c.rollout.tree.leaves = 8           # lookahead: leaf budget per prompt
+  c.rollout.tree.top_k = 2            # lookahead: 1 + children per branching
+  c.rollout.tree.min_entropy = 1.0    # lookahead: branch when sampling entropy (nats) >= this
+  c.rollout.tree.lookahead_steps = 2  # lookahead: window before a child is checked
+  c.rollout.tree.prune_similarity = 1.0  # lookahead: prune when this fraction matches parent
 
   c.warm_start = ml_collections.ConfigDict()
   c.warm_start.steps = 500            # supervised steps on reference answers (0 = skip)

@@ -1,0 +1,50 @@
+"""`experiments.train` with config.rollout.kind='tree' runs end to end (tiny shapes)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from experiments import train
+from experiments.configs import default
+from sampling import tree
+
+
+def _config(workdir, **tree_fields):
+  c = default.get_config()
+  c.workdir = str(workdir)
+  c.task.eval_size = 16
+  c.eval.batch_size = 16
+  c.warm_start.steps = 2
+  c.warm_start.batch_size = 8
+  c.rl.steps = 2
+  c.rollout.prompts_per_step = 2
+  c.rollout.kind = "tree"
+  c.rollout.tree.update(init_chains=2, fork_points=1, branches=2, rounds=1, **tree_fields)
+  return c
+
+
+def test_tree_run_end_to_end(tmp_path):
+  summary = train.run(_config(tmp_path))
+  assert summary["steps"] == 4 and summary["nonfinite_updates"] == 0
+  records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  rl = [r for r in records if r["phase"] == "rl" and "loss" in r]
+  assert len(rl) == 2
+  for r in rl:
+    assert r["leaves"] == 2 * 4
+    assert 0 < r["decoded_tokens"] <= r["leaves"] * r["completion_len"]
+
+
+def test_fork_policy_from_config(tmp_path):
+  c = _config(tmp_path, policy="segments", segment_len=2, max_depth=2)
+  assert train.build_fork_policy(c.rollout.tree) == tree.FixedSegments(2, 2, 2, 2)
+  c.rollout.tree.policy = "lookahead"
+  assert isinstance(train.build_fork_policy(c.rollout.tree), tree.Lookahead)
+  c.rollout.tree.policy = "beam"
+  with pytest.raises(ValueError, match="config.rollout.tree.policy"):
+    train.validate(c)
+  c.rollout.tree.policy = "entropy"
+  c.rollout.kind = "forest"
+  with pytest.raises(ValueError, match="config.rollout.kind"):
+    train.validate(c)
