@@ -48,11 +48,12 @@ class Ledger:
 @dataclasses.dataclass
 class RoundStats:
   """What one `next_batch` did: ids of the groups it started, finished (taken) and discarded (data
-  positions), decode steps run, tokens generated and idle slot-steps (rows x steps that
-  generated nothing because the row was finished or empty)."""
+  positions), rounds and decode steps run, tokens generated and idle slot-steps (rows x
+  steps that generated nothing because the row was finished or empty)."""
   started: np.ndarray
   finished: np.ndarray
   discarded: np.ndarray
+  rounds: int
   decode_steps: int
   generated_tokens: int
   idle_slot_steps: int
@@ -107,11 +108,35 @@ class PartialRollouts:
     self.ledger.discarded += int((ids >= 0).sum())
     return np.sort(ids[ids >= 0])
 
+  def _rounds(self, params, version: int, rng: jax.Array, target: int,
+              empty_counts_as_complete: bool = False) -> tuple[int, int, int]:
+    """Runs rounds (each at most decode_window steps) until `target` groups are complete
+    (or, with `empty_counts_as_complete`, every occupied one is). Returns (rounds, decode
+    steps, tokens generated)."""
+    rounds = steps = generated = 0
+    while True:
+      complete = partial.complete_groups(self.pool)
+      if empty_counts_as_complete:
+        complete = complete | (np.asarray(jax.device_get(self.pool.group_id)) < 0)
+      if complete.sum() >= target:
+        return rounds, steps, generated
+      rng, key = jax.random.split(rng)
+      before = int(self.pool.sampler.token_mask.sum())
+      self.pool = self.pool.replace(sampler=self.pool.sampler.replace(rng=key))
+      self.pool = partial.run_round(params, self.pool, version, target, self.model_config,
+                                    self.sampling_config, self.partial_config,
+                                    full_refresh=self.needs_full_refresh)
+      self.needs_full_refresh = False
+      rounds += 1
+      steps += int(self.pool.sampler.step)
+      generated += int(self.pool.sampler.token_mask.sum()) - before
+
   def next_batch(self, params, version: int, rng: jax.Array, cursor: int,
                  train_step: int | None = None) -> tuple[Generation, np.ndarray, int, RoundStats]:
-    """One round: discard stale groups, refill, decode, take the oldest complete groups.
+    """Discards stale groups, refills free slots, runs rounds until `target_groups` groups
+    are complete, and takes the oldest complete ones.
 
-    `version` is recorded on the tokens this round generates; `train_step` (default
+    `version` is recorded on the tokens generated now; `train_step` (default
     `version`) is the trainer step the batch will be trained at (for the staleness bound);
     `cursor` is the next data position to start. Returns (generation [target*G, P+N] in
     the plain sampler layout, the taken groups' data positions [target], the new cursor,
@@ -135,26 +160,16 @@ class PartialRollouts:
       self.pool = partial.fill(self.pool, jnp.asarray(free), jnp.asarray(prompt_tokens),
                                jnp.asarray(prompt_mask), jnp.asarray(new_ids))
       self.ledger.started += int(free.sum())
-    tokens_before = int(self.pool.sampler.token_mask.sum())
-    self.pool = self.pool.replace(sampler=self.pool.sampler.replace(rng=rng))
-    self.pool = partial.run_round(params, self.pool, version, self.target_groups,
-                                  self.model_config, self.sampling_config, self.partial_config,
-                                  full_refresh=self.needs_full_refresh)
-    self.needs_full_refresh = False
-    steps = int(self.pool.sampler.step)
-    generated = int(self.pool.sampler.token_mask.sum()) - tokens_before
+    rounds, steps, generated = self._rounds(params, version, rng, self.target_groups)
 
     group_id = np.asarray(jax.device_get(self.pool.group_id))
     complete = np.flatnonzero(partial.complete_groups(self.pool))
     taken = complete[np.argsort(group_id[complete], kind="stable")][:self.target_groups]
-    if len(taken) < self.target_groups:
-      raise RuntimeError(f"Round ended with {len(taken)} complete groups < target "
-                         f"{self.target_groups}; the pool is inconsistent.")
     generation = partial.take(self.pool, taken, self.sampling_config)
     self._clear(np.isin(np.arange(ids.shape[0]), taken))
     self.ledger.finished += len(taken)
     stats = RoundStats(started=new_ids[free], finished=group_id[taken], discarded=ids[discarded],
-                       decode_steps=steps, generated_tokens=generated,
+                       rounds=rounds, decode_steps=steps, generated_tokens=generated,
                        idle_slot_steps=self.partial_config.num_slots * steps - generated)
     return generation, group_id[taken], cursor + int(free.sum()), stats
 
@@ -163,27 +178,15 @@ class PartialRollouts:
     """Finishes every group in flight without starting new ones (end of a run, or a fair
     end point for benchmarks) and takes them all, oldest first. Returns (generation or
     None when the pool is empty, data positions, stats summed over the rounds run)."""
-    steps = generated = idle = 0
-    while True:
-      group_id = np.asarray(jax.device_get(self.pool.group_id))
-      if (partial.complete_groups(self.pool) | (group_id < 0)).all():
-        break
-      rng, key = jax.random.split(rng)
-      before = int(self.pool.sampler.token_mask.sum())
-      self.pool = self.pool.replace(sampler=self.pool.sampler.replace(rng=key))
-      self.pool = partial.run_round(params, self.pool, version, self.partial_config.num_groups,
-                                    self.model_config, self.sampling_config, self.partial_config,
-                                    full_refresh=self.needs_full_refresh)
-      self.needs_full_refresh = False
-      round_steps = int(self.pool.sampler.step)
-      round_generated = int(self.pool.sampler.token_mask.sum()) - before
-      steps, generated = steps + round_steps, generated + round_generated
-      idle += self.partial_config.num_slots * round_steps - round_generated
+    rounds, steps, generated = self._rounds(params, version, rng, self.partial_config.num_groups,
+                                    empty_counts_as_complete=True)
+    group_id = np.asarray(jax.device_get(self.pool.group_id))
     occupied = np.flatnonzero(group_id >= 0)
     taken = occupied[np.argsort(group_id[occupied], kind="stable")]
     stats = RoundStats(started=np.zeros((0,), np.int32), finished=group_id[taken],
-                       discarded=np.zeros((0,), np.int32), decode_steps=steps,
-                       generated_tokens=generated, idle_slot_steps=idle)
+                       discarded=np.zeros((0,), np.int32), rounds=rounds, decode_steps=steps,
+                       generated_tokens=generated,
+                       idle_slot_steps=self.partial_config.num_slots * steps - generated)
     if not len(taken):
       return None, group_id[taken], stats
     generation = partial.take(self.pool, taken, self.sampling_config)

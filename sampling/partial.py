@@ -9,12 +9,14 @@ first in the next round, under the parameters passed to that round. Empty group 
 refilled with new prompts (`fill`). Nothing is dropped here: a row leaves the pool only
 through `take` or `clear`, so the caller can account for every started sequence.
 
-Layout. Rows have S = P + 2N slots (P prompt slots, N = max_new_tokens). Between rounds
-every row is right-aligned so that its content (left-padded prompt, then the k < N tokens
-generated so far) ends at the resume slot C = P + N; `start[r] = C - P - k` is where its
-prompt region begins. All rows then write their next token at the same slot (the sampler's
-shared scalar cache index), and the N slots [C, S) are enough for any row to finish. After
-the round, each row is shifted left so that it ends at C again.
+Layout. Rows have S = P + N + D slots (P prompt slots, N = max_new_tokens, D =
+decode_window <= N). Between rounds every row is right-aligned so that its content
+(left-padded prompt, then the k < N tokens generated so far) ends at the resume slot
+C = P + N; `start[r] = C - P - k` is where its prompt region begins. All rows then write
+their next token at the same slot (the sampler's shared scalar cache index); a round
+decodes at most D steps (with D = N any row can finish in one round; a smaller D shrinks
+the KV cache, which every decode step reads, at the price of more rounds). After the round,
+each row is shifted left so that it ends at C again.
 
 Resumption (`PartialConfig.resume`). Before decoding, a round recomputes the keys/values of
 the last W slots [C - W, C) of every row under the round's parameters:
@@ -57,10 +59,12 @@ class PartialConfig:
       needs); a multiple of group_size.
     group_size: completions G per prompt; a group is trained only when all G are complete.
     resume: 'reprefill' or 'kept_kv' (module docstring: cost vs exactness trade-off).
+    decode_window: most decode steps per round, D (0: max_new_tokens).
   """
   num_slots: int
   group_size: int
   resume: str = "reprefill"
+  decode_window: int = 0
 
   def __post_init__(self):
     if self.group_size <= 0 or self.num_slots <= 0:
@@ -69,6 +73,9 @@ class PartialConfig:
     if self.num_slots % self.group_size:
       raise ValueError(f"PartialConfig.num_slots={self.num_slots} must be a multiple of "
                        f"group_size={self.group_size} (rows are allocated in whole groups).")
+    if self.decode_window < 0:
+      raise ValueError(f"PartialConfig.decode_window={self.decode_window} must be >= 0 "
+                       "(0 = max_new_tokens).")
     if self.resume not in RESUME_MODES:
       raise ValueError(f"PartialConfig.resume={self.resume!r}; use one of {RESUME_MODES}.")
 
@@ -81,32 +88,32 @@ class PartialConfig:
 class RolloutPool:
   """The rows of a partial-rollout pool, between rounds (every row ends at slot C = P + N).
 
-  sampler: SamplerState over R rows of S = P + 2N slots; its static `prompt_len` is C (the
-    first slot a round decodes into) and `step` the decode steps of the last round.
+  sampler: SamplerState over R rows of S = P + N + D slots; its static `prompt_len` is C
+    (the first slot a round decodes into) and `step` the decode steps of the last round.
   start [R] int32: first slot of each row's P-slot prompt region.
   group_id [R / G] int32: caller's id of the group in each group slot (-1: empty).
-  prompt_slots: P (static).
+  prompt_slots: P; max_new_tokens: N (static).
   """
   sampler: SamplerState
   start: jax.Array
   group_id: jax.Array
   prompt_slots: int = flax.struct.field(pytree_node=False)
+  max_new_tokens: int = flax.struct.field(pytree_node=False)
 
   @property
   def resume_slot(self) -> int:
     return self.sampler.prompt_len
-
-  @property
-  def max_new_tokens(self) -> int:
-    return self.sampler.tokens.shape[1] - self.sampler.prompt_len
 
 
 def init_pool(partial_config: PartialConfig, model_config: ModelConfig,
               sampling_config: SamplingConfig, prompt_slots: int, rng: jax.Array) -> RolloutPool:
   """An empty pool: every group slot free, every row done, an all-zero KV cache."""
   rows, n = partial_config.num_slots, sampling_config.max_new_tokens
+  window = partial_config.decode_window
+  if window > n:
+    raise ValueError(f"PartialConfig.decode_window={window} exceeds max_new_tokens={n}.")
   resume_slot = prompt_slots + n
-  slots = resume_slot + n
+  slots = resume_slot + (window or n)
   sampler = SamplerState(
       tokens=jnp.full((rows, slots), sampling_config.pad_id, jnp.int32),
       token_mask=jnp.zeros((rows, slots), bool),
@@ -119,7 +126,7 @@ def init_pool(partial_config: PartialConfig, model_config: ModelConfig,
       prompt_len=resume_slot)
   return RolloutPool(sampler=sampler, start=jnp.full((rows,), resume_slot - prompt_slots, jnp.int32),
                      group_id=jnp.full((partial_config.num_groups,), -1, jnp.int32),
-                     prompt_slots=prompt_slots)
+                     prompt_slots=prompt_slots, max_new_tokens=n)
 
 
 def _rows(group_mask: jax.Array, group_size: int) -> jax.Array:
@@ -201,7 +208,8 @@ def run_round(params, pool: RolloutPool, version: jax.Array, target_groups: jax.
               model_config: ModelConfig, sampling_config: SamplingConfig,
               partial_config: PartialConfig, full_refresh: bool = False) -> RolloutPool:
   """One round: refresh the KV of the resume window, then decode until `target_groups`
-  group slots are complete (counting ones already complete) or every row is done.
+  group slots are complete (counting ones already complete), every row is done, or the
+  round's D decode steps are used up.
 
   `version` is recorded on every token this round generates. `full_refresh` forces the
   'reprefill' window (after a restore, when the pool has no KV cache).
@@ -248,14 +256,17 @@ def take(pool: RolloutPool, group_slots, sampling_config: SamplingConfig) -> Gen
   rows = (np.asarray(group_slots, np.int32)[:, None] * g + np.arange(g)).reshape(-1)
   s = pool.sampler
   index = jnp.asarray(pool.start)[rows][:, None] + jnp.arange(p + n)[None, :]
-  gather = lambda buf: jnp.take_along_axis(buf[rows], index, axis=1)
-  tokens, token_mask = gather(s.tokens), gather(s.token_mask)
+  inside = index < s.tokens.shape[1]  # rows end at C; slots past S would be empty anyway
+  index = jnp.minimum(index, s.tokens.shape[1] - 1)
+  gather = lambda buf, empty: jnp.where(inside, jnp.take_along_axis(buf[rows], index, axis=1),
+                                        empty)
+  tokens, token_mask = gather(s.tokens, sampling_config.pad_id), gather(s.token_mask, False)
   is_completion = jnp.arange(p + n)[None, :] >= p
   completion_mask = token_mask & is_completion
   stop_ids = jnp.asarray(sampling_config.stop_tokens or (-1,), jnp.int32)
   stopped = (completion_mask & jnp.isin(tokens, stop_ids)).any(axis=1)
   return Generation(tokens=tokens, prompt_mask=token_mask & ~is_completion,
-                    completion_mask=completion_mask, behavior_logp=gather(s.behavior_logp),
-                    version=gather(s.version),
+                    completion_mask=completion_mask, behavior_logp=gather(s.behavior_logp, 0.0),
+                    version=gather(s.version, -1),
                     completion_len=completion_mask.sum(axis=1).astype(jnp.int32),
                     stopped=stopped, decode_steps=s.step)
