@@ -133,9 +133,10 @@ def main(argv):
                                    stop_tokens=tuple(int(s) for s in _STOPS.value))
   common = (params, model_config, sampling_config, _BATCHES.value, _GROUPS.value,
             _GROUP_SIZE.value, _PROMPT.value)
+  pool = (_RATIO.value, _WINDOW.value)
   methods = {"sync": lambda: run_sync(*common),
-             "partial (reprefill)": lambda: run_partial(*common, _RATIO.value, "reprefill", _WINDOW.value),
-             "partial (kept_kv)": lambda: run_partial(*common, _RATIO.value, "kept_kv", _WINDOW.value)}
+             "partial (reprefill)": lambda: run_partial(*common, pool[0], "reprefill", pool[1]),
+             "partial (kept_kv)": lambda: run_partial(*common, pool[0], "kept_kv", pool[1])}
   for fn in methods.values():  # compile everything first
     fn()
   results = {}
@@ -163,6 +164,7 @@ def main(argv):
     per_s = r["sequences"] / r["seconds"]
     sync_step = sync["sequences"] / sync["decode_steps"]
     sync_s = sync["sequences"] / sync["seconds"]
+    idle_fraction = r["idle_slot_steps"] / (r["idle_slot_steps"] + r["generated_tokens"])
     if "ledger" in r:
       led = r["ledger"]
       conservation = (f"{led['started']} = {led['finished']} + {led['discarded']} + "
@@ -171,7 +173,7 @@ def main(argv):
       conservation = "n/a (every batch runs to completion)"
     lines.append(f"| {name} | {r['sequences']} | {r['decode_steps']} | {per_step:.3f} | "
                  f"{per_step / sync_step:.2f}x | {per_s:.0f} | {per_s / sync_s:.2f}x | "
-                 f"{r['idle_slot_steps']} ({r['idle_slot_steps'] / (r['idle_slot_steps'] + r['generated_tokens']):.0%}) | "
+                 f"{r['idle_slot_steps']} ({idle_fraction:.0%}) | "
                  f"{r['prefill_tokens']} | {conservation} |")
   for name, r in results.items():
     if "ledger" in r:

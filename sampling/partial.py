@@ -124,7 +124,8 @@ def init_pool(partial_config: PartialConfig, model_config: ModelConfig,
       next_position=jnp.zeros((rows,), jnp.int32),
       cache=transformer.init_cache(model_config, rows, slots), rng=rng,
       prompt_len=resume_slot)
-  return RolloutPool(sampler=sampler, start=jnp.full((rows,), resume_slot - prompt_slots, jnp.int32),
+  start = jnp.full((rows,), resume_slot - prompt_slots, jnp.int32)
+  return RolloutPool(sampler=sampler, start=start,
                      group_id=jnp.full((partial_config.num_groups,), -1, jnp.int32),
                      prompt_slots=prompt_slots, max_new_tokens=n)
 
@@ -165,8 +166,8 @@ def fill(pool: RolloutPool, group_mask: jax.Array, prompt_tokens: jax.Array,
   region = (slice(None), slice(c - p, c))
   tokens = s.tokens.at[region].set(
       jnp.where(rows[:, None], jnp.repeat(prompt_tokens, g, axis=0), s.tokens[region]))
-  token_mask = s.token_mask.at[region].set(
-      jnp.where(rows[:, None], jnp.repeat(prompt_mask.astype(bool), g, axis=0), s.token_mask[region]))
+  new_mask = jnp.repeat(prompt_mask.astype(bool), g, axis=0)
+  token_mask = s.token_mask.at[region].set(jnp.where(rows[:, None], new_mask, s.token_mask[region]))
   sampler = s.replace(tokens=tokens, token_mask=token_mask, done=s.done & ~rows)
   return pool.replace(sampler=sampler, start=jnp.where(rows, c - p, pool.start),
                       group_id=jnp.where(group_mask, group_id, pool.group_id))
