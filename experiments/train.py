@@ -29,12 +29,16 @@ from models import transformer
 from models.config import get_preset
 from models.tokenizer import CharTokenizer
 from rl import advantages
+from rl import async_loop
 from rl import checkpoint
 from rl import evaluation
 from rl import loop
+from rl import partial_rollout
 from rl import train
+from rl import trajectory_store
 from rl.tasks import make_task
 from sampling import tree as tree_lib
+from sampling.partial import PartialConfig
 from sampling.sampler import SamplingConfig
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "configs", "default.py")
@@ -70,8 +74,9 @@ def rows_per_prompt(config) -> int:
 def validate(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the inconsistent fields and how to fix them."""
   r = config.rollout
-  if r.kind not in ("independent", "tree"):
-    raise ValueError(f"config.rollout.kind = {r.kind!r}; use 'independent' or 'tree'.")
+  if r.kind not in ("independent", "tree", "partial"):
+    raise ValueError(f"config.rollout.kind = {r.kind!r}; use 'independent', 'tree' or "
+                     "'partial'.")
   rows = r.prompts_per_step * rows_per_prompt(config)
   if rows % config.rl.num_microbatches:
     raise ValueError(f"config.rollout.prompts_per_step * group_size = {rows} is not divisible "
@@ -80,7 +85,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if config.warm_start.batch_size % config.rl.num_microbatches:
     raise ValueError(f"config.warm_start.batch_size = {config.warm_start.batch_size} is not "
                      f"divisible by config.rl.num_microbatches = {config.rl.num_microbatches}.")
-  if r.kind == "independent" and r.group_size < 2:
+  if r.kind in ("independent", "partial") and r.group_size < 2:
     raise ValueError(f"config.rollout.group_size = {r.group_size}: group-relative advantages "
                      "need at least 2 completions per prompt.")
   if config.rl.staleness < 0:
@@ -89,6 +94,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ValueError("config.warm_start.steps and config.rl.steps must be >= 0.")
   if config.eval.every <= 0 or config.checkpoint.every <= 0:
     raise ValueError("config.eval.every and config.checkpoint.every must be positive.")
+  if config.rl.async_ and (r.kind == "tree" or config.rl.staleness):
+    raise ValueError("config.rl.async_ runs independent or partial rollouts with real "
+                     "staleness; set config.rollout.kind to 'independent' or 'partial' and "
+                     "config.rl.staleness = 0 (simulated staleness is for the sync loop).")
+  if config.rl.max_staleness < 0:
+    raise ValueError(f"config.rl.max_staleness = {config.rl.max_staleness} must be >= 0.")
 
 
 def build_model_config(config, tokenizer):
@@ -135,6 +146,33 @@ def make_context(config, task, tokenizer, model_config, phase):
   return ctx, optimizer
 
 
+def make_rl_producer(config, ctx, store):
+  """The RL phase's batch producer (rl.loop.Producer) and its partial-rollout pool (None
+  for sync sampling). With config.rollout.replay_size, every produced batch is also kept
+  in the trajectory store's replay ring, keyed by the train step it is trained at."""
+  rollouts = None
+  produce = loop.plain_producer(ctx)
+  r = config.rollout
+  if r.kind == "partial":
+    slots = r.num_slots or 2 * r.prompts_per_step * r.group_size
+    rollouts = partial_rollout.for_task(
+        ctx, PartialConfig(num_slots=slots, group_size=r.group_size, resume=r.resume,
+                           decode_window=r.decode_window),
+        max_staleness=config.rl.max_staleness)
+    produce = partial_rollout.producer(ctx, rollouts)
+  if not r.replay_size:
+    return produce, rollouts
+
+  def produce_and_keep(params, version, train_step, rng, cursor):
+    samples, extra, cursor = produce(params, version, train_step, rng, cursor)
+    b = samples.rollout
+    store.append_replay(train_step, jax.device_get(dict(
+        tokens=b.tokens, prompt_mask=b.prompt_mask, completion_mask=b.completion_mask,
+        behavior_logp=b.behavior_logp, version=b.version, group=b.group, reward=b.reward)))
+    return samples, extra, cursor
+  return produce_and_keep, rollouts
+
+
 def run(config: ml_collections.ConfigDict) -> dict:
   """Runs (or resumes) the configured job and returns its summary."""
   validate(config)
@@ -164,14 +202,26 @@ def run(config: ml_collections.ConfigDict) -> dict:
   manager = checkpoint.make_manager(os.path.join(config.workdir, "checkpoints"),
                                     config.checkpoint.max_to_keep)
   log = metrics.MetricsLog(os.path.join(config.workdir, "metrics.jsonl"))
+  # Unfinished partial rollouts and the replay ring live in a zarr3 trajectory store.
+  store = None
+  if config.rollout.kind == "partial" or config.rollout.replay_size:
+    store = trajectory_store.TrajectoryStore(os.path.join(config.workdir, "trajectories"),
+                                             config.rollout.replay_size)
+  produce, rollouts = make_rl_producer(config, contexts[RL][0], store)
   restored = checkpoint.restore_latest(manager, state) if config.resume else None
   if restored is not None:
     step, state, meta = restored
     state = state.replace(data_cursor=meta["data_cursor"], iteration=meta["iteration"])
     log.truncate_after(step)
+    if rollouts is not None and "partial_ledger" in meta:
+      rollouts.load(store.load_pool(step, partial_rollout.POOL_FIELDS), meta["partial_ledger"])
+    if store is not None:
+      store.truncate_after(int(state.train.step) - 1 if meta["phase"] == RL else -1)
     logging.info("Resumed from checkpoint step %d (%s).", step, meta["phase"])
   else:
     log.truncate_after(-1)
+    if store is not None:
+      store.truncate_after(-1)
 
   phase_steps = {WARM_START: config.warm_start.steps, RL: config.rl.steps}
   done = (0 if meta["phase"] == WARM_START else phase_steps[WARM_START]) + state.iteration
@@ -179,9 +229,23 @@ def run(config: ml_collections.ConfigDict) -> dict:
                   dynamic_ncols=True)
 
   def save():
+    extra = {}
+    if rollouts is not None:  # the pool snapshot first: the checkpoint is the commit point
+      store.save_pool(done, rollouts.arrays())
+      extra["partial_ledger"] = rollouts.ledger.as_dict()
     checkpoint.save(manager, done, state, dict(meta, data_cursor=state.data_cursor,
-                                               iteration=state.iteration))
+                                               iteration=state.iteration, **extra))
     log.close()  # TensorBoard events up to the checkpoint reach disk with it
+    if rollouts is not None:
+      store.prune(manager.all_steps())
+
+  def record_step(phase, step_metrics):
+    nonlocal done
+    done += 1
+    record = {"step": done, "phase": phase, **{k: float(v) for k, v in step_metrics.items()}}
+    log.write(record)
+    bar.update(1)
+    bar.set_postfix({k: f"{record[k]:.3f}" for k in ("loss", "reward_mean") if k in record})
 
   def evaluate_now(label):
     result = held_out(state.train.params)
@@ -198,17 +262,26 @@ def run(config: ml_collections.ConfigDict) -> dict:
     if meta["phase"] != phase:
       continue
     ctx, _ = contexts[phase]
-    iterate = loop.sft_iteration if phase == WARM_START else loop.grpo_iteration
-    if phase == RL and config.rollout.kind == "tree":
-      iterate = loop.tree_iteration
     bar.set_description(phase)
     while state.iteration < phase_steps[phase]:
-      state, step_metrics = iterate(state, ctx)
-      done += 1
-      record = {"step": done, "phase": phase, **{k: float(v) for k, v in step_metrics.items()}}
-      log.write(record)
-      bar.update(1)
-      bar.set_postfix({k: f"{record[k]:.3f}" for k in ("loss", "reward_mean") if k in record})
+      if phase == WARM_START:
+        state, step_metrics = loop.sft_iteration(state, ctx)
+        record_step(phase, step_metrics)
+      elif config.rollout.kind == "tree":
+        state, step_metrics = loop.tree_iteration(state, ctx)
+        record_step(phase, step_metrics)
+      elif config.rl.async_:
+        # Run up to the next evaluation / checkpoint / end; nothing is in flight after it.
+        boundary = min(phase_steps[phase],
+                       *((state.iteration // every + 1) * every
+                         for every in (config.eval.every, config.checkpoint.every)))
+        state, _ = async_loop.run_async(
+            state, ctx, produce, boundary - state.iteration,
+            max_staleness=config.rl.max_staleness,
+            on_step=lambda _, step_metrics: record_step(RL, step_metrics))
+      else:
+        state, step_metrics = loop.grpo_iteration(state, ctx, produce)
+        record_step(phase, step_metrics)
       if phase == RL and state.iteration % config.eval.every == 0:
         evaluate_now("eval")
       if state.iteration % config.checkpoint.every == 0 and state.iteration < phase_steps[phase]:
@@ -235,6 +308,8 @@ def run(config: ml_collections.ConfigDict) -> dict:
              "warm_start_reward": warm["eval_reward"], "final_reward": final["eval_reward"],
              "steps": done, "wall_time_s": time.time() - started,
              "nonfinite_updates": int(state.train.nonfinite_updates)}
+  if rollouts is not None:
+    summary["partial_ledger"] = rollouts.ledger.as_dict()
   with open(os.path.join(config.workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2)
   log.close()

@@ -1,5 +1,8 @@
 """The synchronous rollout -> score -> train loop (supervised warm start, then GRPO).
 
+The asynchronous loop (rl/async_loop.py) runs the same producers and `train_on` from two
+threads; partial rollouts (rl/partial_rollout.py) are a producer.
+
 Each iteration is a plain function of explicit state, so a launcher (experiments/train.py)
 can checkpoint between any two of them and resume exactly: the data cursor, RNG and
 TrainState are all the loop carries.
@@ -123,37 +126,70 @@ def sft_iteration(state: LoopState, ctx: LoopContext) -> tuple[LoopState, dict]:
   return new_state, jax.device_get(metrics)
 
 
-def grpo_iteration(state: LoopState, ctx: LoopContext) -> tuple[LoopState, dict]:
-  """Sample G completions for each of the next prompts, score them, take one train step.
+# A producer makes one scored batch: (params, version, train_step, rng, cursor) ->
+# (samples, extra metrics, new cursor). `version` is recorded on the generated tokens;
+# `train_step` is the trainer step the batch will be trained at; `cursor` is the next
+# train-split position. The sync loop calls it inline, the async loop from a thread.
+Producer = Callable[..., tuple[rollout_lib.ScoredSamples, dict, int]]
 
-  With ctx.staleness = k > 0 the samples come from the parameters of iteration
-  max(t - k, 0) (state.history) and carry that version.
-  """
-  rng, sample_rng = jax.random.split(state.rng)
-  examples = ctx.task.examples("train", ctx.prompts_per_step, state.data_cursor)
-  params, version, history = state.train.params, state.train.step, state.history
-  if ctx.staleness:
-    if history is None or history.version.shape[0] != ctx.staleness:
-      raise ValueError(f"LoopContext.staleness={ctx.staleness} needs LoopState.history = "
-                       f"init_history(params, {ctx.staleness}).")
-    params, version, history = stale_params(history, state.iteration, params, version)
-  samples = rollout_lib.sample_and_score(
-      params, examples, task=ctx.task, tokenizer=ctx.tokenizer, rng=sample_rng,
-      group_size=ctx.group_size, prompt_len=ctx.prompt_len, model_config=ctx.model_config,
-      sampling_config=ctx.sampling_config, advantage_fn=ctx.advantage_fn,
-      version=version)
-  behind = int(state.train.step) - int(version)
-  train, metrics = ctx.train_step(state.train, samples.rollout)
+
+def plain_producer(ctx: LoopContext) -> Producer:
+  """G fresh completions for each of the next `prompts_per_step` prompts (sync sampling)."""
+  def produce(params, version, train_step, rng, cursor):
+    del train_step
+    examples = ctx.task.examples("train", ctx.prompts_per_step, cursor)
+    samples = rollout_lib.sample_and_score(
+        params, examples, task=ctx.task, tokenizer=ctx.tokenizer, rng=rng,
+        group_size=ctx.group_size, prompt_len=ctx.prompt_len, model_config=ctx.model_config,
+        sampling_config=ctx.sampling_config, advantage_fn=ctx.advantage_fn, version=version)
+    return samples, {}, cursor + len(examples)
+  return produce
+
+
+def staleness(samples: rollout_lib.ScoredSamples, train_step: int) -> int:
+  """train_step - the oldest parameter version among the batch's generated tokens."""
+  version = np.asarray(samples.rollout.version)
+  generated = version[np.asarray(samples.rollout.completion_mask)]
+  return int(train_step - generated.min()) if generated.size else 0
+
+
+def train_on(train: TrainState, samples: rollout_lib.ScoredSamples, ctx: LoopContext,
+             train_step: int) -> tuple[TrainState, dict]:
+  """One train step on a scored batch, with the batch's reward and staleness metrics."""
+  new_train, metrics = ctx.train_step(train, samples.rollout)
   metrics = jax.device_get(metrics)
   rewards = np.asarray(samples.rollout.reward).reshape(-1, ctx.group_size)
   metrics.update(
       reward_mean=float(rewards.mean()), exact_match=float(samples.exact.mean()),
       informative_groups=float(np.mean(rewards.std(axis=1) > 0)),
       completion_len=float(np.asarray(samples.rollout.completion_mask).sum(axis=1).mean()),
-      decode_steps=samples.decode_steps, staleness=float(behind),
+      decode_steps=samples.decode_steps, staleness=float(staleness(samples, train_step)),
       decoded_tokens=float(np.asarray(samples.rollout.completion_mask).sum()))
-  new_state = state.replace(train=train, rng=rng, history=history,
-                            data_cursor=state.data_cursor + len(examples),
+  return new_train, metrics
+
+
+def grpo_iteration(state: LoopState, ctx: LoopContext,
+                   produce: Producer | None = None) -> tuple[LoopState, dict]:
+  """Sample a batch (default: G completions for each of the next prompts), score it, take
+  one train step. `produce` swaps the sampling strategy (e.g. partial rollouts).
+
+  With ctx.staleness = k > 0 the samples come from the parameters of iteration
+  max(t - k, 0) (state.history) and carry that version.
+  """
+  produce = plain_producer(ctx) if produce is None else produce
+  rng, sample_rng = jax.random.split(state.rng)
+  params, version, history = state.train.params, state.train.step, state.history
+  if ctx.staleness:
+    if history is None or history.version.shape[0] != ctx.staleness:
+      raise ValueError(f"LoopContext.staleness={ctx.staleness} needs LoopState.history = "
+                       f"init_history(params, {ctx.staleness}).")
+    params, version, history = stale_params(history, state.iteration, params, version)
+  train_step = int(state.train.step)
+  samples, extra, cursor = produce(params, int(version), train_step, sample_rng,
+                                   state.data_cursor)
+  train, metrics = train_on(state.train, samples, ctx, train_step)
+  metrics.update(extra)
+  new_state = state.replace(train=train, rng=rng, history=history, data_cursor=cursor,
                             iteration=state.iteration + 1)
   return new_state, metrics
 

@@ -12,7 +12,7 @@ import numpy as np
 from models.config import ModelConfig
 from rl.tasks import Example, Task
 from rl.types import Rollout
-from sampling.sampler import SamplingConfig, generate
+from sampling.sampler import Generation, SamplingConfig, generate
 from sampling.tree import ForkPolicy, TreeGeneration, tree_generate
 
 
@@ -104,6 +104,14 @@ def sample_and_score(params, examples: Sequence[Example], *, task: Task, tokeniz
   prompt_mask = np.repeat(prompt_mask, group_size, axis=0)
   generation = generate(params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), rng,
                         model_config, sampling_config, version)
+  return score_generation(generation, examples, group_size, task=task, tokenizer=tokenizer,
+                          advantage_fn=advantage_fn)
+
+
+def score_generation(generation: Generation, examples: Sequence[Example], group_size: int, *,
+                     task: Task, tokenizer: Tokenizer,
+                     advantage_fn: Callable[[jax.Array, jax.Array], jax.Array]) -> ScoredSamples:
+  """Scores a generation whose rows [i*G, (i+1)*G) answer examples[i] (group id i)."""
   tokens, completion_mask = jax.device_get((generation.tokens, generation.completion_mask))
   completions = decode_completions(tokenizer, tokens, completion_mask)
   repeated = [e for e in examples for _ in range(group_size)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Callable
 
 import chex
 import flax.struct
@@ -146,16 +147,33 @@ def decode_step(params, state: SamplerState, version: jax.Array, model_config: M
 
 
 def decode(params, state: SamplerState, version: jax.Array, model_config: ModelConfig,
-           sampling_config: SamplingConfig, max_steps: jax.Array | int | None = None) -> SamplerState:
-  """Decodes until every row is done, the slots run out, or `max_steps` more steps."""
+           sampling_config: SamplingConfig, max_steps: jax.Array | int | None = None, *,
+           position_limit: jax.Array | None = None,
+           until: Callable[[SamplerState], jax.Array] | None = None) -> SamplerState:
+  """Decodes until every row is done, the slots run out, or `max_steps` more steps.
+
+  Two optional early stops serve partial rollouts (sampling/partial.py):
+    position_limit [B]: a row also finishes once its next RoPE position reaches this
+      (a per-row length budget, for rows that resume part-way through their completion).
+    until: a predicate of the state (traced inside the loop); decoding stops as soon as it
+      is true, e.g. "the target number of complete groups is reached" (APRIL).
+  """
   total = state.tokens.shape[1] - state.prompt_len
   limit = total if max_steps is None else jnp.minimum(total, state.step + max_steps)
 
-  def cond(s):
-    return (s.step < limit) & ~jnp.all(s.done)
+  def exhausted(s):
+    if position_limit is None:
+      return s
+    return s.replace(done=s.done | (s.next_position >= position_limit))
 
-  return jax.lax.while_loop(
-      cond, lambda s: decode_step(params, s, version, model_config, sampling_config), state)
+  def cond(s):
+    keep_going = (s.step < limit) & ~jnp.all(s.done)
+    return keep_going if until is None else keep_going & ~until(s)
+
+  def body(s):
+    return exhausted(decode_step(params, s, version, model_config, sampling_config))
+
+  return jax.lax.while_loop(cond, body, exhausted(state))
 
 
 def to_generation(state: SamplerState) -> Generation:

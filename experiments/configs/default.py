@@ -33,7 +33,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.rollout.group_size = 8            # completions per prompt (G)
   c.rollout.prompts_per_step = 32     # prompts per GRPO step
   c.rollout.kind = "independent"      # "independent": group_size samples per prompt;
-                                      # "tree": one tree per prompt (sampling/tree.py)
+                                      # "tree": one tree per prompt (sampling/tree.py);
+                                      # "partial": a resumable pool of rows, each round
+                                      # stops once prompts_per_step groups are complete
+                                      # (APRIL / CoPRIS; sampling/partial.py)
   c.rollout.tree = ml_collections.ConfigDict()  # used when kind == "tree"
   c.rollout.tree.policy = "entropy"   # entropy (TreeRL) | segments (TreePO) | lookahead (LATR)
   c.rollout.tree.advantage = "treerl"  # rl/advantages.py TREE_ADVANTAGES: treerl | siblings
@@ -48,6 +51,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.rollout.tree.min_entropy = 1.0    # lookahead: branch when sampling entropy (nats) >= this
   c.rollout.tree.lookahead_steps = 2  # lookahead: window before a child is checked
   c.rollout.tree.prune_similarity = 1.0  # lookahead: prune when this fraction matches parent
+  c.rollout.num_slots = 0             # partial: pool rows (0 = 2 * prompts_per_step * group_size)
+  c.rollout.resume = "kept_kv"        # partial: kept_kv (cheap) | reprefill (exact pi_new)
+  c.rollout.decode_window = 0         # partial: most decode steps per round (0 = max_new_tokens)
+  c.rollout.replay_size = 0           # trained batches kept in the trajectory store (0 = none)
 
   c.warm_start = ml_collections.ConfigDict()
   c.warm_start.steps = 500            # supervised steps on reference answers (0 = skip)
@@ -62,6 +69,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.max_grad_norm = 1.0            # global-norm gradient clipping, both phases (0 = off)
   c.rl.num_microbatches = 1           # gradient accumulation; divides prompts*group_size
   c.rl.staleness = 0                  # simulated staleness k: sample with params k steps old
+  c.rl.async_ = False                 # producer thread samples while the trainer trains (AReaL)
+  c.rl.max_staleness = 4              # async / partial: bound on train step - oldest token version
 
   c.loss = ml_collections.ConfigDict()
   c.loss.name = "grpo"                # rl/losses.py registry
