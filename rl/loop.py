@@ -1,8 +1,10 @@
 """The synchronous rollout -> score -> train loop (supervised warm start, then GRPO).
 
 Each iteration is a plain function of explicit state, so a launcher (experiments/train.py)
-can checkpoint between any two of them and resume exactly: the data cursor, RNG and
-TrainState are all the loop carries.
+can checkpoint between any two of them and resume exactly: the data cursor, RNG,
+TrainState, parameter history and prompt-selection history are all the loop carries.
+Which prompts a GRPO iteration rolls out, and how many times each, is `rl.selection`'s
+choice.
 
 Simulated staleness (METHODS.md section 4): with `LoopContext.staleness = k > 0`, GRPO
 iteration t samples with the parameters of iteration max(t - k, 0), kept in a ring buffer
@@ -19,10 +21,12 @@ from typing import Any, Callable, Optional
 import flax.struct
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
 from models.config import ModelConfig
 from rl import rollout as rollout_lib
+from rl import selection as selection_lib
 from rl.tasks import Task
 from rl.train import TrainState
 from rl.types import Rollout
@@ -84,12 +88,15 @@ class LoopState:
   """What the loop carries between iterations (all of it is checkpointed).
 
   train: the TrainState; rng: the loop's PRNG key; history: the parameter ring for
-  simulated staleness (None when off); data_cursor: next train-split position (host int);
+  simulated staleness (None when off); selection: per-prompt selection history
+  (`rl.selection.SelectionState`, None without a finite train pool); data_cursor: next
+  data cursor (host int; the train position it reads is `selection.train_position`);
   iteration: iterations done in the current phase (host int).
   """
   train: TrainState
   rng: jax.Array
   history: Optional[ParamHistory] = None
+  selection: Optional[selection_lib.SelectionState] = None
   data_cursor: int = flax.struct.field(pytree_node=False, default=0)
   iteration: int = flax.struct.field(pytree_node=False, default=0)
 
@@ -110,6 +117,13 @@ class LoopContext:
   # Tree rollouts (config.rollout.kind='tree'): the fork policy and a TREE_ADVANTAGES fn.
   tree_policy: ForkPolicy | None = None
   tree_advantage_fn: Callable | None = None
+  # config.selection (rl/selection.py); None = uniform. train_pool: finite prompt pool the
+  # GRPO data cursor cycles over (0 = unbounded train split).
+  selection: Any = None
+  train_pool: int = 0
+
+
+_UNIFORM = ml_collections.FrozenConfigDict(dict(kind="uniform", max_attempts=1))
 
 
 def sft_iteration(state: LoopState, ctx: LoopContext) -> tuple[LoopState, dict]:
@@ -124,37 +138,40 @@ def sft_iteration(state: LoopState, ctx: LoopContext) -> tuple[LoopState, dict]:
 
 
 def grpo_iteration(state: LoopState, ctx: LoopContext) -> tuple[LoopState, dict]:
-  """Sample G completions for each of the next prompts, score them, take one train step.
+  """Rolls out the prompts `ctx.selection` chooses, scores them, takes one train step.
 
-  With ctx.staleness = k > 0 the samples come from the parameters of iteration
-  max(t - k, 0) (state.history) and carry that version.
+  With uniform selection: G completions for each of the next prompts (plain GRPO). With
+  ctx.staleness = k > 0 the samples come from the parameters of iteration max(t - k, 0)
+  (state.history) and carry that version.
   """
   rng, sample_rng = jax.random.split(state.rng)
-  examples = ctx.task.examples("train", ctx.prompts_per_step, state.data_cursor)
   params, version, history = state.train.params, state.train.step, state.history
   if ctx.staleness:
     if history is None or history.version.shape[0] != ctx.staleness:
       raise ValueError(f"LoopContext.staleness={ctx.staleness} needs LoopState.history = "
                        f"init_history(params, {ctx.staleness}).")
     params, version, history = stale_params(history, state.iteration, params, version)
-  samples = rollout_lib.sample_and_score(
-      params, examples, task=ctx.task, tokenizer=ctx.tokenizer, rng=sample_rng,
-      group_size=ctx.group_size, prompt_len=ctx.prompt_len, model_config=ctx.model_config,
-      sampling_config=ctx.sampling_config, advantage_fn=ctx.advantage_fn,
-      version=version)
+  examples = {}
+
+  def sample(row_positions, key):
+    for p in set(row_positions.tolist()) - set(examples):
+      examples[p] = ctx.task.examples("train", 1, p)[0]
+    return rollout_lib.sample_and_score(
+        params, [examples[p] for p in row_positions.tolist()], task=ctx.task,
+        tokenizer=ctx.tokenizer, rng=key, group_size=1, prompt_len=ctx.prompt_len,
+        model_config=ctx.model_config, sampling_config=ctx.sampling_config,
+        advantage_fn=ctx.advantage_fn, version=version)
+
+  collected = selection_lib.collect(
+      state.selection, state.data_cursor, sample_rng, sample, config=ctx.selection or _UNIFORM,
+      prompts_per_step=ctx.prompts_per_step, group_size=ctx.group_size,
+      pool_size=ctx.train_pool, advantage_fn=ctx.advantage_fn)
   behind = int(state.train.step) - int(version)
-  train, metrics = ctx.train_step(state.train, samples.rollout)
-  metrics = jax.device_get(metrics)
-  rewards = np.asarray(samples.rollout.reward).reshape(-1, ctx.group_size)
-  metrics.update(
-      reward_mean=float(rewards.mean()), exact_match=float(samples.exact.mean()),
-      informative_groups=float(np.mean(rewards.std(axis=1) > 0)),
-      completion_len=float(np.asarray(samples.rollout.completion_mask).sum(axis=1).mean()),
-      decode_steps=samples.decode_steps, staleness=float(behind),
-      decoded_tokens=float(np.asarray(samples.rollout.completion_mask).sum()))
-  new_state = state.replace(train=train, rng=rng, history=history,
-                            data_cursor=state.data_cursor + len(examples),
-                            iteration=state.iteration + 1)
+  train, metrics = ctx.train_step(state.train, collected.rollout)
+  metrics = dict(jax.device_get(metrics), **collected.metrics, staleness=float(behind),
+                 completion_len=collected.metrics["decoded_tokens"] / collected.metrics["rollouts"])
+  new_state = state.replace(train=train, rng=rng, history=history, selection=collected.selection,
+                            data_cursor=collected.cursor, iteration=state.iteration + 1)
   return new_state, metrics
 
 
