@@ -121,7 +121,8 @@ def check_config(config, *, prompts_per_step: int, group_size: int, pool_size: i
   if a.score not in SCORES:
     raise ValueError(f"Unknown config.selection.adaptive.score {a.score!r}; known: {SCORES}.")
   if not 0.0 <= a.history_decay <= 1.0:
-    raise ValueError(f"config.selection.adaptive.history_decay = {a.history_decay} must be in [0, 1].")
+    raise ValueError(f"config.selection.adaptive.history_decay = {a.history_decay} must be "
+                     "in [0, 1].")
   if config.kind == "adaptive":
     prompts = a.prompts or prompts_per_step
     budget = prompts_per_step * group_size
@@ -194,10 +195,10 @@ def observe(state: Optional[SelectionState], positions: np.ndarray, group_reward
   decay by `adaptive.history_decay` and add the group's sum(r) and sum(1 - r). GRESO's p_e
   per class moves by `greso.adapt_step` towards keeping the share of all-equal groups of
   that class at `greso.target_zero_variance` (down when above it, up when below), within
-  [min_keep_prob, 1].
+  [min_keep_prob, 1]. Uniform selection records nothing.
   """
-  if state is None:
-    return None
+  if state is None or config.kind == "uniform":  # uniform keeps no history
+    return state
   g, decay = config.greso, config.adaptive.history_decay
   run, easy = np.array(state.uninformative_run), np.array(state.uninformative_easy)
   rsum, fsum = np.array(state.reward_sum), np.array(state.failure_sum)
@@ -334,7 +335,8 @@ def collect(state: Optional[SelectionState], cursor: int, rng: jax.Array, sample
   metrics = dict(rollout_rounds=len(rounds), prompts_skipped=skipped, rollouts=rows,
                  decoded_tokens=tokens, decode_steps=decode_steps,
                  reward_mean=float(all_rewards.mean()), exact_match=float(exact_all.mean()),
-                 informative_groups=float(np.mean(all_rewards.reshape(-1, group_size).std(axis=1) > 0)),
+                 informative_groups=float(np.mean(
+                     all_rewards.reshape(-1, group_size).std(axis=1) > 0)),
                  batch_informative_groups=float(np.mean(batch_reward.std(axis=1) > 0)))
   if state is not None:
     metrics.update(explore_prob_easy=float(state.explore_prob[EASY]),
@@ -372,7 +374,8 @@ def _collect_adaptive(state, cursor, rng, sample, *, config, prompts_per_step, g
   state = observe(state, positions, group_rewards, config)
   exact = np.concatenate([s.exact for s in rounds])[order]
   metrics = dict(rollout_rounds=len(rounds), prompts_skipped=0, rollouts=budget,
-                 decoded_tokens=int(sum(np.asarray(s.rollout.completion_mask).sum() for s in rounds)),
+                 decoded_tokens=int(sum(np.asarray(s.rollout.completion_mask).sum()
+                                        for s in rounds)),
                  decode_steps=sum(s.decode_steps for s in rounds),
                  reward_mean=float(reward.mean()), exact_match=float(exact.mean()),
                  informative_groups=float(informative.mean()),

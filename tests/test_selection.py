@@ -5,6 +5,8 @@ position p answers correctly with probability probs[p], so which groups are info
 known in advance and the tests need no model.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -295,3 +297,77 @@ def test_check_config_errors_name_the_field():
   with pytest.raises(ValueError, match="initial_rollouts"):
     selection.check_config(_config("adaptive", **{"adaptive.initial_rollouts": 8}),
                            prompts_per_step=4, group_size=4, pool_size=0)
+
+
+# --- the loop with a real (tiny) policy ----------------------------------------------------
+
+def _tiny_loop(kind, pool, **overrides):
+  """A fresh LoopState and GRPO LoopContext for the tiny model, 2 prompts x 2 rollouts."""
+  from experiments import train as launcher  # pylint: disable=import-outside-toplevel
+  from models import transformer  # pylint: disable=import-outside-toplevel
+  from models.tokenizer import CharTokenizer  # pylint: disable=import-outside-toplevel
+  from rl import loop  # pylint: disable=import-outside-toplevel
+  from rl import tasks  # pylint: disable=import-outside-toplevel
+  from rl import train  # pylint: disable=import-outside-toplevel
+
+  config = default.get_config()
+  config.rollout.prompts_per_step, config.rollout.group_size = 2, 2
+  config.task.train_pool = pool
+  config.selection = _config(kind, **overrides).as_configdict()
+  tokenizer = CharTokenizer()
+  task = tasks.make_task("chain_sum", seed=0, eval_size=10, **config.task.difficulty)
+  model_config = launcher.build_model_config(config, tokenizer)
+  ctx, optimizer = launcher.make_context(config, task, tokenizer, model_config, launcher.RL)
+  params = transformer.init_params(model_config, jax.random.PRNGKey(0))
+  state = loop.LoopState(train=train.init_train_state(params, optimizer), rng=jax.random.PRNGKey(1),
+                         selection=selection.init_state(pool, config.selection))
+  return state, ctx
+
+
+def test_loop_uniform_is_unchanged_and_greso_without_skipping_equals_it(tmp_path):
+  from rl import loop  # pylint: disable=import-outside-toplevel
+  from rl import rollout as rollout_lib  # pylint: disable=import-outside-toplevel
+
+  state, ctx = _tiny_loop("uniform", pool=0)
+  # The GRPO iteration before rl.selection existed: sample G per prompt, one train step.
+  _, sample_rng = jax.random.split(state.rng)
+  examples = ctx.task.examples("train", 2, 0)
+  samples = rollout_lib.sample_and_score(
+      state.train.params, examples, task=ctx.task, tokenizer=ctx.tokenizer, rng=sample_rng,
+      group_size=2, prompt_len=ctx.prompt_len, model_config=ctx.model_config,
+      sampling_config=ctx.sampling_config, advantage_fn=ctx.advantage_fn, version=0)
+  reference, _ = ctx.train_step(jax.tree.map(jnp.copy, state.train), samples.rollout)
+
+  uniform, _ = loop.grpo_iteration(state, ctx)
+  jax.tree.map(np.testing.assert_array_equal, uniform.train.params, reference.params)
+  assert uniform.data_cursor == 2
+
+  greso_state, greso_ctx = _tiny_loop("greso", pool=3, **{"greso.explore_prob": 1.0,
+                                                          "greso.refill": False})
+  for _ in range(2):  # the pool of 3 wraps around in the second step
+    greso_state, metrics = loop.grpo_iteration(greso_state, greso_ctx)
+  uniform_state, _ = _tiny_loop("uniform", pool=3)
+  uniform_ctx = dataclasses.replace(greso_ctx, selection=_config("uniform"))  # same jitted step
+  for _ in range(2):
+    uniform_state, _ = loop.grpo_iteration(uniform_state, uniform_ctx)
+  jax.tree.map(np.testing.assert_array_equal, greso_state.train.params, uniform_state.train.params)
+  assert metrics["prompts_skipped"] == 0 and greso_state.data_cursor == 4
+
+
+def test_loop_resumes_selection_state_exactly_from_a_checkpoint(tmp_path):
+  from rl import loop  # pylint: disable=import-outside-toplevel
+
+  state, ctx = _tiny_loop("adaptive", pool=4, **{"adaptive.initial_rollouts": 2,
+                                                 "adaptive.score": "beta"})
+  like = state
+  state, _ = loop.grpo_iteration(state, ctx)
+  manager = checkpoint.make_manager(str(tmp_path))
+  checkpoint.save(manager, 1, state, {"data_cursor": state.data_cursor})
+  uninterrupted, _ = loop.grpo_iteration(state, ctx)
+
+  _, restored, meta = checkpoint.restore_latest(manager, like)
+  restored = restored.replace(data_cursor=meta["data_cursor"])
+  jax.tree.map(np.testing.assert_array_equal, restored.selection, state.selection)
+  resumed, _ = loop.grpo_iteration(restored, ctx)
+  jax.tree.map(np.testing.assert_array_equal, resumed.selection, uninterrupted.selection)
+  jax.tree.map(np.testing.assert_array_equal, resumed.train.params, uninterrupted.train.params)

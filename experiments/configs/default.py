@@ -19,7 +19,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.task.eval_size = 1000             # held-out items (greedy exact match)
   c.task.difficulty = ml_collections.ConfigDict(dict(
       min_terms=2, max_terms=3, min_digits=1, max_digits=2))  # reasoning-gym config fields
-  c.task.train_pool = 0               # GRPO prompts cycle over train positions [0, pool) (0 = unbounded)
+  c.task.train_pool = 0               # GRPO cycles over train positions [0, pool) (0 = unbounded)
 
   c.model = ml_collections.ConfigDict()
   c.model.preset = "tiny"             # models/config.py PRESETS
@@ -97,7 +97,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.selection.greso.max_skips = 10    # a prompt skipped this many epochs in a row is rolled out
   c.selection.greso.target_zero_variance = 0.25  # p_e adapts to keep each class's share near this
   c.selection.greso.adapt_step = 0.01  # p_e change per rollout round (0 = fixed p_e)
-  c.selection.greso.refill = True     # then DAPO dynamic sampling (False: train on what was rolled out)
+  c.selection.greso.refill = True     # then DAPO dynamic sampling (False: train on all rolled out)
   c.selection.adaptive = ml_collections.ConfigDict()
   c.selection.adaptive.prompts = 0    # prompts per step given pilot rollouts (0 = prompts_per_step)
   c.selection.adaptive.initial_rollouts = 4  # pilot rollouts per prompt
