@@ -60,6 +60,7 @@ _EVAL_EVERY = flags.DEFINE_integer("eval_every", 10, "GRPO steps between evaluat
 _EVAL_SIZE = flags.DEFINE_integer("eval_size", 500, "Held-out items per evaluation.")
 _POOL = flags.DEFINE_integer("train_pool", 512, "Finite GRPO prompt pool (config.task.train_pool).")
 _GAIN = flags.DEFINE_float("target_gain", 0.05, "Target = warm-start accuracy + this.")
+_LR = flags.DEFINE_float("rl_learning_rate", 0.0, "GRPO learning rate (0 = the default config's).")
 _OUT = flags.DEFINE_string("out", "docs/benchmarks_selection.md", "Markdown output path.")
 _MERGE = flags.DEFINE_list("merge", [], "Instead of running: combine these JSON outputs of "
                            "earlier runs (e.g. one process per seed) into one table and plot.")
@@ -89,6 +90,8 @@ def run_seed(seed: int, methods: list[str]) -> dict:
   config = default.get_config()
   config.seed = _WARM_SEED.value
   config.rollout.prompts_per_step, config.rollout.group_size = _PROMPTS.value, _GROUP.value
+  if _LR.value:
+    config.rl.learning_rate = _LR.value
   config.task.train_pool = _POOL.value
   config.task.eval_size = _EVAL_SIZE.value
   config.warm_start.steps = _WARM.value
@@ -129,7 +132,7 @@ def run_seed(seed: int, methods: list[str]) -> dict:
   print(f"warm start {warm['wall_s']:.0f} s, held-out accuracy {warm_acc:.3f}", flush=True)
   rl_rng = jax.random.PRNGKey(seed)
 
-  runs = {}
+  runs, signals = {}, {}
   for name in methods:
     sel = method_config(config.selection, name)
     selection.check_config(sel, prompts_per_step=config.rollout.prompts_per_step,
@@ -145,6 +148,7 @@ def run_seed(seed: int, methods: list[str]) -> dict:
     evals = [dict(step=0, tokens=0, rollouts=0, wall_s=0.0, accuracy=warm_acc)]
     tokens = rollouts = 0
     wall = 0.0
+    signal = dict(groups_decoded=0, informative_decoded=0, informative_trained=0, skipped=0)
     for step in range(1, _STEPS.value + 1):
       tick = time.time()
       try:
@@ -155,14 +159,25 @@ def run_seed(seed: int, methods: list[str]) -> dict:
       jax.block_until_ready(run.train.params)
       wall += time.time() - tick
       tokens += int(metrics["decoded_tokens"])
+      groups = metrics["rollouts"] / _GROUP.value
+      signal["groups_decoded"] += groups
+      signal["informative_decoded"] += metrics["informative_groups"] * groups
+      signal["informative_trained"] += metrics["batch_informative_groups"] * _PROMPTS.value
+      signal["skipped"] += metrics["prompts_skipped"]
       rollouts += int(metrics["rollouts"])
       if step % _EVAL_EVERY.value == 0 or step == _STEPS.value:
         evals.append(dict(step=step, tokens=tokens, rollouts=rollouts, wall_s=wall,
                           accuracy=accuracy(run.train.params)))
     runs[name] = evals
+    signals[name] = dict(signal, informative_trained_per_1k_tokens=(
+        1e3 * signal["informative_trained"] / max(tokens, 1)))
+    partial = dict(seed=seed, warm_accuracy=warm_acc, runs=runs, signals=signals)
+    with open(_OUT.value + f".seed{seed}.partial.json", "w") as f:  # survives a later crash
+      json.dump(partial, f)
     print(f"seed {seed} {name}: final accuracy {evals[-1]['accuracy']:.3f}, {tokens} tokens, "
           f"{wall:.0f} s", flush=True)
-  return dict(seed=seed, warm_accuracy=warm_acc, warm_start_s=warm["wall_s"], runs=runs)
+  return dict(seed=seed, warm_accuracy=warm_acc, warm_start_s=warm["wall_s"], runs=runs,
+              signals=signals)
 
 
 def first_reach(evals: list[dict], target: float) -> dict | None:
@@ -173,8 +188,8 @@ def summarise(results: list[dict], methods: list[str]) -> str:
   """The markdown table: per method, cost to target (each seed and mean) and final accuracy."""
   gain = _GAIN.value
   lines = [
-      f"| method | reached | decoded tokens to target (per seed) | tokens vs uniform | "
-      f"wall s to target (per seed) | wall vs uniform | final accuracy (mean) |",
+      f"| method | reached | decoded tokens to target (per seed) | token speed-up (uniform / method) | "
+      f"wall s to target (per seed) | wall speed-up | final accuracy (mean) |",
       "|---|---|---|---|---|---|---|"]
   base = {}
   for name in methods:
@@ -196,6 +211,15 @@ def summarise(results: list[dict], methods: list[str]) -> str:
     lines.append(f"| {name} | {reached}/{len(results)} | {fmt(tokens, '{:,}')} | "
                  f"{ratio('tokens', tokens)} | {fmt(walls, '{:.0f}')} | {ratio('walls', walls)} | "
                  f"{np.mean(finals):.3f} ({fmt(finals, '{:.3f}')}) |")
+  if all("signals" in r for r in results):
+    lines += ["", "| method | informative groups per 1k decoded tokens (trained) | share of decoded "
+              "groups informative | prompts skipped per seed |", "|---|---|---|---|"]
+    for name in methods:
+      sig = [r["signals"][name] for r in results]
+      lines.append(
+          f"| {name} | {np.mean([x['informative_trained_per_1k_tokens'] for x in sig]):.2f} | "
+          f"{np.mean([x['informative_decoded'] / max(x['groups_decoded'], 1) for x in sig]):.2f} | "
+          f"{np.mean([x['skipped'] for x in sig]):.0f} |")
   return "\n".join(lines)
 
 
@@ -238,7 +262,8 @@ def main(argv):
     results = [run_seed(int(s), methods) for s in _SEEDS.value]
     run_flags = [{k: flags.FLAGS[k].value for k in (
         "seeds", "methods", "warm_start_seed", "warm_start_steps", "rl_steps", "prompts_per_step",
-        "group_size", "eval_every", "eval_size", "train_pool", "target_gain")}]
+        "group_size", "eval_every", "eval_size", "train_pool", "target_gain",
+        "rl_learning_rate")}]
   with open(stem + ".json", "w") as f:
     json.dump(dict(flags=run_flags[0] if len(run_flags) == 1 else run_flags, results=results),
               f, indent=1)
