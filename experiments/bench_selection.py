@@ -188,8 +188,8 @@ def summarise(results: list[dict], methods: list[str]) -> str:
   """The markdown table: per method, cost to target (each seed and mean) and final accuracy."""
   gain = _GAIN.value
   lines = [
-      f"| method | reached | decoded tokens to target (per seed) | token speed-up (uniform / method) | "
-      f"wall s to target (per seed) | wall speed-up | final accuracy (mean) |",
+      "| method | reached | decoded tokens to target (per seed) | token speed-up "
+      "(uniform / method) | wall s to target (per seed) | wall speed-up | final accuracy (mean) |",
       "|---|---|---|---|---|---|---|"]
   base = {}
   for name in methods:
@@ -211,7 +211,7 @@ def summarise(results: list[dict], methods: list[str]) -> str:
     lines.append(f"| {name} | {reached}/{len(results)} | {fmt(tokens, '{:,}')} | "
                  f"{ratio('tokens', tokens)} | {fmt(walls, '{:.0f}')} | {ratio('walls', walls)} | "
                  f"{np.mean(finals):.3f} ({fmt(finals, '{:.3f}')}) |")
-  if all("signals" in r for r in results):
+  if all(name in r.get("signals", {}) for r in results for name in methods):
     lines += ["", "| method | informative groups per 1k decoded tokens (trained) | share of decoded "
               "groups informative | prompts skipped per seed |", "|---|---|---|---|"]
     for name in methods:
@@ -246,18 +246,20 @@ def main(argv):
   unknown = sorted(set(methods) - set(METHODS))
   if unknown:
     raise ValueError(f"--methods has unknown {unknown}; known: {sorted(METHODS)}.")
-  if methods[0] != "uniform":
-    raise ValueError("--methods must start with 'uniform' (the reference of the ratios).")
   stem = _OUT.value[:-3] if _OUT.value.endswith(".md") else _OUT.value
   os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
   if _MERGE.value:
-    results, run_flags = [], []
+    by_seed, run_flags = {}, []  # files may hold different methods of the same seed
     for path in _MERGE.value:
       with open(path) as f:
         loaded = json.load(f)
-      results += loaded["results"]
       run_flags.append(loaded["flags"])
-    methods = run_flags[0]["methods"]
+      for r in loaded["results"]:
+        merged = by_seed.setdefault(r["seed"], dict(r, runs={}, signals={}))
+        merged["runs"].update(r["runs"])
+        merged["signals"].update(r.get("signals", {}))
+    results = [by_seed[k] for k in sorted(by_seed)]
+    methods = [m for m in METHODS if all(m in r["runs"] for r in results)]
   else:
     results = [run_seed(int(s), methods) for s in _SEEDS.value]
     run_flags = [{k: flags.FLAGS[k].value for k in (
@@ -268,6 +270,9 @@ def main(argv):
     json.dump(dict(flags=run_flags[0] if len(run_flags) == 1 else run_flags, results=results),
               f, indent=1)
   plot(results, methods, stem + ".png")
+  if "uniform" not in methods:
+    print("No uniform runs: the table needs them as the reference; merge runs with --merge.")
+    return
   table = summarise(results, methods)
   with open(_OUT.value, "w") as f:
     f.write(table + "\n")
