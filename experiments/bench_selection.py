@@ -148,7 +148,8 @@ def run_seed(seed: int, methods: list[str]) -> dict:
     evals = [dict(step=0, tokens=0, rollouts=0, wall_s=0.0, accuracy=warm_acc)]
     tokens = rollouts = 0
     wall = 0.0
-    signal = dict(groups_decoded=0, informative_decoded=0, informative_trained=0, skipped=0)
+    signal = dict(groups_decoded=0, informative_decoded=0, informative_trained=0, skipped=0,
+                  informative_rows=0)
     for step in range(1, _STEPS.value + 1):
       tick = time.time()
       try:
@@ -164,13 +165,16 @@ def run_seed(seed: int, methods: list[str]) -> dict:
       signal["informative_decoded"] += metrics["informative_groups"] * groups
       signal["informative_trained"] += metrics["batch_informative_groups"] * _PROMPTS.value
       signal["skipped"] += metrics["prompts_skipped"]
+      signal["informative_rows"] += metrics["informative_rows"]
       rollouts += int(metrics["rollouts"])
       if step % _EVAL_EVERY.value == 0 or step == _STEPS.value:
         evals.append(dict(step=step, tokens=tokens, rollouts=rollouts, wall_s=wall,
                           accuracy=accuracy(run.train.params)))
     runs[name] = evals
-    signals[name] = dict(signal, informative_trained_per_1k_tokens=(
-        1e3 * signal["informative_trained"] / max(tokens, 1)))
+    per_1k = lambda count: 1e3 * count / max(tokens, 1)
+    signals[name] = dict(signal, informative_trained_per_1k_tokens=per_1k(
+        signal["informative_trained"]), informative_rows_per_1k_tokens=per_1k(
+            signal["informative_rows"]))
     partial = dict(seed=seed, warm_accuracy=warm_acc, runs=runs, signals=signals)
     with open(_OUT.value + f".seed{seed}.partial.json", "w") as f:  # survives a later crash
       json.dump(partial, f)
@@ -212,14 +216,17 @@ def summarise(results: list[dict], methods: list[str]) -> str:
                  f"{ratio('tokens', tokens)} | {fmt(walls, '{:.0f}')} | {ratio('walls', walls)} | "
                  f"{np.mean(finals):.3f} ({fmt(finals, '{:.3f}')}) |")
   if all(name in r.get("signals", {}) for r in results for name in methods):
-    lines += ["", "| method | informative groups per 1k decoded tokens (trained) | share of decoded "
-              "groups informative | prompts skipped per seed |", "|---|---|---|---|"]
+    lines += ["", "| method | informative groups per 1k decoded tokens (trained) | "
+              "share of decoded groups informative | prompts skipped per seed | rows in informative groups per 1k "
+              "decoded tokens |", "|---|---|---|---|---|"]
     for name in methods:
       sig = [r["signals"][name] for r in results]
+      rows = ("n/a" if any("informative_rows_per_1k_tokens" not in x for x in sig) else
+              f"{np.mean([x['informative_rows_per_1k_tokens'] for x in sig]):.1f}")
       lines.append(
           f"| {name} | {np.mean([x['informative_trained_per_1k_tokens'] for x in sig]):.2f} | "
           f"{np.mean([x['informative_decoded'] / max(x['groups_decoded'], 1) for x in sig]):.2f} | "
-          f"{np.mean([x['skipped'] for x in sig]):.0f} |")
+          f"{np.mean([x['skipped'] for x in sig]):.0f} | {rows} |")
   return "\n".join(lines)
 
 

@@ -337,7 +337,8 @@ def collect(state: Optional[SelectionState], cursor: int, rng: jax.Array, sample
                  reward_mean=float(all_rewards.mean()), exact_match=float(exact_all.mean()),
                  informative_groups=float(np.mean(
                      all_rewards.reshape(-1, group_size).std(axis=1) > 0)),
-                 batch_informative_groups=float(np.mean(batch_reward.std(axis=1) > 0)))
+                 batch_informative_groups=float(np.mean(batch_reward.std(axis=1) > 0)),
+                 informative_rows=int(group_size * np.sum(batch_reward.std(axis=1) > 0)))
   if state is not None:
     metrics.update(explore_prob_easy=float(state.explore_prob[EASY]),
                    explore_prob_hard=float(state.explore_prob[HARD]))
@@ -380,6 +381,7 @@ def _collect_adaptive(state, cursor, rng, sample, *, config, prompts_per_step, g
                  reward_mean=float(reward.mean()), exact_match=float(exact.mean()),
                  informative_groups=float(informative.mean()),
                  batch_informative_groups=float(informative.mean()),
+                 informative_rows=int(np.sum(informative[group])),
                  max_group_size=int(counts.max()))
   return Collected(rollout=rollout, exact=exact, selection=state, cursor=cursor + n,
                    metrics=metrics)

@@ -141,6 +141,8 @@ def test_adaptive_budget_conserved_and_concentrated_on_uncertain_prompts(score, 
     for g in np.unique(group):
       mixed = reward[group == g].std() > 0
       assert np.asarray(collected.rollout.completion_mask)[group == g].any() == mixed
+    assert collected.metrics["informative_rows"] == np.asarray(
+        collected.rollout.completion_mask).any(axis=1).sum()
   # beta needs a little history before deterministic prompts look certain: skip epoch 0.
   assert np.mean(shares[2:]) > min_share
 
@@ -259,6 +261,7 @@ def test_dynamic_sampling_never_yields_zero_variance_group(kind):
     assert reward.shape == (4, G)
     assert np.all(reward.std(axis=1) > 0)
     assert collected.metrics["batch_informative_groups"] == 1.0
+    assert collected.metrics["informative_rows"] == 4 * G
     refilled += collected.metrics["rollout_rounds"] > 1
   assert refilled > 0  # the data did force refills
 
