@@ -217,8 +217,8 @@ def summarise(results: list[dict], methods: list[str]) -> str:
                  f"{np.mean(finals):.3f} ({fmt(finals, '{:.3f}')}) |")
   if all(name in r.get("signals", {}) for r in results for name in methods):
     lines += ["", "| method | informative groups per 1k decoded tokens (trained) | "
-              "share of decoded groups informative | prompts skipped per seed | rows in informative groups per 1k "
-              "decoded tokens |", "|---|---|---|---|---|"]
+              "share of decoded groups informative | prompts skipped per seed | "
+              "rows in informative groups per 1k decoded tokens |", "|---|---|---|---|---|"]
     for name in methods:
       sig = [r["signals"][name] for r in results]
       rows = ("n/a" if any("informative_rows_per_1k_tokens" not in x for x in sig) else
