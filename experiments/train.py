@@ -34,6 +34,7 @@ from rl import checkpoint
 from rl import evaluation
 from rl import loop
 from rl import partial_rollout
+from rl import selection
 from rl import train
 from rl import trajectory_store
 from rl.tasks import make_task
@@ -100,6 +101,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
                      "config.rl.staleness = 0 (simulated staleness is for the sync loop).")
   if config.rl.max_staleness < 0:
     raise ValueError(f"config.rl.max_staleness = {config.rl.max_staleness} must be >= 0.")
+  selection.check_config(config.selection, prompts_per_step=r.prompts_per_step,
+                         group_size=r.group_size, pool_size=config.task.train_pool)
 
 
 def build_model_config(config, tokenizer):
@@ -138,7 +141,9 @@ def make_context(config, task, tokenizer, model_config, phase):
       sampling_config=sampling_config, prompt_len=config.rollout.prompt_len,
       prompts_per_step=prompts, group_size=config.rollout.group_size, train_step=step,
       advantage_fn=advantages.get_advantage_fn(config.advantage.name),
-      staleness=config.rl.staleness if phase == RL else 0)
+      staleness=config.rl.staleness if phase == RL else 0,
+      selection=ml_collections.FrozenConfigDict(config.selection),
+      train_pool=config.task.train_pool)
   if config.rollout.kind == "tree":
     ctx = dataclasses.replace(
         ctx, tree_policy=build_fork_policy(config.rollout.tree),
@@ -196,7 +201,8 @@ def run(config: ml_collections.ConfigDict) -> dict:
   params = transformer.init_params(model_config, init_rng)
   history = lambda p: loop.init_history(p, config.rl.staleness) if config.rl.staleness else None
   state = loop.LoopState(train=train.init_train_state(params, contexts[WARM_START][1]),
-                         rng=loop_rng, history=history(params))
+                         rng=loop_rng, history=history(params),
+                         selection=selection.init_state(config.task.train_pool, config.selection))
   meta = {"phase": WARM_START, "data_cursor": 0, "iteration": 0, "evals": []}
 
   manager = checkpoint.make_manager(os.path.join(config.workdir, "checkpoints"),
@@ -292,8 +298,8 @@ def run(config: ml_collections.ConfigDict) -> dict:
       meta["phase"] = RL
       state = loop.LoopState(
           train=train.init_train_state(state.train.params, contexts[RL][1]),
-          rng=state.rng, history=history(state.train.params), data_cursor=state.data_cursor,
-          iteration=0)
+          rng=state.rng, history=history(state.train.params), selection=state.selection,
+          data_cursor=state.data_cursor, iteration=0)
       save()
   bar.close()
   last = meta["evals"][-1]

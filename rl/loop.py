@@ -4,8 +4,10 @@ The asynchronous loop (rl/async_loop.py) runs the same producers and `train_on` 
 threads; partial rollouts (rl/partial_rollout.py) are a producer.
 
 Each iteration is a plain function of explicit state, so a launcher (experiments/train.py)
-can checkpoint between any two of them and resume exactly: the data cursor, RNG and
-TrainState are all the loop carries.
+can checkpoint between any two of them and resume exactly: the data cursor, RNG,
+TrainState, parameter history and prompt-selection history are all the loop carries.
+Which prompts a GRPO iteration rolls out, and how many times each, is `rl.selection`'s
+choice.
 
 Simulated staleness (METHODS.md section 4): with `LoopContext.staleness = k > 0`, GRPO
 iteration t samples with the parameters of iteration max(t - k, 0), kept in a ring buffer
@@ -22,10 +24,12 @@ from typing import Any, Callable, Optional
 import flax.struct
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
 from models.config import ModelConfig
 from rl import rollout as rollout_lib
+from rl import selection as selection_lib
 from rl.tasks import Task
 from rl.train import TrainState
 from rl.types import Rollout
@@ -87,12 +91,15 @@ class LoopState:
   """What the loop carries between iterations (all of it is checkpointed).
 
   train: the TrainState; rng: the loop's PRNG key; history: the parameter ring for
-  simulated staleness (None when off); data_cursor: next train-split position (host int);
+  simulated staleness (None when off); selection: per-prompt selection history
+  (`rl.selection.SelectionState`, None without a finite train pool); data_cursor: next
+  data cursor (host int; the train position it reads is `selection.train_position`);
   iteration: iterations done in the current phase (host int).
   """
   train: TrainState
   rng: jax.Array
   history: Optional[ParamHistory] = None
+  selection: Optional[selection_lib.SelectionState] = None
   data_cursor: int = flax.struct.field(pytree_node=False, default=0)
   iteration: int = flax.struct.field(pytree_node=False, default=0)
 
@@ -113,6 +120,13 @@ class LoopContext:
   # Tree rollouts (config.rollout.kind='tree'): the fork policy and a TREE_ADVANTAGES fn.
   tree_policy: ForkPolicy | None = None
   tree_advantage_fn: Callable | None = None
+  # config.selection (rl/selection.py); None = uniform. train_pool: finite prompt pool the
+  # GRPO data cursor cycles over (0 = unbounded train split).
+  selection: Any = None
+  train_pool: int = 0
+
+
+_UNIFORM = ml_collections.FrozenConfigDict(dict(kind="uniform", max_attempts=1))
 
 
 def sft_iteration(state: LoopState, ctx: LoopContext) -> tuple[LoopState, dict]:
@@ -170,13 +184,14 @@ def train_on(train: TrainState, samples: rollout_lib.ScoredSamples, ctx: LoopCon
 
 def grpo_iteration(state: LoopState, ctx: LoopContext,
                    produce: Producer | None = None) -> tuple[LoopState, dict]:
-  """Sample a batch (default: G completions for each of the next prompts), score it, take
-  one train step. `produce` swaps the sampling strategy (e.g. partial rollouts).
+  """Rolls out a batch, scores it, takes one train step.
 
-  With ctx.staleness = k > 0 the samples come from the parameters of iteration
-  max(t - k, 0) (state.history) and carry that version.
+  By default the prompts and rollout counts are `ctx.selection`'s choice (uniform: G
+  completions for each of the next prompts, plain GRPO). `produce` swaps in another
+  sampling strategy (partial rollouts, the async producer). With ctx.staleness = k > 0 the
+  samples come from the parameters of iteration max(t - k, 0) (state.history) and carry
+  that version.
   """
-  produce = plain_producer(ctx) if produce is None else produce
   rng, sample_rng = jax.random.split(state.rng)
   params, version, history = state.train.params, state.train.step, state.history
   if ctx.staleness:
@@ -184,13 +199,36 @@ def grpo_iteration(state: LoopState, ctx: LoopContext,
       raise ValueError(f"LoopContext.staleness={ctx.staleness} needs LoopState.history = "
                        f"init_history(params, {ctx.staleness}).")
     params, version, history = stale_params(history, state.iteration, params, version)
-  train_step = int(state.train.step)
-  samples, extra, cursor = produce(params, int(version), train_step, sample_rng,
-                                   state.data_cursor)
-  train, metrics = train_on(state.train, samples, ctx, train_step)
-  metrics.update(extra)
-  new_state = state.replace(train=train, rng=rng, history=history, data_cursor=cursor,
-                            iteration=state.iteration + 1)
+  if produce is not None:
+    train_step = int(state.train.step)
+    samples, extra, cursor = produce(params, int(version), train_step, sample_rng,
+                                     state.data_cursor)
+    train, metrics = train_on(state.train, samples, ctx, train_step)
+    metrics.update(extra)
+    new_state = state.replace(train=train, rng=rng, history=history, data_cursor=cursor,
+                              iteration=state.iteration + 1)
+    return new_state, metrics
+  examples = {}
+
+  def sample(row_positions, key):
+    for p in set(row_positions.tolist()) - set(examples):
+      examples[p] = ctx.task.examples("train", 1, p)[0]
+    return rollout_lib.sample_and_score(
+        params, [examples[p] for p in row_positions.tolist()], task=ctx.task,
+        tokenizer=ctx.tokenizer, rng=key, group_size=1, prompt_len=ctx.prompt_len,
+        model_config=ctx.model_config, sampling_config=ctx.sampling_config,
+        advantage_fn=ctx.advantage_fn, version=version)
+
+  collected = selection_lib.collect(
+      state.selection, state.data_cursor, sample_rng, sample, config=ctx.selection or _UNIFORM,
+      prompts_per_step=ctx.prompts_per_step, group_size=ctx.group_size,
+      pool_size=ctx.train_pool, advantage_fn=ctx.advantage_fn)
+  behind = int(state.train.step) - int(version)
+  train, metrics = ctx.train_step(state.train, collected.rollout)
+  metrics = dict(jax.device_get(metrics), **collected.metrics, staleness=float(behind),
+                 completion_len=collected.metrics["decoded_tokens"] / collected.metrics["rollouts"])
+  new_state = state.replace(train=train, rng=rng, history=history, selection=collected.selection,
+                            data_cursor=collected.cursor, iteration=state.iteration + 1)
   return new_state, metrics
 
 

@@ -19,6 +19,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.task.eval_size = 1000             # held-out items (greedy exact match)
   c.task.difficulty = ml_collections.ConfigDict(dict(
       min_terms=2, max_terms=3, min_digits=1, max_digits=2))  # reasoning-gym config fields
+  c.task.train_pool = 0               # GRPO cycles over train positions [0, pool) (0 = unbounded)
 
   c.model = ml_collections.ConfigDict()
   c.model.preset = "tiny"             # models/config.py PRESETS
@@ -94,6 +95,24 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.advantage = ml_collections.ConfigDict()
   c.advantage.name = "grpo"           # rl/advantages.py registry: grpo | drgrpo | rloo | median
+
+  # Which prompts a GRPO step rolls out, and how often (rl/selection.py, METHODS.md section 5).
+  c.selection = ml_collections.ConfigDict()
+  c.selection.kind = "uniform"        # uniform | dynamic (DAPO) | greso | adaptive
+  c.selection.max_attempts = 8        # dynamic / greso: rollout rounds to fill a batch, then error
+  c.selection.greso = ml_collections.ConfigDict()
+  c.selection.greso.explore_prob = 0.5  # initial p_e: keep prob after z all-equal groups is p_e**z
+  c.selection.greso.min_keep_prob = 0.05  # exploration floor on the keep probability
+  c.selection.greso.max_skips = 10    # a prompt skipped this many epochs in a row is rolled out
+  c.selection.greso.target_zero_variance = 0.25  # p_e adapts to keep each class's share near this
+  c.selection.greso.adapt_step = 0.01  # p_e change per rollout round (0 = fixed p_e)
+  c.selection.greso.refill = True     # then DAPO dynamic sampling (False: train on all rolled out)
+  c.selection.adaptive = ml_collections.ConfigDict()
+  c.selection.adaptive.prompts = 0    # prompts per step given pilot rollouts (0 = prompts_per_step)
+  c.selection.adaptive.initial_rollouts = 4  # pilot rollouts per prompt
+  c.selection.adaptive.max_rollouts = 0  # cap per prompt (0 = 2 * group_size)
+  c.selection.adaptive.score = "variance"  # variance (pilot reward std) | beta (posterior std)
+  c.selection.adaptive.history_decay = 0.5  # weight of a prompt's past rollouts per epoch (pool)
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 50                   # GRPO steps between held-out evaluations

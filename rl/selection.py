@@ -1,0 +1,387 @@
+"""Choosing what to roll out (METHODS.md section 5).
+
+GRPO learns nothing from a group whose rewards are all equal (every advantage is 0), and
+late in training most groups are like that. Four ways to pick the rows of a GRPO batch,
+selected by `config.selection.kind`:
+
+  uniform   the next `prompts_per_step` prompts, `group_size` rollouts each (plain GRPO).
+  dynamic   DAPO dynamic sampling (Yu et al. 2025): roll out the next prompts, drop groups
+            with zero reward variance, and refill from the following prompts until the batch
+            holds `prompts_per_step` informative groups; groups beyond that are discarded.
+            After `max_attempts` rounds without filling the batch, a ValueError.
+  greso     GRESO (Zheng et al. 2025, "Act Only When It Pays"): before rollout, skip a prompt
+            whose recent groups were all-equal with probability 1 - p_e ** z, where z is its
+            run of consecutive uninformative rollouts and p_e an exploration probability kept
+            per class (easy: all-equal at a high reward; hard: at a low one). Then dynamic
+            sampling as above (`greso.refill`; off: train on what was rolled out).
+  adaptive  a fixed rollout budget B = prompts_per_step * group_size spent adaptively
+            (AERO / VIGOR / Pilot-Commit style): `initial_rollouts` pilot rollouts for each of
+            `adaptive.prompts` prompts, then the rest of the budget one rollout at a time to the
+            prompt with the highest score / rollouts-so-far (D'Hondt, which approaches
+            Neyman allocation n_i ~ score_i), capped at `max_rollouts` per prompt. Groups that
+            stay all-equal are rejected (their rows are masked out of the loss).
+
+Prompt identity. With `train_pool = P > 0` the train split is a finite pool: data cursor c
+reads train position c mod P, so prompts recur once per epoch of P cursor steps and their
+history (`SelectionState`, indexed by pool position) means something. GRESO needs a pool;
+the adaptive Beta score uses the history when there is one. With P = 0 the train split is
+unbounded and no per-prompt state is kept.
+
+The state lives in `LoopState.selection` and is checkpointed with it, and every random
+decision is drawn from the loop's key, so a resumed run repeats the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rl.rollout import ScoredSamples
+from rl.types import Rollout
+
+KINDS = ("uniform", "dynamic", "greso", "adaptive")
+SCORES = ("variance", "beta")
+EASY, HARD = 0, 1  # indices into SelectionState.explore_prob
+_SKIP_STREAM = 0x5EED  # fold_in tag of the key stream for GRESO's skip draws
+# An all-equal group is 'easy' when its common reward is at least this (solved), else 'hard'.
+_EASY_REWARD = 0.5
+
+# sample(row_positions [R] int, rng) -> ScoredSamples of R rows, row i answering the prompt
+# at train position row_positions[i] (groups are assigned by `collect`).
+SampleFn = Callable[[np.ndarray, jax.Array], ScoredSamples]
+
+
+@flax.struct.dataclass
+class SelectionState:
+  """Per-prompt selection history over a train pool of P prompts (checkpointed).
+
+  uninformative_run [P] int32: consecutive rollouts of the prompt whose group had all-equal
+    rewards (GRESO's z); 0 after an informative group.
+  uninformative_easy [P] bool: whether the last all-equal group was at a high reward.
+  skip_run [P] int32: consecutive epochs GRESO skipped the prompt.
+  reward_sum, failure_sum [P] float32: discounted Beta pseudo-counts, sum(r) and sum(1 - r)
+    over the prompt's past rollouts (rewards in [0, 1]; partial credit counts fractionally).
+  explore_prob [2] float32: GRESO's exploration probability p_e for (easy, hard) prompts.
+  """
+  uninformative_run: jax.Array
+  uninformative_easy: jax.Array
+  skip_run: jax.Array
+  reward_sum: jax.Array
+  failure_sum: jax.Array
+  explore_prob: jax.Array
+
+
+@dataclasses.dataclass
+class Collected:
+  """A training batch and what it cost: `rollout` [rows, T]; `exact` [rows] exact-match
+  flags; `selection` the updated state; `cursor` the next data cursor; `metrics`."""
+  rollout: Rollout
+  exact: np.ndarray
+  selection: Optional[SelectionState]
+  cursor: int
+  metrics: dict
+
+
+def init_state(pool_size: int, config) -> Optional[SelectionState]:
+  """Fresh history for a pool of `pool_size` prompts (None when the pool is unbounded)."""
+  if pool_size <= 0:
+    return None
+  zeros_i = jnp.zeros((pool_size,), jnp.int32)
+  zeros_f = jnp.zeros((pool_size,), jnp.float32)
+  p_e = config.greso.explore_prob
+  return SelectionState(uninformative_run=zeros_i, uninformative_easy=jnp.zeros((pool_size,), bool),
+                        skip_run=zeros_i, reward_sum=zeros_f, failure_sum=zeros_f,
+                        explore_prob=jnp.array([p_e, p_e], jnp.float32))
+
+
+def check_config(config, *, prompts_per_step: int, group_size: int, pool_size: int) -> None:
+  """Raises ValueError naming the inconsistent `config.selection` field and the fix."""
+  if config.kind not in KINDS:
+    raise ValueError(f"Unknown config.selection.kind {config.kind!r}; known: {KINDS}.")
+  if pool_size < 0:
+    raise ValueError(f"config.task.train_pool = {pool_size} must be >= 0 (0 = unbounded).")
+  if config.max_attempts < 1:
+    raise ValueError(f"config.selection.max_attempts = {config.max_attempts} must be >= 1.")
+  g = config.greso
+  if config.kind == "greso" and pool_size <= 0:
+    raise ValueError("config.selection.kind='greso' needs recurring prompts: set "
+                     "config.task.train_pool > 0 (the size of the finite prompt pool).")
+  if not 0.0 < g.min_keep_prob <= g.explore_prob <= 1.0:
+    raise ValueError(f"config.selection.greso needs 0 < min_keep_prob ({g.min_keep_prob}) <= "
+                     f"explore_prob ({g.explore_prob}) <= 1.")
+  if g.max_skips < 0 or g.adapt_step < 0 or not 0.0 <= g.target_zero_variance <= 1.0:
+    raise ValueError("config.selection.greso: max_skips and adapt_step must be >= 0 and "
+                     "target_zero_variance in [0, 1].")
+  a = config.adaptive
+  if a.score not in SCORES:
+    raise ValueError(f"Unknown config.selection.adaptive.score {a.score!r}; known: {SCORES}.")
+  if not 0.0 <= a.history_decay <= 1.0:
+    raise ValueError(f"config.selection.adaptive.history_decay = {a.history_decay} must be "
+                     "in [0, 1].")
+  if config.kind == "adaptive":
+    prompts = a.prompts or prompts_per_step
+    budget = prompts_per_step * group_size
+    max_rollouts = a.max_rollouts or 2 * group_size
+    if a.initial_rollouts < 2 or prompts * a.initial_rollouts > budget:
+      raise ValueError(
+          f"config.selection.adaptive: initial_rollouts = {a.initial_rollouts} must be >= 2 "
+          f"and prompts ({prompts}) * initial_rollouts must not exceed the rollout budget "
+          f"prompts_per_step * group_size = {budget}; lower prompts or initial_rollouts.")
+    if prompts * max_rollouts < budget or max_rollouts < a.initial_rollouts:
+      raise ValueError(
+          f"config.selection.adaptive: prompts ({prompts}) * max_rollouts ({max_rollouts}) "
+          f"cannot hold the budget {budget} (or max_rollouts < initial_rollouts); raise "
+          "max_rollouts or prompts.")
+
+
+def train_position(cursor: int | np.ndarray, pool_size: int):
+  """The train-split position read at data cursor `cursor` (cycling over a finite pool)."""
+  return cursor % pool_size if pool_size > 0 else cursor
+
+
+def keep_probability(state: SelectionState, positions: np.ndarray, config) -> np.ndarray:
+  """GRESO's probability of rolling out each prompt at `positions` [n] this epoch.
+
+  1 for a prompt whose last group was informative (z = 0); otherwise
+  max(p_e ** z, min_keep_prob) with p_e of the prompt's class (the exploration floor), and
+  1 again once the prompt has been skipped `max_skips` epochs in a row, so no prompt
+  is starved.
+  """
+  g = config.greso
+  z = np.asarray(state.uninformative_run)[positions]
+  easy = np.asarray(state.uninformative_easy)[positions]
+  p_e = np.where(easy, np.asarray(state.explore_prob)[EASY], np.asarray(state.explore_prob)[HARD])
+  keep = np.maximum(np.power(p_e.astype(np.float64), z), g.min_keep_prob)
+  keep = np.where(z == 0, 1.0, keep)
+  return np.where(np.asarray(state.skip_run)[positions] >= g.max_skips, 1.0, keep)
+
+
+def choose_prompts(state: Optional[SelectionState], cursor: int, n: int, rng: jax.Array,
+                   config, pool_size: int) -> tuple[np.ndarray, int, int, Optional[SelectionState]]:
+  """The next `n` prompts from `cursor`, skipping GRESO-filtered ones.
+
+  Returns (positions [n], new cursor, number skipped, state with updated skip runs). Without
+  GRESO it is the next n positions. Candidates are scanned in cursor order; each is kept
+  with `keep_probability` (one uniform draw from `rng` per candidate, in order).
+  """
+  if config.kind != "greso":
+    return train_position(np.arange(cursor, cursor + n), pool_size), cursor + n, 0, state
+  draws = np.random.default_rng(np.asarray(jax.random.key_data(rng)).tolist())
+  skip_run = np.array(state.skip_run)
+  chosen, skipped = [], 0
+  while len(chosen) < n:  # ends: a prompt skipped max_skips times in a row is kept
+    position = int(train_position(cursor, pool_size))
+    cursor += 1
+    if draws.random() < keep_probability(state.replace(skip_run=skip_run), np.array([position]),
+                                          config)[0]:
+      chosen.append(position)
+      skip_run[position] = 0
+    else:
+      skipped += 1
+      skip_run[position] += 1
+  return np.array(chosen), cursor, skipped, state.replace(skip_run=jnp.asarray(skip_run))
+
+
+def observe(state: Optional[SelectionState], positions: np.ndarray, group_rewards: list[np.ndarray],
+            config) -> Optional[SelectionState]:
+  """Records each rolled-out group (`group_rewards[i]` answers `positions[i]`) in the history.
+
+  z grows by one for an all-equal group and resets to 0 otherwise; the Beta pseudo-counts
+  decay by `adaptive.history_decay` and add the group's sum(r) and sum(1 - r). GRESO's p_e
+  per class moves by `greso.adapt_step` towards keeping the share of all-equal groups of
+  that class at `greso.target_zero_variance` (down when above it, up when below), within
+  [min_keep_prob, 1]. Uniform selection records nothing.
+  """
+  if state is None or config.kind == "uniform":  # uniform keeps no history
+    return state
+  g, decay = config.greso, config.adaptive.history_decay
+  run, easy = np.array(state.uninformative_run), np.array(state.uninformative_easy)
+  rsum, fsum = np.array(state.reward_sum), np.array(state.failure_sum)
+  counts = np.zeros(2)
+  for position, rewards in zip(positions, group_rewards):
+    rewards = np.asarray(rewards, np.float64)
+    if np.all(rewards == rewards[0]):
+      run[position] += 1
+      easy[position] = rewards[0] >= _EASY_REWARD
+      counts[EASY if easy[position] else HARD] += 1
+    else:
+      run[position] = 0
+    rsum[position] = decay * rsum[position] + rewards.sum()
+    fsum[position] = decay * fsum[position] + (1.0 - rewards).sum()
+  share = counts / max(len(group_rewards), 1)
+  p_e = np.array(state.explore_prob, np.float64)
+  p_e = np.where(share > g.target_zero_variance, p_e - g.adapt_step, p_e + g.adapt_step)
+  p_e = np.clip(p_e, g.min_keep_prob, 1.0)
+  return state.replace(uninformative_run=jnp.asarray(run), uninformative_easy=jnp.asarray(easy),
+                       reward_sum=jnp.asarray(rsum, jnp.float32),
+                       failure_sum=jnp.asarray(fsum, jnp.float32),
+                       explore_prob=jnp.asarray(p_e, jnp.float32))
+
+
+def allocation_scores(pilot_rewards: np.ndarray, positions: np.ndarray,
+                      state: Optional[SelectionState], config) -> np.ndarray:
+  """Adaptive allocation's score per prompt from its pilot rewards [N, n0].
+
+  variance: the pilot group's reward standard deviation (ddof=0), as AERO / VIGOR.
+  beta: the standard deviation of the prompt's mean reward under a Beta(1 + s, 1 + f)
+    posterior, s and f being the pilot's sum(r) and sum(1 - r) plus the prompt's discounted
+    history (when there is a pool).
+  """
+  pilot_rewards = np.asarray(pilot_rewards, np.float64)
+  if config.adaptive.score == "variance":
+    return pilot_rewards.std(axis=1)
+  a = 1.0 + pilot_rewards.sum(axis=1)
+  b = 1.0 + (1.0 - pilot_rewards).sum(axis=1)
+  if state is not None:
+    decay = config.adaptive.history_decay
+    a = a + decay * np.asarray(state.reward_sum, np.float64)[positions]
+    b = b + decay * np.asarray(state.failure_sum, np.float64)[positions]
+  return np.sqrt(a * b / ((a + b) ** 2 * (a + b + 1.0)))
+
+
+def allocate(scores: np.ndarray, *, initial: int, budget: int, max_rollouts: int) -> np.ndarray:
+  """Rollouts per prompt [N] summing exactly to `budget`, each in [initial, max_rollouts].
+
+  Every prompt starts with `initial`; each further rollout goes to the prompt with the
+  highest score / current count (D'Hondt; ties to the fewest rollouts, then the lowest
+  index), so with equal scores the budget is spread evenly.
+  """
+  scores = np.asarray(scores, np.float64)
+  n = scores.shape[0]
+  if n * initial > budget or n * max_rollouts < budget:
+    raise ValueError(f"Cannot allocate a budget of {budget} rollouts over {n} prompts with "
+                     f"{initial} to {max_rollouts} each; change the adaptive allocation config.")
+  counts = np.full(n, initial, np.int64)
+  for _ in range(budget - n * initial):
+    priority = np.where(counts < max_rollouts, scores / counts, -np.inf)
+    best = np.flatnonzero(priority == priority.max())
+    counts[best[np.argmin(counts[best])]] += 1
+  return counts
+
+
+def _take_rows(rollouts: list[Rollout], index: np.ndarray) -> Rollout:
+  """Rows `index` of the row-wise concatenation of `rollouts`."""
+  return jax.tree.map(lambda *xs: jnp.asarray(np.concatenate([np.asarray(x) for x in xs])[index]),
+                      *rollouts)
+
+
+def _finish(rollout: Rollout, group: np.ndarray, keep_rows: np.ndarray, advantage_fn) -> Rollout:
+  """Sets group ids, masks out rejected rows and recomputes advantages on the final batch."""
+  completion_mask = rollout.completion_mask & jnp.asarray(keep_rows)[:, None]
+  group = jnp.asarray(group, jnp.int32)
+  advantages = advantage_fn(rollout.reward, group)[:, None] * completion_mask
+  return rollout.replace(group=group, completion_mask=completion_mask, advantages=advantages)
+
+
+def _group_rewards(reward: np.ndarray, group: np.ndarray, n: int) -> list[np.ndarray]:
+  return [reward[group == i] for i in range(n)]
+
+
+def collect(state: Optional[SelectionState], cursor: int, rng: jax.Array, sample: SampleFn, *,
+            config, prompts_per_step: int, group_size: int, pool_size: int,
+            advantage_fn: Callable[[jax.Array, jax.Array], jax.Array]) -> Collected:
+  """Rolls out and assembles one GRPO batch of `prompts_per_step * group_size` rows.
+
+  `rng` is the iteration's sampling key: the first rollout round samples with it unchanged
+  (so 'uniform' reproduces plain GRPO exactly); round k > 0 uses fold_in(rng, k) and GRESO's
+  skip draws of round k use fold_in(fold_in(rng, _SKIP_STREAM), k). Metrics count
+  everything decoded, kept or not.
+  """
+  if config.kind == "adaptive":
+    return _collect_adaptive(state, cursor, rng, sample, config=config,
+                             prompts_per_step=prompts_per_step, group_size=group_size,
+                             pool_size=pool_size, advantage_fn=advantage_fn)
+  refill = config.kind == "dynamic" or (config.kind == "greso" and config.greso.refill)
+  rounds, kept = [], []  # kept: (round index, group index) of informative groups
+  skipped = rows = tokens = decode_steps = 0
+  skip_rng = jax.random.fold_in(rng, _SKIP_STREAM)
+  for attempt in range(config.max_attempts if refill else 1):
+    key = rng if attempt == 0 else jax.random.fold_in(rng, attempt)
+    positions, cursor, n_skipped, state = choose_prompts(
+        state, cursor, prompts_per_step, jax.random.fold_in(skip_rng, attempt), config, pool_size)
+    samples = sample(np.repeat(positions, group_size), key)
+    reward = np.asarray(samples.rollout.reward).reshape(prompts_per_step, group_size)
+    state = observe(state, positions, list(reward), config)
+    rounds.append(samples)
+    skipped += n_skipped
+    rows += reward.size
+    tokens += int(np.asarray(samples.rollout.completion_mask).sum())
+    decode_steps += samples.decode_steps
+    informative = reward.std(axis=1) > 0 if refill else np.ones(prompts_per_step, bool)
+    kept += [(attempt, i) for i in np.flatnonzero(informative)]
+    if len(kept) >= prompts_per_step:
+      break
+  else:
+    raise ValueError(
+        f"Selection {config.kind!r}: only {len(kept)} of the {prompts_per_step} groups a batch "
+        f"needs had non-zero reward variance after {config.max_attempts} rounds of "
+        f"{prompts_per_step} prompts (config.selection.max_attempts); the prompts are all "
+        "solved or all failed by this policy. Raise max_attempts, change the task difficulty, "
+        "or use config.selection.kind='uniform'.")
+  kept = kept[:prompts_per_step]
+  index = np.concatenate([r * prompts_per_step * group_size + i * group_size + np.arange(group_size)
+                          for r, i in kept])
+  rollout = _take_rows([s.rollout for s in rounds], index)
+  exact_all = np.concatenate([s.exact for s in rounds])
+  group = np.repeat(np.arange(prompts_per_step), group_size)
+  rollout = _finish(rollout, group, np.ones(len(index), bool), advantage_fn)
+  all_rewards = np.concatenate([np.asarray(s.rollout.reward) for s in rounds])
+  batch_reward = np.asarray(rollout.reward).reshape(prompts_per_step, group_size)
+  metrics = dict(rollout_rounds=len(rounds), prompts_skipped=skipped, rollouts=rows,
+                 decoded_tokens=tokens, decode_steps=decode_steps,
+                 reward_mean=float(all_rewards.mean()), exact_match=float(exact_all.mean()),
+                 informative_groups=float(np.mean(
+                     all_rewards.reshape(-1, group_size).std(axis=1) > 0)),
+                 batch_informative_groups=float(np.mean(batch_reward.std(axis=1) > 0)),
+                 informative_rows=int(group_size * np.sum(batch_reward.std(axis=1) > 0)))
+  if state is not None:
+    metrics.update(explore_prob_easy=float(state.explore_prob[EASY]),
+                   explore_prob_hard=float(state.explore_prob[HARD]))
+  return Collected(rollout=rollout, exact=exact_all[index], selection=state, cursor=cursor,
+                   metrics=metrics)
+
+
+def _collect_adaptive(state, cursor, rng, sample, *, config, prompts_per_step, group_size,
+                      pool_size, advantage_fn) -> Collected:
+  """Pilot rollouts, then the rest of the budget where the score is highest (see module doc)."""
+  a = config.adaptive
+  n = a.prompts or prompts_per_step
+  budget = prompts_per_step * group_size
+  positions = train_position(np.arange(cursor, cursor + n), pool_size)
+  pilot = sample(np.repeat(positions, a.initial_rollouts), rng)
+  pilot_rewards = np.asarray(pilot.rollout.reward).reshape(n, a.initial_rollouts)
+  counts = allocate(allocation_scores(pilot_rewards, positions, state, config),
+                    initial=a.initial_rollouts, budget=budget,
+                    max_rollouts=a.max_rollouts or 2 * group_size)
+  extra_counts = counts - a.initial_rollouts
+  rounds = [pilot]
+  group = np.repeat(np.arange(n), a.initial_rollouts)
+  if extra_counts.sum():
+    extra = sample(np.repeat(positions, extra_counts), jax.random.fold_in(rng, 1))
+    rounds.append(extra)
+    group = np.concatenate([group, np.repeat(np.arange(n), extra_counts)])
+  order = np.argsort(group, kind="stable")  # groups contiguous, pilot rows first
+  rollout = _take_rows([s.rollout for s in rounds], order)
+  group = group[order]
+  reward = np.asarray(rollout.reward)
+  group_rewards = _group_rewards(reward, group, n)
+  informative = np.array([r.std() > 0 for r in group_rewards])
+  rollout = _finish(rollout, group, informative[group], advantage_fn)
+  state = observe(state, positions, group_rewards, config)
+  exact = np.concatenate([s.exact for s in rounds])[order]
+  metrics = dict(rollout_rounds=len(rounds), prompts_skipped=0, rollouts=budget,
+                 decoded_tokens=int(sum(np.asarray(s.rollout.completion_mask).sum()
+                                        for s in rounds)),
+                 decode_steps=sum(s.decode_steps for s in rounds),
+                 reward_mean=float(reward.mean()), exact_match=float(exact.mean()),
+                 informative_groups=float(informative.mean()),
+                 batch_informative_groups=float(informative.mean()),
+                 informative_rows=int(np.sum(informative[group])),
+                 max_group_size=int(counts.max()))
+  return Collected(rollout=rollout, exact=exact, selection=state, cursor=cursor + n,
+                   metrics=metrics)

@@ -1,0 +1,376 @@
+"""Tests for rl.selection: dynamic sampling, GRESO skipping, adaptive allocation, state.
+
+Most tests drive `selection.collect` with a Bernoulli simulator instead of a policy: train
+position p answers correctly with probability probs[p], so which groups are informative is
+known in advance and the tests need no model.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from experiments.configs import default
+from rl import advantages
+from rl import checkpoint
+from rl import selection
+from rl.rollout import ScoredSamples
+from rl.types import Rollout
+
+G = 4  # group size in the simulator tests
+
+
+def _config(kind, **overrides):
+  """config.selection of the default run with `kind` and dotted-path overrides."""
+  c = default.get_config().selection
+  c.kind = kind
+  for path, value in overrides.items():
+    node = c
+    *parents, leaf = path.split(".")
+    for name in parents:
+      node = node[name]
+    node[leaf] = value
+  return ml_collections.FrozenConfigDict(c)
+
+
+def _bernoulli_sampler(probs, calls=None):
+  """A SampleFn whose row for position p has reward 1 with probability probs[p], else 0."""
+  probs = np.asarray(probs)
+
+  def sample(row_positions, key):
+    if calls is not None:
+      calls.append(np.array(row_positions))
+    draws = np.random.default_rng(np.asarray(jax.random.key_data(key)).tolist())
+    reward = (draws.random(len(row_positions)) < probs[row_positions]).astype(np.float32)
+    rows = len(row_positions)
+    tokens = np.zeros((rows, 4), np.int32)
+    tokens[:, 0] = row_positions
+    tokens[:, 2] = reward
+    prompt_mask = np.zeros((rows, 4), bool)
+    prompt_mask[:, :2] = True
+    zeros = jnp.zeros((rows, 4), jnp.float32)
+    rollout = Rollout(tokens=jnp.asarray(tokens), prompt_mask=jnp.asarray(prompt_mask),
+                      completion_mask=jnp.asarray(~prompt_mask), behavior_logp=zeros,
+                      version=jnp.zeros((rows, 4), jnp.int32), group=jnp.zeros((rows,), jnp.int32),
+                      reward=jnp.asarray(reward), advantages=zeros)
+    return ScoredSamples(rollout=rollout, completions=[""] * rows, exact=reward == 1,
+                         decode_steps=2)
+  return sample
+
+
+def _run(kind_config, probs, steps, *, prompts=4, pool=None, seed=0, state=None, cursor=0,
+         calls=None):
+  """`steps` collect() calls; returns the list of Collected and the final (state, cursor)."""
+  pool = len(probs) if pool is None else pool
+  if state is None:
+    state = selection.init_state(pool, kind_config)
+  sample = _bernoulli_sampler(probs, calls)
+  rng = jax.random.PRNGKey(seed)
+  out = []
+  for step in range(steps):
+    collected = selection.collect(state, cursor, jax.random.fold_in(rng, cursor), sample,
+                                  config=kind_config, prompts_per_step=prompts, group_size=G,
+                                  pool_size=pool, advantage_fn=advantages.grpo_advantages)
+    state, cursor = collected.selection, collected.cursor
+    out.append(collected)
+  return out, state, cursor
+
+
+# --- adaptive allocation -------------------------------------------------------------------
+
+def test_allocate_hand_computed():
+  # D'Hondt on scores / counts from 2 each, 4 extra: A, A, then A and C tie at 0.125 and C
+  # (fewer rollouts) wins, then A. B (score 0) gets nothing.
+  counts = selection.allocate(np.array([0.5, 0.0, 0.25]), initial=2, budget=10, max_rollouts=8)
+  np.testing.assert_array_equal(counts, [5, 2, 3])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_allocate_conserves_budget_exactly(seed):
+  gen = np.random.default_rng(seed)
+  n = int(gen.integers(2, 20))
+  initial = int(gen.integers(1, 4))
+  max_rollouts = initial + int(gen.integers(1, 10))
+  budget = int(gen.integers(n * initial, n * max_rollouts + 1))
+  scores = gen.random(n) * (gen.random(n) < 0.6)  # many exact zeros
+  counts = selection.allocate(scores, initial=initial, budget=budget, max_rollouts=max_rollouts)
+  assert counts.sum() == budget
+  assert counts.min() >= initial and counts.max() <= max_rollouts
+
+
+def test_allocate_approaches_neyman_proportions():
+  # With a large budget and no cap, D'Hondt gives n_i within one rollout of budget * s_i / sum(s).
+  scores = np.array([0.5, 0.1, 0.3, 0.1])
+  counts = selection.allocate(scores, initial=1, budget=1000, max_rollouts=10_000)
+  assert np.all(np.abs(counts - 1000 * scores / scores.sum()) <= 1.0)
+
+
+def test_allocate_rejects_impossible_budget():
+  with pytest.raises(ValueError, match="budget"):
+    selection.allocate(np.ones(3), initial=4, budget=10, max_rollouts=8)
+
+
+# The pilot std is 0 for a deterministic prompt, so extras go almost only to coin flips; the
+# Beta posterior std of a certain prompt stays ~2/3 of a coin flip's (prior + decayed
+# history), so its allocation is softer. Uniform allocation would give 0.5.
+@pytest.mark.parametrize("score,min_share", [("variance", 0.8), ("beta", 0.6)])
+def test_adaptive_budget_conserved_and_concentrated_on_uncertain_prompts(score, min_share):
+  # 16 prompts: even positions are deterministic (always right or always wrong), odd ones
+  # are coin flips. Uniform GRPO gives each half 50% of the rollouts.
+  probs = np.where(np.arange(16) % 2, 0.5, np.arange(16) % 4 == 0).astype(float)
+  config = _config("adaptive", **{"adaptive.score": score, "adaptive.initial_rollouts": 2,
+                                  "adaptive.max_rollouts": 16})
+  out, _, cursor = _run(config, probs, steps=8, prompts=8)
+  assert cursor == 8 * 8
+  budget = 8 * G
+  shares = []
+  for collected in out:
+    assert collected.rollout.tokens.shape[0] == budget == collected.metrics["rollouts"]
+    # Share of the rollouts beyond the pilots that went to coin-flip prompts.
+    positions = np.asarray(collected.rollout.tokens[:, 0])
+    sizes = np.bincount(positions, minlength=16)
+    extra = np.where(sizes > 0, sizes - 2, 0)
+    shares.append(extra[probs == 0.5].sum() / extra.sum())
+    # Groups are contiguous and every row of a rejected (all-equal) group is masked out.
+    group = np.asarray(collected.rollout.group)
+    assert np.all(np.diff(group) >= 0)
+    reward = np.asarray(collected.rollout.reward)
+    for g in np.unique(group):
+      mixed = reward[group == g].std() > 0
+      assert np.asarray(collected.rollout.completion_mask)[group == g].any() == mixed
+    assert collected.metrics["informative_rows"] == np.asarray(
+        collected.rollout.completion_mask).any(axis=1).sum()
+  # beta needs a little history before deterministic prompts look certain: skip epoch 0.
+  assert np.mean(shares[2:]) > min_share
+
+
+def test_adaptive_variance_score_is_pilot_std():
+  pilot = np.array([[1.0, 1.0, 1.0], [0.0, 1.0, 1.0], [0.5, 0.0, 1.0]])
+  scores = selection.allocation_scores(pilot, np.arange(3), None, _config("adaptive"))
+  np.testing.assert_allclose(scores, [0.0, np.sqrt(2.0) / 3.0, np.sqrt(1.0 / 6.0)])
+
+
+def test_adaptive_beta_score_hand_computed():
+  # Beta(1 + 2 + 0.5 * 4, 1 + 0 + 0.5 * 1) = Beta(5, 1.5): std = sqrt(ab / ((a+b)^2 (a+b+1))).
+  config = _config("adaptive", **{"adaptive.score": "beta", "adaptive.history_decay": 0.5})
+  state = selection.init_state(2, config).replace(reward_sum=jnp.array([0.0, 4.0]),
+                                                  failure_sum=jnp.array([0.0, 1.0]))
+  scores = selection.allocation_scores(np.array([[1.0, 1.0]]), np.array([1]), state, config)
+  a, b = 5.0, 1.5
+  np.testing.assert_allclose(scores, [np.sqrt(a * b / ((a + b) ** 2 * (a + b + 1)))], rtol=1e-6)
+
+
+# --- GRESO ---------------------------------------------------------------------------------
+
+def test_greso_keep_probability_as_specified():
+  config = _config("greso", **{"greso.min_keep_prob": 0.05, "greso.max_skips": 10})
+  state = selection.init_state(6, config).replace(
+      uninformative_run=jnp.array([0, 1, 3, 10, 2, 2]),
+      uninformative_easy=jnp.array([True, True, True, True, True, False]),
+      skip_run=jnp.array([0, 0, 0, 0, 10, 0]),
+      explore_prob=jnp.array([0.5, 0.8]))
+  keep = selection.keep_probability(state, np.arange(6), config)
+  # z=0 -> 1; p_e**z; floor 0.05 (0.5**10 < 0.05); 10 skips in a row -> 1; hard class uses 0.8.
+  np.testing.assert_allclose(keep, [1.0, 0.5, 0.125, 0.05, 1.0, 0.64], rtol=1e-6)
+
+
+def test_greso_skip_frequency_matches_keep_probability():
+  config = _config("greso", **{"greso.max_skips": 1000})
+  pool = 50
+  state = selection.init_state(pool, config).replace(
+      uninformative_run=jnp.full((pool,), 2), explore_prob=jnp.array([0.5, 0.5]))
+  kept = drawn = 0
+  for i in range(40):  # skip runs reset per trial, so each candidate keeps with prob 0.25
+    _, cursor, skipped, _ = selection.choose_prompts(state, 0, 10, jax.random.PRNGKey(i),
+                                                     config, pool)
+    kept, drawn = kept + 10, drawn + cursor
+  assert abs(kept / drawn - 0.25) < 0.03
+
+
+def test_greso_observe_updates_runs_counts_and_explore_prob():
+  config = _config("greso", **{"greso.adapt_step": 0.1, "greso.target_zero_variance": 0.25,
+                               "greso.explore_prob": 0.5, "adaptive.history_decay": 0.5})
+  state = selection.init_state(4, config).replace(
+      uninformative_run=jnp.array([2, 2, 0, 0]), reward_sum=jnp.array([2.0, 0, 0, 0]))
+  state = selection.observe(state, np.array([0, 1, 2, 3]),
+                            [np.array([1.0, 1.0]), np.array([0.0, 1.0]), np.array([1.0, 1.0]),
+                             np.array([0.0, 0.0])], config)
+  np.testing.assert_array_equal(state.uninformative_run, [3, 0, 1, 1])
+  np.testing.assert_array_equal(state.uninformative_easy, [True, False, True, False])
+  np.testing.assert_allclose(state.reward_sum, [3.0, 1.0, 2.0, 0.0])
+  np.testing.assert_allclose(state.failure_sum, [0.0, 1.0, 0.0, 2.0])
+  # Easy share 2/4 > 0.25 -> p_e down; hard share 1/4 is not above 0.25 -> p_e up.
+  np.testing.assert_allclose(state.explore_prob, [0.4, 0.6], rtol=1e-6)
+
+
+def test_greso_never_starves_a_prompt():
+  # Every group is all-equal (p in {0, 1}), so GRESO would skip everything without its floor.
+  probs = (np.arange(16) % 2).astype(float)
+  config = _config("greso", **{"greso.refill": False, "greso.explore_prob": 0.3,
+                               "greso.min_keep_prob": 0.05, "greso.max_skips": 6,
+                               "greso.adapt_step": 0.0})
+  calls = []
+  out, _, cursor = _run(config, probs, steps=150, prompts=4, calls=calls)
+  rolled = np.concatenate([c[::G] for c in calls])
+  assert np.sum([c.metrics["prompts_skipped"] for c in out]) > 0.5 * cursor  # it does skip
+  # A prompt skipped max_skips epochs in a row is rolled out next, so each prompt is rolled
+  # out at least once in every max_skips + 1 = 7 of its epochs.
+  per_prompt = np.bincount(rolled, minlength=16)
+  assert per_prompt.min() >= (cursor // 16) // 7 > 0
+
+
+@pytest.mark.parametrize("overrides", [{"greso.explore_prob": 1.0}, {"greso.max_skips": 0}])
+def test_greso_with_skipping_disabled_equals_uniform(overrides):
+  probs = np.random.default_rng(0).random(12) * (np.arange(12) % 3 > 0)
+  greso = _config("greso", **{"greso.refill": False, "greso.adapt_step": 0.0, **overrides})
+  uniform = _config("uniform")
+  a, _, cursor_a = _run(greso, probs, steps=10)
+  b, _, cursor_b = _run(uniform, probs, steps=10)
+  assert cursor_a == cursor_b == 40
+  for x, y in zip(a, b):
+    jax.tree.map(np.testing.assert_array_equal, x.rollout, y.rollout)
+    assert x.metrics["prompts_skipped"] == 0
+
+
+def test_uniform_is_plain_grpo_batch():
+  probs = np.full(8, 0.5)
+  calls = []
+  (collected,), _, cursor = _run(_config("uniform"), probs, steps=1, prompts=3, pool=0, calls=calls)
+  assert cursor == 3
+  np.testing.assert_array_equal(calls[0], np.repeat([0, 1, 2], G))
+  reward = collected.rollout.reward
+  group = jnp.repeat(jnp.arange(3), G)
+  np.testing.assert_array_equal(collected.rollout.group, group)
+  np.testing.assert_allclose(collected.rollout.advantages[:, 2],
+                             advantages.grpo_advantages(reward, group), rtol=1e-6)
+
+
+# --- dynamic sampling ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["dynamic", "greso"])
+def test_dynamic_sampling_never_yields_zero_variance_group(kind):
+  gen = np.random.default_rng(1)
+  probs = np.where(gen.random(32) < 0.6, gen.random(32) < 0.5, 0.5).astype(float)
+  out, _, cursor = _run(_config(kind), probs, steps=20, prompts=4)
+  refilled = 0
+  for collected in out:
+    reward = np.asarray(collected.rollout.reward).reshape(4, G)
+    assert reward.shape == (4, G)
+    assert np.all(reward.std(axis=1) > 0)
+    assert collected.metrics["batch_informative_groups"] == 1.0
+    assert collected.metrics["informative_rows"] == 4 * G
+    refilled += collected.metrics["rollout_rounds"] > 1
+  assert refilled > 0  # the data did force refills
+
+
+def test_dynamic_sampling_errors_when_data_cannot_fill_a_batch():
+  probs = (np.arange(8) % 2).astype(float)  # every group all-equal
+  with pytest.raises(ValueError, match="max_attempts"):
+    _run(_config("dynamic", max_attempts=3), probs, steps=1)
+
+
+# --- checkpointing -------------------------------------------------------------------------
+
+def test_selection_state_checkpoint_round_trip_resumes_exactly(tmp_path):
+  probs = np.random.default_rng(2).random(10) * (np.arange(10) % 2)
+  config = _config("greso", **{"greso.adapt_step": 0.05})
+  full, _, _ = _run(config, probs, steps=6)
+  _, state, cursor = _run(config, probs, steps=3)
+
+  manager = checkpoint.make_manager(str(tmp_path))
+  checkpoint.save(manager, 3, {"selection": state}, {"data_cursor": cursor})
+  like = {"selection": selection.init_state(10, config)}
+  step, restored, meta = checkpoint.restore_latest(manager, like)
+  assert step == 3
+  jax.tree.map(np.testing.assert_array_equal, restored["selection"], state)
+  rest, _, _ = _run(config, probs, steps=3, state=restored["selection"], cursor=meta["data_cursor"])
+  for x, y in zip(full[3:], rest):
+    jax.tree.map(np.testing.assert_array_equal, x.rollout, y.rollout)
+    assert x.cursor == y.cursor
+
+
+def test_check_config_errors_name_the_field():
+  with pytest.raises(ValueError, match="train_pool"):
+    selection.check_config(_config("greso"), prompts_per_step=4, group_size=4, pool_size=0)
+  with pytest.raises(ValueError, match="kind"):
+    selection.check_config(_config("best"), prompts_per_step=4, group_size=4, pool_size=0)
+  with pytest.raises(ValueError, match="initial_rollouts"):
+    selection.check_config(_config("adaptive", **{"adaptive.initial_rollouts": 8}),
+                           prompts_per_step=4, group_size=4, pool_size=0)
+
+
+# --- the loop with a real (tiny) policy ----------------------------------------------------
+
+def _tiny_loop(kind, pool, **overrides):
+  """A fresh LoopState and GRPO LoopContext for the tiny model, 2 prompts x 2 rollouts."""
+  from experiments import train as launcher  # pylint: disable=import-outside-toplevel
+  from models import transformer  # pylint: disable=import-outside-toplevel
+  from models.tokenizer import CharTokenizer  # pylint: disable=import-outside-toplevel
+  from rl import loop  # pylint: disable=import-outside-toplevel
+  from rl import tasks  # pylint: disable=import-outside-toplevel
+  from rl import train  # pylint: disable=import-outside-toplevel
+
+  config = default.get_config()
+  config.rollout.prompts_per_step, config.rollout.group_size = 2, 2
+  config.task.train_pool = pool
+  config.selection = _config(kind, **overrides).as_configdict()
+  tokenizer = CharTokenizer()
+  task = tasks.make_task("chain_sum", seed=0, eval_size=10, **config.task.difficulty)
+  model_config = launcher.build_model_config(config, tokenizer)
+  ctx, optimizer = launcher.make_context(config, task, tokenizer, model_config, launcher.RL)
+  params = transformer.init_params(model_config, jax.random.PRNGKey(0))
+  state = loop.LoopState(train=train.init_train_state(params, optimizer), rng=jax.random.PRNGKey(1),
+                         selection=selection.init_state(pool, config.selection))
+  return state, ctx
+
+
+def test_loop_uniform_is_unchanged_and_greso_without_skipping_equals_it(tmp_path):
+  from rl import loop  # pylint: disable=import-outside-toplevel
+  from rl import rollout as rollout_lib  # pylint: disable=import-outside-toplevel
+
+  state, ctx = _tiny_loop("uniform", pool=0)
+  # The GRPO iteration before rl.selection existed: sample G per prompt, one train step.
+  _, sample_rng = jax.random.split(state.rng)
+  examples = ctx.task.examples("train", 2, 0)
+  samples = rollout_lib.sample_and_score(
+      state.train.params, examples, task=ctx.task, tokenizer=ctx.tokenizer, rng=sample_rng,
+      group_size=2, prompt_len=ctx.prompt_len, model_config=ctx.model_config,
+      sampling_config=ctx.sampling_config, advantage_fn=ctx.advantage_fn, version=0)
+  reference, _ = ctx.train_step(jax.tree.map(jnp.copy, state.train), samples.rollout)
+
+  uniform, _ = loop.grpo_iteration(state, ctx)
+  jax.tree.map(np.testing.assert_array_equal, uniform.train.params, reference.params)
+  assert uniform.data_cursor == 2
+
+  greso_state, greso_ctx = _tiny_loop("greso", pool=3, **{"greso.explore_prob": 1.0,
+                                                          "greso.refill": False})
+  for _ in range(2):  # the pool of 3 wraps around in the second step
+    greso_state, metrics = loop.grpo_iteration(greso_state, greso_ctx)
+  uniform_state, _ = _tiny_loop("uniform", pool=3)
+  uniform_ctx = dataclasses.replace(greso_ctx, selection=_config("uniform"))  # same jitted step
+  for _ in range(2):
+    uniform_state, _ = loop.grpo_iteration(uniform_state, uniform_ctx)
+  jax.tree.map(np.testing.assert_array_equal, greso_state.train.params, uniform_state.train.params)
+  assert metrics["prompts_skipped"] == 0 and greso_state.data_cursor == 4
+
+
+def test_loop_resumes_selection_state_exactly_from_a_checkpoint(tmp_path):
+  from rl import loop  # pylint: disable=import-outside-toplevel
+
+  state, ctx = _tiny_loop("adaptive", pool=4, **{"adaptive.initial_rollouts": 2,
+                                                 "adaptive.score": "beta"})
+  like = state
+  state, _ = loop.grpo_iteration(state, ctx)
+  manager = checkpoint.make_manager(str(tmp_path))
+  checkpoint.save(manager, 1, state, {"data_cursor": state.data_cursor})
+  uninterrupted, _ = loop.grpo_iteration(state, ctx)
+
+  _, restored, meta = checkpoint.restore_latest(manager, like)
+  restored = restored.replace(data_cursor=meta["data_cursor"])
+  jax.tree.map(np.testing.assert_array_equal, restored.selection, state.selection)
+  resumed, _ = loop.grpo_iteration(restored, ctx)
+  jax.tree.map(np.testing.assert_array_equal, resumed.selection, uninterrupted.selection)
+  jax.tree.map(np.testing.assert_array_equal, resumed.train.params, uninterrupted.train.params)
