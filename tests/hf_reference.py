@@ -6,6 +6,8 @@ any layout mistake (transposes, RoPE halves, GQA head order, q/k norms) shows.
 
 import jax.numpy as jnp
 import numpy as np
+import tokenizers
+from tokenizers import decoders, models as tok_models, pre_tokenizers, processors, trainers
 import torch
 import transformers
 
@@ -56,3 +58,30 @@ def arbor_logits(params, config: ModelConfig, tokens: np.ndarray) -> np.ndarray:
   logits, _ = transformer.forward(params, jnp.asarray(tokens), positions,
                                   jnp.ones((b, t), bool), config)
   return np.asarray(logits)
+
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ '<|sys|>' + message['content'] + eos_token }}"
+    "{% else %}{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+
+
+def save_bpe_tokenizer(path, add_bos: bool) -> transformers.PreTrainedTokenizerFast:
+  """Saves a small byte-level BPE tokenizer (300 ids; <s> 0, </s> 1, <pad> 2) with a chat
+  template to `path` through transformers, and returns transformers' reload of it."""
+  tok = tokenizers.Tokenizer(tok_models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  specials = ["<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>", "<|sys|>"]
+  tok.train_from_iterator(
+      ["What is 4 + 17? It is 21.", "hello world again and again"] * 4,
+      trainers.BpeTrainer(vocab_size=300, special_tokens=specials, show_progress=False,
+                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  if add_bos:
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+  fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
+                                              eos_token="</s>", pad_token="<pad>")
+  fast.chat_template = CHAT_TEMPLATE
+  fast.save_pretrained(path)
+  return transformers.PreTrainedTokenizerFast.from_pretrained(path)
