@@ -186,7 +186,7 @@ def run(config: ml_collections.ConfigDict) -> dict:
   meta = {"phase": WARM_START, "data_cursor": 0, "iteration": 0, "evals": []}
 
   manager = checkpoint.make_manager(os.path.join(config.workdir, "checkpoints"),
-                                    config.checkpoint.max_to_keep)
+                                    config.checkpoint.max_to_keep, remove_unfinished=True)
   log = metrics.MetricsLog(os.path.join(config.workdir, "metrics.jsonl"))
   if not config.resume and manager.latest_step() is not None:
     raise ValueError(f"config.resume=False but {config.workdir} already holds checkpoints "

@@ -6,7 +6,7 @@ adds, and `state_digest`).
 
 Crash safety. Orbax writes each step into a temporary directory and renames it when
 complete, so a run killed mid-save (even by SIGKILL) leaves the previous complete step as
-the newest; the manager deletes leftover temporary directories when it is next created.
+the newest; the launcher's manager deletes leftover temporary directories at start-up.
 
 Never a silent wrong restore. `save` records a BLAKE2b digest of every state leaf (path,
 dtype, shape, bytes) in `meta`; `restore_latest` recomputes it after restoring. A step
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from typing import Any
 
 from absl import logging
@@ -28,16 +29,25 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 _COMMIT_MARKER = "commit_success.txt"  # written by orbax just before the final rename
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"    # orbax's name for a step still being written
 
 
-def make_manager(directory: str, max_to_keep: int = 3) -> ocp.CheckpointManager:
+def make_manager(directory: str, max_to_keep: int = 3,
+                 remove_unfinished: bool = False) -> ocp.CheckpointManager:
   """A CheckpointManager over `directory` (created if missing), keeping the newest steps.
 
-  Saves are synchronous; temporary directories left by a killed save are removed.
+  Saves are synchronous. `remove_unfinished` (for the run that writes the directory, never
+  for a reader such as eval, which could otherwise delete a live run's save in progress)
+  first deletes the temporary directories a killed save left behind. It is done here,
+  synchronously, rather than with orbax's `cleanup_tmp_directories`, whose background
+  deletion races with any other manager over the same directory.
   """
+  if remove_unfinished and os.path.isdir(directory):
+    for name in os.listdir(directory):
+      if _TMP_SUFFIX in name:
+        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
   options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
-                                         enable_async_checkpointing=False,
-                                         cleanup_tmp_directories=True)
+                                         enable_async_checkpointing=False)
   return ocp.CheckpointManager(os.path.abspath(directory), options=options)
 
 

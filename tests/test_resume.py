@@ -89,6 +89,7 @@ def test_killed_during_save_resumes_bit_for_bit(tmp_path):
   lines_at_kill = (tmp_path / "resumed" / "metrics.jsonl").read_text().count("\n")
 
   launcher.run(resumed)
+  assert not os.path.exists(ckpt_dir / f"{kill_step}.orbax-checkpoint-tmp")  # cleaned up
   step_a, meta_a = _final_meta(str(tmp_path / "reference"))
   step_b, meta_b = _final_meta(str(tmp_path / "resumed"))
   assert step_a == step_b == total
@@ -176,7 +177,9 @@ def test_empty_directory_and_leftover_temporary_directory(tmp_path):
   assert checkpoint.restore_latest(manager, _state(0)) is None
   _saved_steps(tmp_path, steps=(1,))
   os.makedirs(tmp_path / "2.orbax-checkpoint-tmp" / "state")  # a save killed mid-write
-  manager = checkpoint.make_manager(str(tmp_path))
+  reader = checkpoint.make_manager(str(tmp_path))  # a reader (eval) leaves it alone
+  assert reader.latest_step() == 1 and (tmp_path / "2.orbax-checkpoint-tmp").exists()
+  manager = checkpoint.make_manager(str(tmp_path), remove_unfinished=True)
   step, state, _ = checkpoint.restore_latest(manager, _state(0))
   assert step == 1
   _assert_state_is(state, 1)
