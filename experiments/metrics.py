@@ -22,8 +22,8 @@ class MetricsLog:
   record's step, in TensorBoard event files in the JSONL's directory (so
   `tensorboard --logdir runs` shows one run per workdir).
 
-  After a resume from checkpoint step s, `truncate_after(s)` drops the records written
-  after that checkpoint, so the log of a killed and resumed run equals an uninterrupted one.
+  After a resume from checkpoint step s, `truncate_to(n, s)` (n stored in the checkpoint)
+  drops the records written after that checkpoint, so the log of a killed and resumed run equals an uninterrupted one.
   TensorBoard files are append-only, so the next event file starts with a purge marker at
   step s + 1 (`purge_step`): TensorBoard then discards the older files' events from that
   step on, and the curves match the JSONL.
@@ -45,12 +45,27 @@ class MetricsLog:
       return [json.loads(line) for line in f if line.strip()]
 
   def truncate_after(self, step: int) -> None:
-    kept = [r for r in self.read() if r["step"] <= step]
+    self._rewrite([r for r in self.read() if r["step"] <= step], purge_step=step + 1)
+
+  def truncate_to(self, num_records: int, step: int) -> None:
+    """Keeps the first `num_records` records (the count checkpoint `step` stored), dropping
+    records a killed run wrote after that checkpoint, even at the same step."""
+    lines = []
+    if os.path.exists(self.path):
+      with open(self.path) as f:  # raw lines: a line cut by a kill is never parsed
+        lines = [line for line in f.read().splitlines() if line.strip()]
+    if len(lines) < num_records:
+      raise ValueError(f"{self.path} has {len(lines)} records but the checkpoint being "
+                       f"resumed was saved after {num_records}: the metrics file was "
+                       "truncated or replaced; restore it or use a new workdir.")
+    self._rewrite([json.loads(line) for line in lines[:num_records]], purge_step=step + 1)
+
+  def _rewrite(self, kept: list[dict], purge_step: int) -> None:
     tmp = self.path + ".tmp"
     with open(tmp, "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in kept)
     os.replace(tmp, self.path)
-    self._restart_tensorboard(purge_step=step + 1)
+    self._restart_tensorboard(purge_step=purge_step)
 
   def write(self, record: dict) -> None:
     with open(self.path, "a") as f:

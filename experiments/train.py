@@ -7,6 +7,14 @@ Writes to config.workdir: metrics.jsonl (one line per iteration and per evaluati
 TensorBoard event files of the same scalars (`tensorboard --logdir runs`), plot.png (train
 reward and held-out accuracy against step), checkpoints/ (orbax), and summary.json.
 A rerun with the same workdir resumes from the newest checkpoint.
+
+With `config.model.checkpoint` set (a HF folder, a .gguf file, or "smollm2") the policy and
+tokenizer are loaded from it instead of being initialised from scratch with the character
+tokenizer (docs/checkpoints.md).
+
+Resume is exact: a run of N steps equals a run killed at any moment (SIGKILL included)
+and rerun, bit for bit in parameters and in metrics.jsonl. The checkpoint meta stores the
+number of metrics records written, and a resumed run first cuts metrics.jsonl back to it.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import tqdm
 from experiments import metrics
 from models import transformer
 from models.config import get_preset
+from models.pretrained import load_pretrained
 from models.tokenizer import CharTokenizer
 from rl import advantages
 from rl import async_loop
@@ -108,10 +117,27 @@ def validate(config: ml_collections.ConfigDict) -> None:
 def build_model_config(config, tokenizer):
   """The preset's shapes, with the tokenizer's vocabulary (the policy is trained from
   scratch) and room for prompt + completion."""
-  needed = config.rollout.prompt_len + config.rollout.max_new_tokens
   model_config = get_preset(config.model.preset, dtype=config.model.dtype,
                             vocab_size=tokenizer.vocab_size)
+  return _with_room(config, model_config)
+
+
+def _with_room(config, model_config):
+  needed = config.rollout.prompt_len + config.rollout.max_new_tokens
   return model_config.replace(max_seq_len=max(model_config.max_seq_len, needed))
+
+
+def load_policy(config, rng):
+  """(tokenizer, model_config, initial params): from `config.model.checkpoint` when set,
+  else a from-scratch `config.model.preset` with the character tokenizer."""
+  checkpoint_spec = config.model.get("checkpoint")
+  if checkpoint_spec:
+    model_config, params, tokenizer = load_pretrained(
+        checkpoint_spec, config.model.dtype, chat=config.model.get("chat_template", False))
+    return tokenizer, _with_room(config, model_config), params
+  tokenizer = CharTokenizer()
+  model_config = build_model_config(config, tokenizer)
+  return tokenizer, model_config, transformer.init_params(model_config, rng)
 
 
 def make_context(config, task, tokenizer, model_config, phase):
@@ -183,10 +209,10 @@ def run(config: ml_collections.ConfigDict) -> dict:
   validate(config)
   started = time.time()
   os.makedirs(config.workdir, exist_ok=True)
-  tokenizer = CharTokenizer()
+  init_rng, loop_rng = jax.random.split(jax.random.PRNGKey(config.seed))
+  tokenizer, model_config, params = load_policy(config, init_rng)
   task = make_task(config.task.name, config.task.prompt_style, seed=config.seed,
                    eval_size=config.task.eval_size, **config.task.difficulty)
-  model_config = build_model_config(config, tokenizer)
   eval_examples = task.examples("eval", config.task.eval_size)
 
   def held_out(params):
@@ -197,8 +223,6 @@ def run(config: ml_collections.ConfigDict) -> dict:
 
   contexts = {phase: make_context(config, task, tokenizer, model_config, phase)
               for phase in (WARM_START, RL)}
-  init_rng, loop_rng = jax.random.split(jax.random.PRNGKey(config.seed))
-  params = transformer.init_params(model_config, init_rng)
   history = lambda p: loop.init_history(p, config.rl.staleness) if config.rl.staleness else None
   state = loop.LoopState(train=train.init_train_state(params, contexts[WARM_START][1]),
                          rng=loop_rng, history=history(params),
@@ -206,8 +230,12 @@ def run(config: ml_collections.ConfigDict) -> dict:
   meta = {"phase": WARM_START, "data_cursor": 0, "iteration": 0, "evals": []}
 
   manager = checkpoint.make_manager(os.path.join(config.workdir, "checkpoints"),
-                                    config.checkpoint.max_to_keep)
+                                    config.checkpoint.max_to_keep, remove_unfinished=True)
   log = metrics.MetricsLog(os.path.join(config.workdir, "metrics.jsonl"))
+  if not config.resume and manager.latest_step() is not None:
+    raise ValueError(f"config.resume=False but {config.workdir} already holds checkpoints "
+                     f"(latest step {manager.latest_step()}); use a new config.workdir or "
+                     "resume=True.")
   # Unfinished partial rollouts and the replay ring live in a zarr3 trajectory store.
   store = None
   if config.rollout.kind == "partial" or config.rollout.replay_size:
@@ -218,7 +246,7 @@ def run(config: ml_collections.ConfigDict) -> dict:
   if restored is not None:
     step, state, meta = restored
     state = state.replace(data_cursor=meta["data_cursor"], iteration=meta["iteration"])
-    log.truncate_after(step)
+    log.truncate_to(meta["log_records"], step)
     if rollouts is not None and "partial_ledger" in meta:
       rollouts.load(store.load_pool(step, partial_rollout.POOL_FIELDS), meta["partial_ledger"])
     if store is not None:
@@ -240,7 +268,8 @@ def run(config: ml_collections.ConfigDict) -> dict:
       store.save_pool(done, rollouts.arrays())
       extra["partial_ledger"] = rollouts.ledger.as_dict()
     checkpoint.save(manager, done, state, dict(meta, data_cursor=state.data_cursor,
-                                               iteration=state.iteration, **extra))
+                                               iteration=state.iteration,
+                                               log_records=len(log.read()), **extra))
     log.close()  # TensorBoard events up to the checkpoint reach disk with it
     if rollouts is not None:
       store.prune(manager.all_steps())

@@ -24,6 +24,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict()
   c.model.preset = "tiny"             # models/config.py PRESETS
   c.model.dtype = "float32"           # parameters and activations: float32 | bfloat16
+  c.model.checkpoint = ""             # "" = from scratch (preset + char tokenizer); else a HF
+                                      # folder, a .gguf file or "smollm2" (docs/checkpoints.md)
+  c.model.chat_template = False       # wrap prompts in the checkpoint's chat template
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.prompt_len = 12           # prompt slots (BOS + prompt, left-padded)

@@ -1,0 +1,87 @@
+"""Reference models for checkpoint tests: tiny random transformers models and logits.
+
+Weights are scaled up (std 0.25) and norms and biases randomised, so logits are large and
+any layout mistake (transposes, RoPE halves, GQA head order, q/k norms) shows.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import tokenizers
+from tokenizers import decoders, models as tok_models, pre_tokenizers, processors, trainers
+import torch
+import transformers
+
+from models import transformer
+from models.config import ModelConfig
+
+_COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+               rms_norm_eps=1e-5)
+_HF_CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**_COMMON, rope_theta=10000.0,
+                                              tie_word_embeddings=False),
+    "qwen2": lambda: transformers.Qwen2Config(**_COMMON, rope_theta=1e6,
+                                              tie_word_embeddings=True),
+    "qwen3": lambda: transformers.Qwen3Config(**_COMMON, head_dim=24, rope_theta=1e6,
+                                              tie_word_embeddings=False),
+}
+
+
+def random_hf_model(kind: str, seed: int = 0):
+  """A random transformers model of `kind` (llama / qwen2 / qwen3), in eval mode."""
+  torch.manual_seed(seed)
+  config = _HF_CONFIGS[kind]()
+  model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith("norm.weight") or "layernorm" in name:
+        p.copy_(1.0 + 0.5 * torch.randn_like(p))
+      elif name.endswith("bias"):
+        p.copy_(0.5 * torch.randn_like(p))
+      else:
+        p.copy_(0.25 * torch.randn_like(p))
+  return model.eval()
+
+
+def random_tokens(vocab: int, batch: int = 2, length: int = 11, seed: int = 1) -> np.ndarray:
+  return np.random.default_rng(seed).integers(0, vocab, (batch, length)).astype(np.int32)
+
+
+def hf_logits(model, tokens: np.ndarray) -> np.ndarray:
+  with torch.no_grad():
+    return model(torch.as_tensor(tokens, dtype=torch.long)).logits.float().numpy()
+
+
+def arbor_logits(params, config: ModelConfig, tokens: np.ndarray) -> np.ndarray:
+  b, t = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+  logits, _ = transformer.forward(params, jnp.asarray(tokens), positions,
+                                  jnp.ones((b, t), bool), config)
+  return np.asarray(logits)
+
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ '<|sys|>' + message['content'] + eos_token }}"
+    "{% else %}{{ '<|' + message['role'] + '|>' + message['content'] + eos_token }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}")
+
+
+def save_bpe_tokenizer(path, add_bos: bool) -> transformers.PreTrainedTokenizerFast:
+  """Saves a small byte-level BPE tokenizer (300 ids; <s> 0, </s> 1, <pad> 2) with a chat
+  template to `path` through transformers, and returns transformers' reload of it."""
+  tok = tokenizers.Tokenizer(tok_models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  specials = ["<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>", "<|sys|>"]
+  tok.train_from_iterator(
+      ["What is 4 + 17? It is 21.", "hello world again and again"] * 4,
+      trainers.BpeTrainer(vocab_size=300, special_tokens=specials, show_progress=False,
+                          initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+  if add_bos:
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+  fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>",
+                                              eos_token="</s>", pad_token="<pad>")
+  fast.chat_template = CHAT_TEMPLATE
+  fast.save_pretrained(path)
+  return transformers.PreTrainedTokenizerFast.from_pretrained(path)

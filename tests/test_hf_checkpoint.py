@@ -1,0 +1,109 @@
+"""Logits parity of models.hf_checkpoint with transformers (torch CPU), import and export.
+
+Tiny random Llama / Qwen2 / Qwen3 models are written by transformers' `save_pretrained`
+with weights scaled up (std 0.25), randomised norms and biases, so logits are large and
+any layout mistake (transposes, RoPE halves, GQA head order, q/k norms) shows.
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from models import hf_checkpoint
+from models import transformer
+from models.config import ModelConfig
+from tests.hf_reference import arbor_logits, hf_logits, random_hf_model, random_tokens
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_logits_match_transformers(kind, tmp_path):
+  model = random_hf_model(kind)
+  model.save_pretrained(tmp_path)
+  saved = json.loads((tmp_path / "config.json").read_text())
+  config, params = hf_checkpoint.load_hf(str(tmp_path))
+  assert config.qkv_bias == (kind == "qwen2") and config.qk_norm == (kind == "qwen3")
+  assert config.tie_embeddings == saved["tie_word_embeddings"]
+  assert ("lm_head" in params) != config.tie_embeddings
+  tokens = random_tokens(config.vocab_size)
+  expected = hf_logits(model, tokens)
+  got = arbor_logits(params, config, tokens)
+  err = np.abs(got - expected).max()
+  print(f"{kind}: max |logit diff| {err:.2e}, max |logit| {np.abs(expected).max():.1f}")
+  assert np.abs(expected).max() > 5.0  # large logits, or the test proves little
+  assert err <= 1e-4
+  np.testing.assert_array_equal(got.argmax(-1), expected.argmax(-1))
+
+
+def test_rope_theta_spellings_and_scaling():
+  base = dict(model_type="llama", vocab_size=8, hidden_size=8, num_hidden_layers=1,
+              num_attention_heads=2, intermediate_size=8)
+  old = hf_checkpoint.config_from_hf(dict(base, rope_theta=5e5))
+  new = hf_checkpoint.config_from_hf(
+      dict(base, rope_parameters={"rope_type": "default", "rope_theta": 5e5}))
+  assert old.rope_theta == new.rope_theta == 5e5
+  with pytest.raises(ValueError, match="llama3"):
+    hf_checkpoint.config_from_hf(dict(base, rope_parameters={"rope_type": "llama3",
+                                                             "rope_theta": 5e5}))
+  with pytest.raises(ValueError, match="model_type 'gpt2'"):
+    hf_checkpoint.config_from_hf(dict(base, model_type="gpt2", rope_theta=1.0))
+
+
+def test_bfloat16_checkpoint_loads_exactly(tmp_path):
+  model = random_hf_model("qwen2").to(torch.bfloat16)
+  model.save_pretrained(tmp_path)
+  config, params = hf_checkpoint.load_hf(str(tmp_path), dtype="bfloat16")
+  assert params["embed"].dtype == jnp.bfloat16
+  q0 = model.model.layers[1].self_attn.q_proj.weight.detach().float().numpy().T
+  np.testing.assert_array_equal(np.asarray(params["layers"]["q"][1], np.float32), q0)
+  tokens = random_tokens(config.vocab_size)
+  expected = hf_logits(model, tokens)
+  got = arbor_logits(params, config, tokens)
+  # Same bf16 weights, different bf16 rounding of activations: a loose bound only.
+  assert np.abs(got - expected).max() < 0.1 * np.abs(expected).max()
+
+
+@pytest.mark.parametrize("kind,tie", [("llama", True), ("qwen2", False), ("qwen3", True)])
+def test_export_loads_in_transformers(kind, tie, tmp_path):
+  config = ModelConfig(vocab_size=80, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2,
+                       head_dim=16, mlp_dim=64, rope_theta=5e4, norm_eps=1e-6,
+                       qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3", tie_embeddings=tie,
+                       max_seq_len=64)
+  params = transformer.init_params(config, jax.random.PRNGKey(3), init_std=0.25)
+  keys = iter(jax.random.split(jax.random.PRNGKey(4), 8))
+  params["final_norm"] = 1 + 0.5 * jax.random.normal(next(keys), params["final_norm"].shape)
+  for leaf in ("attn_norm", "mlp_norm", "q_bias", "k_bias", "v_bias", "q_norm", "k_norm"):
+    if leaf in params["layers"]:
+      shape = params["layers"][leaf].shape
+      params["layers"][leaf] = 1 + 0.5 * jax.random.normal(next(keys), shape)
+  # A tiny shard limit forces the sharded layout (index + several files).
+  hf_checkpoint.save_hf(str(tmp_path), params, config, max_shard_bytes=40_000)
+  assert (tmp_path / "model.safetensors.index.json").exists()
+  assert len([f for f in os.listdir(tmp_path) if f.endswith(".safetensors")]) > 1
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      tmp_path, attn_implementation="eager", dtype=torch.float32).eval()
+  assert type(model).__name__ == hf_checkpoint.ARCHITECTURES[kind]
+  tokens = random_tokens(config.vocab_size)
+  expected = hf_logits(model, tokens)
+  got = arbor_logits(params, config, tokens)
+  assert np.abs(expected).max() > 5.0
+  assert np.abs(got - expected).max() <= 1e-4
+  # And back: the sharded folder reloads to the same parameters.
+  config2, params2 = hf_checkpoint.load_hf(str(tmp_path))
+  assert config2 == config
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_missing_tensor_and_folder_errors(tmp_path):
+  with pytest.raises(ValueError, match="no config.json"):
+    hf_checkpoint.load_hf(str(tmp_path))
+  model = random_hf_model("llama")
+  model.save_pretrained(tmp_path)
+  os.remove(tmp_path / "model.safetensors")
+  with pytest.raises(ValueError, match="model.safetensors"):
+    hf_checkpoint.load_hf(str(tmp_path))

