@@ -7,6 +7,12 @@ Writes to config.workdir: metrics.jsonl (one line per iteration and per evaluati
 TensorBoard event files of the same scalars (`tensorboard --logdir runs`), plot.png (train
 reward and held-out accuracy against step), checkpoints/ (orbax), and summary.json.
 A rerun with the same workdir resumes from the newest checkpoint.
+
+    python -m experiments.train --config.mesh.data=2 --config.mesh.fsdp=2 --config.mesh.tensor=2
+
+shards the run over a device mesh (default: all 1, one device); docs/pod.md covers several
+GPUs, pod slices and multi-process starts (--config.distributed.*). Only process 0 writes
+metrics, plots and the summary.
 """
 
 from __future__ import annotations
@@ -34,8 +40,12 @@ from rl import evaluation
 from rl import loop
 from rl import train
 from rl.tasks import make_task
+from rl.rollout import make_generate
 from sampling import tree as tree_lib
 from sampling.sampler import SamplingConfig
+from sharding import mesh as mesh_lib
+from sharding import multihost
+from sharding import reshard
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "configs", "default.py")
 _CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Run configuration file.")
@@ -91,6 +101,29 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ValueError("config.eval.every and config.checkpoint.every must be positive.")
 
 
+def build_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh | None:
+  """The configured (data, fsdp, tensor) mesh over all devices of all processes, or None for
+  the single-device default; every batch must split evenly over data x fsdp."""
+  mesh_config = mesh_lib.MeshConfig(data=config.mesh.data, fsdp=config.mesh.fsdp,
+                                    tensor=config.mesh.tensor)
+  if mesh_config.is_single_device and jax.process_count() == 1:
+    return None
+  mesh = mesh_lib.make_mesh(mesh_config)
+  shards = mesh_lib.batch_size_multiple(mesh)
+  r = config.rollout
+  for name, rows, multiple in (
+      ("rollout.prompts_per_step * rollout.group_size", r.prompts_per_step * r.group_size,
+       "mesh.data * mesh.fsdp * rl.num_microbatches"),
+      ("warm_start.batch_size", config.warm_start.batch_size,
+       "mesh.data * mesh.fsdp * rl.num_microbatches"),
+      ("eval.batch_size", config.eval.batch_size, "mesh.data * mesh.fsdp")):
+    divisor = shards * (config.rl.num_microbatches if "microbatches" in multiple else 1)
+    if rows % divisor:
+      raise ValueError(f"config.{name} = {rows} does not split over the mesh: make it a "
+                       f"multiple of {multiple} = {divisor}.")
+  return mesh
+
+
 def build_model_config(config, tokenizer):
   """The preset's shapes, with the tokenizer's vocabulary (the policy is trained from
   scratch) and room for prompt + completion."""
@@ -100,8 +133,8 @@ def build_model_config(config, tokenizer):
   return model_config.replace(max_seq_len=max(model_config.max_seq_len, needed))
 
 
-def make_context(config, task, tokenizer, model_config, phase):
-  """The LoopContext (and optimizer) of one phase of the run."""
+def make_context(config, task, tokenizer, model_config, phase, mesh=None):
+  """The LoopContext (and optimizer) of one phase of the run (sharded over `mesh`, if any)."""
   if phase == WARM_START:
     optimizer = train.make_optimizer(
         config.warm_start.learning_rate, warmup_steps=config.warm_start.warmup_steps,
@@ -121,13 +154,18 @@ def make_context(config, task, tokenizer, model_config, phase):
       stop_tokens=(tokenizer.eos_id,), pad_id=tokenizer.pad_id)
   step = train.make_train_step(model_config, optimizer, loss_config,
                                num_microbatches=config.rl.num_microbatches,
-                               temperature=config.rollout.temperature if phase == RL else 1.0)
+                               temperature=config.rollout.temperature if phase == RL else 1.0,
+                               mesh=mesh)
+  sharded = {} if mesh is None else dict(
+      generate_fn=make_generate(model_config, sampling_config, mesh),
+      publish=reshard.make_publish(mesh, jax.eval_shape(
+          lambda: transformer.init_params(model_config, jax.random.PRNGKey(0)))))
   ctx = loop.LoopContext(
       task=task, tokenizer=tokenizer, model_config=model_config,
       sampling_config=sampling_config, prompt_len=config.rollout.prompt_len,
       prompts_per_step=prompts, group_size=config.rollout.group_size, train_step=step,
       advantage_fn=advantages.get_advantage_fn(config.advantage.name),
-      staleness=config.rl.staleness if phase == RL else 0)
+      staleness=config.rl.staleness if phase == RL else 0, **sharded)
   if config.rollout.kind == "tree":
     ctx = dataclasses.replace(
         ctx, tree_policy=build_fork_policy(config.rollout.tree),
@@ -139,6 +177,11 @@ def run(config: ml_collections.ConfigDict) -> dict:
   """Runs (or resumes) the configured job and returns its summary."""
   validate(config)
   started = time.time()
+  d = config.distributed
+  multihost.initialize(d.coordinator_address or None, d.num_processes or None,
+                       None if d.process_id < 0 else d.process_id)
+  mesh = build_mesh(config)
+  primary = multihost.is_primary()
   os.makedirs(config.workdir, exist_ok=True)
   tokenizer = CharTokenizer()
   task = make_task(config.task.name, config.task.prompt_style, seed=config.seed,
@@ -150,15 +193,27 @@ def run(config: ml_collections.ConfigDict) -> dict:
     return evaluation.evaluate(params, eval_examples, task=task, tokenizer=tokenizer,
                                prompt_len=config.rollout.prompt_len,
                                max_new_tokens=config.rollout.max_new_tokens,
-                               model_config=model_config, batch_size=config.eval.batch_size)
+                               model_config=model_config, batch_size=config.eval.batch_size,
+                               mesh=mesh)
 
-  contexts = {phase: make_context(config, task, tokenizer, model_config, phase)
+  contexts = {phase: make_context(config, task, tokenizer, model_config, phase, mesh)
               for phase in (WARM_START, RL)}
+
+  def new_train_state(make_params, arg, optimizer):
+    """init_train_state(make_params(arg)); with a mesh built in place, already sharded."""
+    init = lambda a: train.init_train_state(make_params(a), optimizer)
+    if mesh is None:
+      return init(arg)
+    return jax.jit(init, out_shardings=train.train_state_shardings(
+        model_config, optimizer, mesh))(arg)
+
   init_rng, loop_rng = jax.random.split(jax.random.PRNGKey(config.seed))
-  params = transformer.init_params(model_config, init_rng)
+  if mesh is not None:  # a global array, so every process checkpoints the same key
+    loop_rng = multihost.replicate(loop_rng, mesh)
   history = lambda p: loop.init_history(p, config.rl.staleness) if config.rl.staleness else None
-  state = loop.LoopState(train=train.init_train_state(params, contexts[WARM_START][1]),
-                         rng=loop_rng, history=history(params))
+  train_state = new_train_state(lambda key: transformer.init_params(model_config, key), init_rng,
+                                contexts[WARM_START][1])
+  state = loop.LoopState(train=train_state, rng=loop_rng, history=history(train_state.params))
   meta = {"phase": WARM_START, "data_cursor": 0, "iteration": 0, "evals": []}
 
   manager = checkpoint.make_manager(os.path.join(config.workdir, "checkpoints"),
@@ -168,15 +223,16 @@ def run(config: ml_collections.ConfigDict) -> dict:
   if restored is not None:
     step, state, meta = restored
     state = state.replace(data_cursor=meta["data_cursor"], iteration=meta["iteration"])
-    log.truncate_after(step)
+    if primary:
+      log.truncate_after(step)
     logging.info("Resumed from checkpoint step %d (%s).", step, meta["phase"])
-  else:
+  elif primary:
     log.truncate_after(-1)
 
   phase_steps = {WARM_START: config.warm_start.steps, RL: config.rl.steps}
   done = (0 if meta["phase"] == WARM_START else phase_steps[WARM_START]) + state.iteration
   bar = tqdm.tqdm(total=sum(phase_steps.values()), initial=done, desc=meta["phase"],
-                  dynamic_ncols=True)
+                  dynamic_ncols=True, disable=not primary)
 
   def save():
     checkpoint.save(manager, done, state, dict(meta, data_cursor=state.data_cursor,
@@ -189,7 +245,8 @@ def run(config: ml_collections.ConfigDict) -> dict:
               "eval_accuracy": result.accuracy, "eval_reward": result.mean_reward,
               "eval_length": result.mean_length}
     meta["evals"].append(record)
-    log.write(record)
+    if primary:
+      log.write(record)
     bar.write(f"[step {done}] {label}: held-out accuracy {result.accuracy:.3f}, "
               f"mean reward {result.mean_reward:.3f}")
     return result
@@ -206,7 +263,8 @@ def run(config: ml_collections.ConfigDict) -> dict:
       state, step_metrics = iterate(state, ctx)
       done += 1
       record = {"step": done, "phase": phase, **{k: float(v) for k, v in step_metrics.items()}}
-      log.write(record)
+      if primary:
+        log.write(record)
       bar.update(1)
       bar.set_postfix({k: f"{record[k]:.3f}" for k in ("loss", "reward_mean") if k in record})
       if phase == RL and state.iteration % config.eval.every == 0:
@@ -218,7 +276,7 @@ def run(config: ml_collections.ConfigDict) -> dict:
       # The RL phase starts from the warm-started parameters with a fresh optimiser.
       meta["phase"] = RL
       state = loop.LoopState(
-          train=train.init_train_state(state.train.params, contexts[RL][1]),
+          train=new_train_state(lambda params: params, state.train.params, contexts[RL][1]),
           rng=state.rng, history=history(state.train.params), data_cursor=state.data_cursor,
           iteration=0)
       save()
@@ -234,11 +292,12 @@ def run(config: ml_collections.ConfigDict) -> dict:
   summary = {"warm_start_accuracy": warm["eval_accuracy"], "final_accuracy": final["eval_accuracy"],
              "warm_start_reward": warm["eval_reward"], "final_reward": final["eval_reward"],
              "steps": done, "wall_time_s": time.time() - started,
-             "nonfinite_updates": int(state.train.nonfinite_updates)}
-  with open(os.path.join(config.workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
-  log.close()
-  metrics.plot_run(log.read(), os.path.join(config.workdir, "plot.png"))
+             "nonfinite_updates": int(multihost.fetch(state.train.nonfinite_updates))}
+  if primary:
+    with open(os.path.join(config.workdir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=2)
+    log.close()
+    metrics.plot_run(log.read(), os.path.join(config.workdir, "plot.png"))
   return summary
 
 

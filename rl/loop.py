@@ -96,7 +96,13 @@ class LoopState:
 
 @dataclasses.dataclass(frozen=True)
 class LoopContext:
-  """The fixed pieces an iteration needs."""
+  """The fixed pieces an iteration needs.
+
+  generate_fn: the sampler (`rl.rollout.make_generate`; None = unsharded `generate`).
+  publish: trainer parameters -> sampler parameters, called each time the sampler gets
+  new parameters (`sharding.reshard.make_publish`: FSDP -> tensor-parallel on device);
+  None = the sampler reads the trainer's parameters as they are.
+  """
   task: Task
   tokenizer: rollout_lib.Tokenizer
   model_config: ModelConfig
@@ -110,6 +116,8 @@ class LoopContext:
   # Tree rollouts (config.rollout.kind='tree'): the fork policy and a TREE_ADVANTAGES fn.
   tree_policy: ForkPolicy | None = None
   tree_advantage_fn: Callable | None = None
+  generate_fn: rollout_lib.GenerateFn | None = None
+  publish: Callable[[Any], Any] | None = None
 
 
 def sft_iteration(state: LoopState, ctx: LoopContext) -> tuple[LoopState, dict]:
@@ -137,11 +145,13 @@ def grpo_iteration(state: LoopState, ctx: LoopContext) -> tuple[LoopState, dict]
       raise ValueError(f"LoopContext.staleness={ctx.staleness} needs LoopState.history = "
                        f"init_history(params, {ctx.staleness}).")
     params, version, history = stale_params(history, state.iteration, params, version)
+  if ctx.publish is not None:
+    params = ctx.publish(params)
   samples = rollout_lib.sample_and_score(
       params, examples, task=ctx.task, tokenizer=ctx.tokenizer, rng=sample_rng,
       group_size=ctx.group_size, prompt_len=ctx.prompt_len, model_config=ctx.model_config,
       sampling_config=ctx.sampling_config, advantage_fn=ctx.advantage_fn,
-      version=version)
+      version=version, generate_fn=ctx.generate_fn)
   behind = int(state.train.step) - int(version)
   train, metrics = ctx.train_step(state.train, samples.rollout)
   metrics = jax.device_get(metrics)
