@@ -15,6 +15,12 @@ tokenizer (docs/checkpoints.md).
 Resume is exact: a run of N steps equals a run killed at any moment (SIGKILL included)
 and rerun, bit for bit in parameters and in metrics.jsonl. The checkpoint meta stores the
 number of metrics records written, and a resumed run first cuts metrics.jsonl back to it.
+
+    python -m experiments.train --config.mesh.data=2 --config.mesh.fsdp=2 --config.mesh.tensor=2
+
+shards the run over a device mesh (default: all 1, one device); docs/pod.md covers several
+GPUs, pod slices and multi-process starts (--config.distributed.*). Only process 0 writes
+metrics, plots and the summary.
 """
 
 from __future__ import annotations
@@ -47,9 +53,13 @@ from rl import selection
 from rl import train
 from rl import trajectory_store
 from rl.tasks import make_task
+from rl.rollout import make_generate
 from sampling import tree as tree_lib
 from sampling.partial import PartialConfig
 from sampling.sampler import SamplingConfig
+from sharding import mesh as mesh_lib
+from sharding import multihost
+from sharding import reshard
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "configs", "default.py")
 _CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Run configuration file.")
@@ -114,6 +124,29 @@ def validate(config: ml_collections.ConfigDict) -> None:
                          group_size=r.group_size, pool_size=config.task.train_pool)
 
 
+def build_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh | None:
+  """The configured (data, fsdp, tensor) mesh over all devices of all processes, or None for
+  the single-device default; every batch must split evenly over data x fsdp."""
+  mesh_config = mesh_lib.MeshConfig(data=config.mesh.data, fsdp=config.mesh.fsdp,
+                                    tensor=config.mesh.tensor)
+  if mesh_config.is_single_device and jax.process_count() == 1:
+    return None
+  mesh = mesh_lib.make_mesh(mesh_config)
+  shards = mesh_lib.batch_size_multiple(mesh)
+  r = config.rollout
+  for name, rows, multiple in (
+      ("rollout.prompts_per_step * rollout.group_size", r.prompts_per_step * r.group_size,
+       "mesh.data * mesh.fsdp * rl.num_microbatches"),
+      ("warm_start.batch_size", config.warm_start.batch_size,
+       "mesh.data * mesh.fsdp * rl.num_microbatches"),
+      ("eval.batch_size", config.eval.batch_size, "mesh.data * mesh.fsdp")):
+    divisor = shards * (config.rl.num_microbatches if "microbatches" in multiple else 1)
+    if rows % divisor:
+      raise ValueError(f"config.{name} = {rows} does not split over the mesh: make it a "
+                       f"multiple of {multiple} = {divisor}.")
+  return mesh
+
+
 def build_model_config(config, tokenizer):
   """The preset's shapes, with the tokenizer's vocabulary (the policy is trained from
   scratch) and room for prompt + completion."""
@@ -140,8 +173,8 @@ def load_policy(config, rng):
   return tokenizer, model_config, transformer.init_params(model_config, rng)
 
 
-def make_context(config, task, tokenizer, model_config, phase):
-  """The LoopContext (and optimizer) of one phase of the run."""
+def make_context(config, task, tokenizer, model_config, phase, mesh=None):
+  """The LoopContext (and optimizer) of one phase of the run (sharded over `mesh`, if any)."""
   if phase == WARM_START:
     optimizer = train.make_optimizer(
         config.warm_start.learning_rate, warmup_steps=config.warm_start.warmup_steps,
@@ -161,7 +194,12 @@ def make_context(config, task, tokenizer, model_config, phase):
       stop_tokens=(tokenizer.eos_id,), pad_id=tokenizer.pad_id)
   step = train.make_train_step(model_config, optimizer, loss_config,
                                num_microbatches=config.rl.num_microbatches,
-                               temperature=config.rollout.temperature if phase == RL else 1.0)
+                               temperature=config.rollout.temperature if phase == RL else 1.0,
+                               mesh=mesh)
+  sharded = {} if mesh is None else dict(
+      generate_fn=make_generate(model_config, sampling_config, mesh),
+      publish=reshard.make_publish(mesh, jax.eval_shape(
+          lambda: transformer.init_params(model_config, jax.random.PRNGKey(0)))))
   ctx = loop.LoopContext(
       task=task, tokenizer=tokenizer, model_config=model_config,
       sampling_config=sampling_config, prompt_len=config.rollout.prompt_len,
@@ -169,7 +207,7 @@ def make_context(config, task, tokenizer, model_config, phase):
       advantage_fn=advantages.get_advantage_fn(config.advantage.name),
       staleness=config.rl.staleness if phase == RL else 0,
       selection=ml_collections.FrozenConfigDict(config.selection),
-      train_pool=config.task.train_pool)
+      train_pool=config.task.train_pool, **sharded)
   if config.rollout.kind == "tree":
     ctx = dataclasses.replace(
         ctx, tree_policy=build_fork_policy(config.rollout.tree),
@@ -208,6 +246,11 @@ def run(config: ml_collections.ConfigDict) -> dict:
   """Runs (or resumes) the configured job and returns its summary."""
   validate(config)
   started = time.time()
+  d = config.distributed
+  multihost.initialize(d.coordinator_address or None, d.num_processes or None,
+                       None if d.process_id < 0 else d.process_id)
+  mesh = build_mesh(config)
+  primary = multihost.is_primary()
   os.makedirs(config.workdir, exist_ok=True)
   init_rng, loop_rng = jax.random.split(jax.random.PRNGKey(config.seed))
   tokenizer, model_config, params = load_policy(config, init_rng)
@@ -219,13 +262,25 @@ def run(config: ml_collections.ConfigDict) -> dict:
     return evaluation.evaluate(params, eval_examples, task=task, tokenizer=tokenizer,
                                prompt_len=config.rollout.prompt_len,
                                max_new_tokens=config.rollout.max_new_tokens,
-                               model_config=model_config, batch_size=config.eval.batch_size)
+                               model_config=model_config, batch_size=config.eval.batch_size,
+                               mesh=mesh)
 
-  contexts = {phase: make_context(config, task, tokenizer, model_config, phase)
+  contexts = {phase: make_context(config, task, tokenizer, model_config, phase, mesh)
               for phase in (WARM_START, RL)}
+
+  def new_train_state(params, optimizer):
+    """init_train_state(params); with a mesh, placed in the trainer's sharded layout."""
+    init = lambda p: train.init_train_state(p, optimizer)
+    if mesh is None:
+      return init(params)
+    return jax.jit(init, out_shardings=train.train_state_shardings(
+        model_config, optimizer, mesh))(params)
+
+  if mesh is not None:  # a global array, so every process checkpoints the same key
+    loop_rng = multihost.replicate(loop_rng, mesh)
   history = lambda p: loop.init_history(p, config.rl.staleness) if config.rl.staleness else None
-  state = loop.LoopState(train=train.init_train_state(params, contexts[WARM_START][1]),
-                         rng=loop_rng, history=history(params),
+  train_state = new_train_state(params, contexts[WARM_START][1])
+  state = loop.LoopState(train=train_state, rng=loop_rng, history=history(train_state.params),
                          selection=selection.init_state(config.task.train_pool, config.selection))
   meta = {"phase": WARM_START, "data_cursor": 0, "iteration": 0, "evals": []}
 
@@ -246,13 +301,14 @@ def run(config: ml_collections.ConfigDict) -> dict:
   if restored is not None:
     step, state, meta = restored
     state = state.replace(data_cursor=meta["data_cursor"], iteration=meta["iteration"])
-    log.truncate_to(meta["log_records"], step)
+    if primary:
+      log.truncate_to(meta["log_records"], step)
     if rollouts is not None and "partial_ledger" in meta:
       rollouts.load(store.load_pool(step, partial_rollout.POOL_FIELDS), meta["partial_ledger"])
     if store is not None:
       store.truncate_after(int(state.train.step) - 1 if meta["phase"] == RL else -1)
     logging.info("Resumed from checkpoint step %d (%s).", step, meta["phase"])
-  else:
+  elif primary:
     log.truncate_after(-1)
     if store is not None:
       store.truncate_after(-1)
@@ -260,7 +316,7 @@ def run(config: ml_collections.ConfigDict) -> dict:
   phase_steps = {WARM_START: config.warm_start.steps, RL: config.rl.steps}
   done = (0 if meta["phase"] == WARM_START else phase_steps[WARM_START]) + state.iteration
   bar = tqdm.tqdm(total=sum(phase_steps.values()), initial=done, desc=meta["phase"],
-                  dynamic_ncols=True)
+                  dynamic_ncols=True, disable=not primary)
 
   def save():
     extra = {}
@@ -278,7 +334,8 @@ def run(config: ml_collections.ConfigDict) -> dict:
     nonlocal done
     done += 1
     record = {"step": done, "phase": phase, **{k: float(v) for k, v in step_metrics.items()}}
-    log.write(record)
+    if primary:
+      log.write(record)
     bar.update(1)
     bar.set_postfix({k: f"{record[k]:.3f}" for k in ("loss", "reward_mean") if k in record})
 
@@ -288,7 +345,8 @@ def run(config: ml_collections.ConfigDict) -> dict:
               "eval_accuracy": result.accuracy, "eval_reward": result.mean_reward,
               "eval_length": result.mean_length}
     meta["evals"].append(record)
-    log.write(record)
+    if primary:
+      log.write(record)
     bar.write(f"[step {done}] {label}: held-out accuracy {result.accuracy:.3f}, "
               f"mean reward {result.mean_reward:.3f}")
     return result
@@ -312,7 +370,7 @@ def run(config: ml_collections.ConfigDict) -> dict:
                          for every in (config.eval.every, config.checkpoint.every)))
         state, _ = async_loop.run_async(
             state, ctx, produce, boundary - state.iteration,
-            max_staleness=config.rl.max_staleness,
+            max_staleness=config.rl.max_staleness, publish=ctx.publish or (lambda p: p),
             on_step=lambda _, step_metrics: record_step(RL, step_metrics))
       else:
         state, step_metrics = loop.grpo_iteration(state, ctx, produce)
@@ -326,7 +384,7 @@ def run(config: ml_collections.ConfigDict) -> dict:
       # The RL phase starts from the warm-started parameters with a fresh optimiser.
       meta["phase"] = RL
       state = loop.LoopState(
-          train=train.init_train_state(state.train.params, contexts[RL][1]),
+          train=new_train_state(state.train.params, contexts[RL][1]),
           rng=state.rng, history=history(state.train.params), selection=state.selection,
           data_cursor=state.data_cursor, iteration=0)
       save()
@@ -342,13 +400,14 @@ def run(config: ml_collections.ConfigDict) -> dict:
   summary = {"warm_start_accuracy": warm["eval_accuracy"], "final_accuracy": final["eval_accuracy"],
              "warm_start_reward": warm["eval_reward"], "final_reward": final["eval_reward"],
              "steps": done, "wall_time_s": time.time() - started,
-             "nonfinite_updates": int(state.train.nonfinite_updates)}
+             "nonfinite_updates": int(multihost.fetch(state.train.nonfinite_updates))}
   if rollouts is not None:
     summary["partial_ledger"] = rollouts.ledger.as_dict()
-  with open(os.path.join(config.workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
-  log.close()
-  metrics.plot_run(log.read(), os.path.join(config.workdir, "plot.png"))
+  if primary:
+    with open(os.path.join(config.workdir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=2)
+    log.close()
+    metrics.plot_run(log.read(), os.path.join(config.workdir, "plot.png"))
   return summary
 
 

@@ -22,7 +22,7 @@ llama.cpp's interleaving permutation before parameters reach this module.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -145,7 +145,9 @@ def _block(x, layer, positions, mask, config: ModelConfig, cache_kv, cache_index
 
 def forward(params: Params, tokens: jax.Array, positions: jax.Array, kv_mask: jax.Array,
             config: ModelConfig, cache: KVCache | None = None,
-            cache_index: jax.Array | int = 0) -> tuple[jax.Array, KVCache | None]:
+            cache_index: jax.Array | int = 0,
+            residual_hook: Callable[[jax.Array], jax.Array] | None = None,
+            ) -> tuple[jax.Array, KVCache | None]:
   """Logits of every position, and the updated KV cache.
 
   Args:
@@ -156,18 +158,23 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, kv_mask: ja
     cache: optional KV cache; the T new keys/values are written at slots
       [cache_index, cache_index + T), shared by every row.
     cache_index: first cache slot of the new tokens.
+    residual_hook: optional function applied to the residual stream [B, T, D] after the
+      embedding and after every block. Callers pin the activations' layout with it (a
+      sharding constraint keeping rows split over the data axes); this module never
+      mentions devices.
 
   Returns:
     logits [B, T, V] in float32, and the updated cache (None without one).
   """
   c = config
-  x = params["embed"][tokens].astype(c.jnp_dtype)
+  hook = residual_hook or (lambda x: x)
+  x = hook(params["embed"][tokens].astype(c.jnp_dtype))
   mask = attention_mask(kv_mask, tokens.shape[1], cache_index)
 
   if cache is None:
     def body(x, layer):
       x, _ = _block(x, layer, positions, mask, c, None, 0)
-      return x, None
+      return hook(x), None
     x, _ = jax.lax.scan(body, x, params["layers"])
     new_cache = None
   else:
@@ -176,6 +183,7 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, kv_mask: ja
       layer, i = layer_and_index
       kv = (cache_k[i], cache_v[i])
       x, (k, v) = _block(x, layer, positions, mask, c, kv, cache_index)
+      x = hook(x)
       cache_k = jax.lax.dynamic_update_index_in_dim(cache_k, k, i, axis=0)
       cache_v = jax.lax.dynamic_update_index_in_dim(cache_v, v, i, axis=0)
       return (x, cache_k, cache_v), None

@@ -20,6 +20,7 @@ from models.config import ModelConfig
 from rl import rollout as rollout_lib
 from rl.tasks import Example, Task
 from sampling.sampler import SamplingConfig, generate
+from sharding import multihost
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +72,7 @@ def _decode_and_score(generate_fn: Callable, params, chunk: Sequence[Example], r
   prompts += [prompts[-1]] * (rows - used)
   tokens, mask = rollout_lib.encode_prompts(tokenizer, prompts, prompt_len)
   gen = generate_fn(params, jnp.asarray(tokens), jnp.asarray(mask), rng)
-  out_tokens, completion_mask = jax.device_get((gen.tokens, gen.completion_mask))
+  out_tokens, completion_mask = multihost.fetch((gen.tokens, gen.completion_mask))
   completions = rollout_lib.decode_completions(tokenizer, out_tokens, completion_mask)[:used]
   rewards, exact = rollout_lib.score(task, [e for e in chunk for _ in range(repeats)], completions)
   return rewards, exact, completion_mask.sum(axis=1)[:used]
@@ -79,12 +80,15 @@ def _decode_and_score(generate_fn: Callable, params, chunk: Sequence[Example], r
 
 def evaluate(params, examples: Sequence[Example], *, task: Task, tokenizer, prompt_len: int,
              max_new_tokens: int, model_config: ModelConfig, batch_size: int = 256,
-             progress: bool = False) -> EvalResult:
-  """Greedy-decodes every example (fixed batch shape, last batch padded) and scores it."""
+             progress: bool = False, mesh: jax.sharding.Mesh | None = None) -> EvalResult:
+  """Greedy-decodes every example (fixed batch shape, last batch padded) and scores it.
+
+  With `mesh`, decoding runs on the sharded sampler (`rl.rollout.make_generate`);
+  batch_size must then be a multiple of data x fsdp.
+  """
   sampling_config = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0,
                                    stop_tokens=(tokenizer.eos_id,), pad_id=tokenizer.pad_id)
-  generate_fn = functools.partial(generate, model_config=model_config,
-                                  sampling_config=sampling_config)
+  generate_fn = rollout_lib.make_generate(model_config, sampling_config, mesh)
   rewards, exact, lengths = [], [], []
   starts = range(0, len(examples), batch_size)
   for start in tqdm.tqdm(starts, desc="greedy eval", disable=not progress, leave=False):

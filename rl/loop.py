@@ -106,7 +106,13 @@ class LoopState:
 
 @dataclasses.dataclass(frozen=True)
 class LoopContext:
-  """The fixed pieces an iteration needs."""
+  """The fixed pieces an iteration needs.
+
+  generate_fn: the sampler (`rl.rollout.make_generate`; None = unsharded `generate`).
+  publish: trainer parameters -> sampler parameters, called each time the sampler gets
+  new parameters (`sharding.reshard.make_publish`: FSDP -> tensor-parallel on device);
+  None = the sampler reads the trainer's parameters as they are.
+  """
   task: Task
   tokenizer: rollout_lib.Tokenizer
   model_config: ModelConfig
@@ -124,6 +130,8 @@ class LoopContext:
   # GRPO data cursor cycles over (0 = unbounded train split).
   selection: Any = None
   train_pool: int = 0
+  generate_fn: rollout_lib.GenerateFn | None = None
+  publish: Callable[[Any], Any] | None = None
 
 
 _UNIFORM = ml_collections.FrozenConfigDict(dict(kind="uniform", max_attempts=1))
@@ -155,7 +163,8 @@ def plain_producer(ctx: LoopContext) -> Producer:
     samples = rollout_lib.sample_and_score(
         params, examples, task=ctx.task, tokenizer=ctx.tokenizer, rng=rng,
         group_size=ctx.group_size, prompt_len=ctx.prompt_len, model_config=ctx.model_config,
-        sampling_config=ctx.sampling_config, advantage_fn=ctx.advantage_fn, version=version)
+        sampling_config=ctx.sampling_config, advantage_fn=ctx.advantage_fn, version=version,
+        generate_fn=ctx.generate_fn)
     return samples, {}, cursor + len(examples)
   return produce
 
@@ -199,6 +208,8 @@ def grpo_iteration(state: LoopState, ctx: LoopContext,
       raise ValueError(f"LoopContext.staleness={ctx.staleness} needs LoopState.history = "
                        f"init_history(params, {ctx.staleness}).")
     params, version, history = stale_params(history, state.iteration, params, version)
+  if ctx.publish is not None:
+    params = ctx.publish(params)
   if produce is not None:
     train_step = int(state.train.step)
     samples, extra, cursor = produce(params, int(version), train_step, sample_rng,
@@ -217,7 +228,7 @@ def grpo_iteration(state: LoopState, ctx: LoopContext,
         params, [examples[p] for p in row_positions.tolist()], task=ctx.task,
         tokenizer=ctx.tokenizer, rng=key, group_size=1, prompt_len=ctx.prompt_len,
         model_config=ctx.model_config, sampling_config=ctx.sampling_config,
-        advantage_fn=ctx.advantage_fn, version=version)
+        advantage_fn=ctx.advantage_fn, version=version, generate_fn=ctx.generate_fn)
 
   collected = selection_lib.collect(
       state.selection, state.data_cursor, sample_rng, sample, config=ctx.selection or _UNIFORM,

@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Protocol, Sequence
+import functools
+import math
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models import transformer
 from models.config import ModelConfig
 from rl.tasks import Example, Task
 from rl.types import Rollout
+from sampling import sampler
 from sampling.sampler import Generation, SamplingConfig, generate
 from sampling.tree import ForkPolicy, TreeGeneration, tree_generate
+from sharding import multihost
+from sharding import reshard
+from sharding import rules as sharding_rules
+
+# generate_fn(params, prompt_tokens [B, P], prompt_mask [B, P], rng, version) -> Generation
+GenerateFn = Callable[[Any, jax.Array, jax.Array, jax.Array, Any], Generation]
 
 
 class Tokenizer(Protocol):
@@ -64,6 +74,74 @@ def supervised_batch(tokenizer: Tokenizer, examples: Sequence[Example], prompt_l
       advantages=jnp.asarray(zeros))
 
 
+# One compiled sampler per (model, sampling, mesh, rules); rules must be a tuple (hashable).
+@functools.lru_cache(maxsize=32)
+def make_generate(model_config: ModelConfig, sampling_config: SamplingConfig,
+                  mesh: jax.sharding.Mesh | None = None,
+                  rules: sharding_rules.Rules = sharding_rules.SAMPLER_RULES) -> GenerateFn:
+  """The sampler as `generate_fn(params, prompt_tokens, prompt_mask, rng, version)`.
+
+  Without `mesh`: `sampling.sampler.generate`. With a mesh: the same `sampler.sample`
+  jitted with `in_shardings` (parameters by `rules`, default tensor-parallel and replicated
+  over data / fsdp; prompts split by rows over data x fsdp; RNG and version replicated),
+  `out_shardings` (the Generation split by rows), and a sharding constraint on the state
+  after prefill (KV cache rows over data x fsdp, KV heads over tensor), so the cache the
+  decode loop carries never gathers onto one device. B must be a multiple of data x fsdp.
+  Parameters in another layout (the trainer's) are first resharded on device; the loop
+  publishes them in the sampler layout once per update (`sharding.reshard.make_publish`)
+  so repeated calls skip that. In a multi-process run host prompts are placed row-wise.
+  A batch whose rows do not split over data x fsdp (a selection refill, say) is padded
+  with copies of its last row, and the padding rows are dropped from the result.
+  """
+  if mesh is None:
+    return lambda params, prompt_tokens, prompt_mask, rng, version=0: generate(
+        params, prompt_tokens, prompt_mask, rng, model_config, sampling_config, version)
+  abstract_params = jax.eval_shape(
+      lambda: transformer.init_params(model_config, jax.random.PRNGKey(0)))
+  param_shardings = sharding_rules.tree_shardings(abstract_params, mesh, rules)
+  rows, replicated = sharding_rules.batch_sharding(mesh), sharding_rules.replicated(mesh)
+  out_shardings = sharding_rules.tree_shardings(
+      Generation(*[0] * len(dataclasses.fields(Generation))), mesh, sharding_rules.BATCH_RULES)
+
+  def constrain(state: sampler.SamplerState) -> sampler.SamplerState:
+    shardings = sharding_rules.tree_shardings(state, mesh, sharding_rules.SAMPLER_STATE_RULES)
+    return jax.lax.with_sharding_constraint(state, shardings)
+
+  def sharded(params, prompt_tokens, prompt_mask, rng, version):
+    return sampler.sample(params, prompt_tokens, prompt_mask, rng, model_config,
+                          sampling_config, version, constrain=constrain)
+
+  jitted = jax.jit(sharded, in_shardings=(param_shardings, rows, rows, replicated, replicated),
+                   out_shardings=out_shardings)
+  to_sampler_layout = reshard.make_reshard(param_shardings)
+
+  shards = math.prod(mesh.shape[axis] for axis in sharding_rules.BATCH_AXES)
+
+  def generate_fn(params, prompt_tokens, prompt_mask, rng, version=0):
+    if any(getattr(leaf, "sharding", None) != want for leaf, want in
+           zip(jax.tree.leaves(params), jax.tree.leaves(param_shardings))):
+      params = to_sampler_layout(params)
+    num_rows = prompt_tokens.shape[0]
+    prompt_tokens, prompt_mask = (_pad_rows(x, -num_rows % shards)
+                                  for x in (prompt_tokens, prompt_mask))
+    if jax.process_count() > 1:  # host values -> global arrays, each process giving its rows
+      prompt_tokens, prompt_mask = multihost.place_rows((prompt_tokens, prompt_mask), rows)
+      rng = np.asarray(jax.device_get(rng))
+    generation = jitted(params, prompt_tokens, prompt_mask, rng, np.asarray(version, np.int32))
+    if prompt_tokens.shape[0] == num_rows:
+      return generation
+    return jax.tree.map(lambda x: x[:num_rows] if x.ndim else x, generation)
+  return generate_fn
+
+
+def _pad_rows(x, count: int):
+  """x with its last row repeated `count` more times (rows the caller then drops)."""
+  if not count:
+    return x
+  x = np.asarray(x)
+  return np.concatenate([x, np.repeat(x[-1:], count, axis=0)])
+
+
 @dataclasses.dataclass
 class ScoredSamples:
   """A sampled, scored batch: the Rollout plus host-side texts and exact-match flags."""
@@ -94,16 +172,19 @@ def sample_and_score(params, examples: Sequence[Example], *, task: Task, tokeniz
                      rng: jax.Array, group_size: int, prompt_len: int,
                      model_config: ModelConfig, sampling_config: SamplingConfig,
                      advantage_fn: Callable[[jax.Array, jax.Array], jax.Array],
-                     version: int = 0) -> ScoredSamples:
+                     version: int = 0, generate_fn: GenerateFn | None = None) -> ScoredSamples:
   """Samples `group_size` completions per example, scores them and computes advantages.
 
   Rows are grouped contiguously: rows [i*G, (i+1)*G) answer examples[i] (group id i).
+  `generate_fn` (default: unsharded `generate`) is the sampler; see `make_generate`.
   """
+  if generate_fn is None:
+    generate_fn = make_generate(model_config, sampling_config)
   prompt_tokens, prompt_mask = encode_prompts(tokenizer, [e.prompt for e in examples], prompt_len)
   prompt_tokens = np.repeat(prompt_tokens, group_size, axis=0)
   prompt_mask = np.repeat(prompt_mask, group_size, axis=0)
-  generation = generate(params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), rng,
-                        model_config, sampling_config, version)
+  generation = generate_fn(params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), rng,
+                           version)
   return score_generation(generation, examples, group_size, task=task, tokenizer=tokenizer,
                           advantage_fn=advantage_fn)
 
@@ -112,6 +193,8 @@ def score_generation(generation: Generation, examples: Sequence[Example], group_
                      task: Task, tokenizer: Tokenizer,
                      advantage_fn: Callable[[jax.Array, jax.Array], jax.Array]) -> ScoredSamples:
   """Scores a generation whose rows [i*G, (i+1)*G) answer examples[i] (group id i)."""
+  if jax.process_count() > 1:  # every process scores every row; the train step re-splits rows
+    generation = multihost.fetch(generation)
   tokens, completion_mask = jax.device_get((generation.tokens, generation.completion_mask))
   completions = decode_completions(tokenizer, tokens, completion_mask)
   repeated = [e for e in examples for _ in range(group_size)]

@@ -19,6 +19,8 @@ from models.config import ModelConfig
 from rl import corrections
 from rl import losses
 from rl.types import Rollout
+from sharding import multihost
+from sharding import rules as sharding_rules
 
 
 @flax.struct.dataclass
@@ -57,11 +59,15 @@ def init_train_state(params, optimizer: optax.GradientTransformation) -> TrainSt
 
 
 def policy_logprobs(params, batch: Rollout, model_config: ModelConfig,
-                    temperature: float = 1.0) -> jax.Array:
-  """log-probs [B, T] of the batch's tokens at the sampling temperature."""
+                    temperature: float = 1.0,
+                    residual_hook: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
+  """log-probs [B, T] of the batch's tokens at the sampling temperature.
+
+  `residual_hook` goes to `transformer.forward` (e.g. an activation sharding constraint).
+  """
   logits, _ = transformer.forward(params, batch.tokens,
                                   transformer.positions_from_mask(batch.token_mask),
-                                  batch.token_mask, model_config)
+                                  batch.token_mask, model_config, residual_hook=residual_hook)
   if temperature not in (0.0, 1.0):
     logits = logits / temperature
   return transformer.token_logprobs(logits, batch.tokens)
@@ -78,8 +84,10 @@ def _split_microbatches(batch: Rollout, num_microbatches: int) -> Rollout:
 
 
 def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransformation,
-                    loss_config, *, num_microbatches: int = 1,
-                    temperature: float = 1.0) -> Callable[[TrainState, Rollout], tuple[TrainState, dict]]:
+                    loss_config, *, num_microbatches: int = 1, temperature: float = 1.0,
+                    mesh: jax.sharding.Mesh | None = None,
+                    rules: sharding_rules.Rules = sharding_rules.TRAINER_RULES,
+                    ) -> Callable[[TrainState, Rollout], tuple[TrainState, dict]]:
   """Builds the jitted train step for the objective `loss_config.name`.
 
   Microbatch gradients (and metrics) are averaged; with one microbatch the step is exactly
@@ -92,13 +100,26 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
   behav and the current log-probs (`rl.corrections.loglinear_prox`) with no forward. Each
   batch gets one update here, so the proximal version is the current one (state.step):
   both estimates equal sg(logp) on stale tokens and behav on fresh ones.
+
+  Without `mesh` the step runs on the default device. With a mesh the same step is jitted
+  with `in_shardings` / `out_shardings`: the TrainState (parameters, and the optimiser
+  state that mirrors them) laid out by `rules` (default: FSDP + tensor parallel), the batch
+  split by rows over data x fsdp (its size must be a multiple of data x fsdp), metrics
+  replicated; see `train_state_shardings`. In a multi-process run a host-built batch is
+  placed row-wise (`sharding.multihost.place_rows`). The residual stream is also
+  constrained to rows over data x fsdp: otherwise XLA may keep the FSDP-split weights in
+  place and gather the activations instead, moving activations rather than weights and
+  doing each matmul on twice the rows per device.
   """
   loss_fn = losses.get_loss(loss_config.name)
   prox_estimate = (losses.resolve_config(loss_config).prox_estimate
                    if losses.needs_prox(loss_config) else None)
+  rows = None if mesh is None else sharding_rules.batch_sharding(mesh)
+  residual_hook = None if mesh is None else (
+      lambda x: jax.lax.with_sharding_constraint(x, rows))
 
   def objective(params, micro: Rollout, version):
-    logp = policy_logprobs(params, micro, model_config, temperature)
+    logp = policy_logprobs(params, micro, model_config, temperature, residual_hook)
     prox = micro.prox_logp
     if prox is None and prox_estimate == "loglinear":
       prox = corrections.loglinear_prox(logp, micro.behavior_logp, micro.version, version, version)
@@ -113,7 +134,7 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
     def accumulate(grads, one):
       if one.prox_logp is None and prox_estimate == "recompute":
         one = one.replace(prox_logp=jax.lax.stop_gradient(
-            policy_logprobs(state.params, one, model_config, temperature)))
+            policy_logprobs(state.params, one, model_config, temperature, residual_hook)))
       (loss, metrics), g = grad_fn(state.params, one, state.step)
       grads = jax.tree.map(lambda a, b: a + b / num_microbatches, grads, g)
       return grads, (loss, metrics)
@@ -139,4 +160,34 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
                    update_skipped=(~finite).astype(jnp.float32))
     return new_state, metrics
 
-  return jax.jit(step, donate_argnums=0)
+  if mesh is None:
+    return jax.jit(step, donate_argnums=0)
+  state_shardings = train_state_shardings(model_config, optimizer, mesh, rules)
+  sharded_step = jax.jit(step, donate_argnums=0, in_shardings=(state_shardings, rows),
+                         out_shardings=(state_shardings, sharding_rules.replicated(mesh)))
+  if jax.process_count() == 1:
+    return sharded_step
+  # Several processes: a host-built batch becomes a global array, each process giving
+  # only its rows (batches already global pass through).
+  return lambda state, batch: sharded_step(state, multihost.place_rows(batch, rows))
+
+
+def train_state_shardings(model_config: ModelConfig, optimizer: optax.GradientTransformation,
+                          mesh: jax.sharding.Mesh,
+                          rules: sharding_rules.Rules = sharding_rules.TRAINER_RULES) -> TrainState:
+  """NamedShardings of a TrainState of this model and optimiser (computed from shapes)."""
+  abstract = jax.eval_shape(
+      lambda: init_train_state(transformer.init_params(model_config, jax.random.PRNGKey(0)),
+                               optimizer))
+  return sharding_rules.tree_shardings(abstract, mesh, rules)
+
+
+def shard_train_state(state: TrainState, model_config: ModelConfig,
+                      optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh,
+                      rules: sharding_rules.Rules = sharding_rules.TRAINER_RULES) -> TrainState:
+  """`state` (host or single-device values) moved to its sharded layout on `mesh`; each
+  device keeps only its shards. The result may share buffers with `state` (jax.device_put
+  reuses a buffer already on the right device), and the train step donates its input, so
+  do not use `state` afterwards. Multi-process runs build the state inside a jit with
+  `out_shardings=train_state_shardings(...)` instead, so no process holds all of it."""
+  return jax.device_put(state, train_state_shardings(model_config, optimizer, mesh, rules))

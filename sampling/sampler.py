@@ -188,6 +188,24 @@ def to_generation(state: SamplerState) -> Generation:
       stopped=state.done, decode_steps=state.step)
 
 
+def sample(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng: jax.Array,
+           model_config: ModelConfig, sampling_config: SamplingConfig,
+           version: jax.Array | int = 0,
+           constrain: Callable[[SamplerState], SamplerState] | None = None) -> Generation:
+  """Samples completions for left-padded prompts [B, P]: prefill, then the decode loop.
+
+  Pure and un-jitted (`generate` is its jit). `version` is recorded on every generated
+  token. `constrain`, if given, is applied to the state after prefill, before the loop
+  carries it: the hook through which a caller pins the state's layout (e.g. a sharding
+  constraint on the KV cache) without this module knowing about devices.
+  """
+  state = prefill(params, prompt_tokens, prompt_mask, rng, model_config, sampling_config)
+  if constrain is not None:
+    state = constrain(state)
+  state = decode(params, state, jnp.asarray(version, jnp.int32), model_config, sampling_config)
+  return to_generation(state)
+
+
 @functools.partial(jax.jit, static_argnames=("model_config", "sampling_config"))
 def generate(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng: jax.Array,
              model_config: ModelConfig, sampling_config: SamplingConfig,
@@ -197,6 +215,4 @@ def generate(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng: jax.
   `version` (the parameter version, traced so it never recompiles) is recorded on every
   generated token.
   """
-  state = prefill(params, prompt_tokens, prompt_mask, rng, model_config, sampling_config)
-  state = decode(params, state, jnp.asarray(version, jnp.int32), model_config, sampling_config)
-  return to_generation(state)
+  return sample(params, prompt_tokens, prompt_mask, rng, model_config, sampling_config, version)

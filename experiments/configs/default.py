@@ -124,4 +124,19 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 100            # iterations between checkpoints (and at phase ends)
   c.checkpoint.max_to_keep = 2        # newest checkpoints kept in workdir/checkpoints
+
+  # Device mesh (sharding/mesh.py; docs/pod.md). All 1 = one device, unsharded. The product
+  # must equal the number of devices; one axis may be -1 (the devices the others leave).
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = 1                     # data parallel: parameters replicated
+  c.mesh.fsdp = 1                     # data parallel with parameters / optimiser state split
+  c.mesh.tensor = 1                   # tensor parallel: heads and MLP units split
+
+  # Multi-process start (sharding/multihost.py). Empty coordinator = read
+  # JAX_COORDINATOR_ADDRESS; unset there too = a single-process run. 'auto' = let JAX detect
+  # the cluster (Cloud TPU, SLURM, Open MPI, Kubernetes).
+  c.distributed = ml_collections.ConfigDict()
+  c.distributed.coordinator_address = ""  # host:port of process 0
+  c.distributed.num_processes = 0     # 0 = JAX_NUM_PROCESSES or auto-detect
+  c.distributed.process_id = -1       # -1 = JAX_PROCESS_ID or auto-detect
   return c
