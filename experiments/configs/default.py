@@ -62,6 +62,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.max_grad_norm = 1.0            # global-norm gradient clipping, both phases (0 = off)
   c.rl.num_microbatches = 1           # gradient accumulation; divides prompts*group_size
   c.rl.staleness = 0                  # simulated staleness k: sample with params k steps old
+  c.rl.prefix_shared_forward = False  # run each group's prompt once in the loss forward/backward
 
   c.loss = ml_collections.ConfigDict()
   c.loss.name = "grpo"                # rl/losses.py registry
