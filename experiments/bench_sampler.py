@@ -1,11 +1,17 @@
-"""Benchmark B1 (BENCHMARKS.md): Arbor's jitted sampler throughput and utilisation.
+"""Benchmark B1 (BENCHMARKS.md): sampler throughput and utilisation, Arbor vs its peers.
 
-    python -m experiments.bench_sampler                 # B1 shapes, best of 3
+    python -m experiments.bench_sampler                 # B1 shapes, Arbor + Tunix + transformers
+    python -m experiments.bench_sampler --peers=        # Arbor only
     python -m experiments.bench_sampler --smoke         # tiny shapes, one repetition (CI)
 
-Every row decodes exactly `new_tokens` tokens (no stop tokens). Reports generated tokens/s,
-compile time, and model FLOP utilisation against a large f32 matmul timed in the same run.
-Writes JSON and a markdown table to --out (default runs/bench_sampler).
+Every row decodes exactly `new_tokens` tokens (no stop tokens; the peers forbid EOS).
+Arbor runs in this process; each peer (Tunix's Qwen2 + sampler, Hugging Face
+transformers `generate` on torch CPU) runs the same shapes in its own virtualenv
+(experiments/peers, created once under --peer_envs), in the same invocation. Reports
+generated tokens/s (best of --repeats after a compiling/warm-up call), the compile (or
+warm-up) time, Arbor's ratio to each peer, and model FLOP utilisation against a large f32
+matmul timed in this run. Peers are skipped when the environment variable CI is set.
+Writes bench_sampler.json, bench_sampler.md and bench_sampler.png to --out.
 """
 
 from __future__ import annotations
@@ -13,30 +19,27 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import time
 
 from absl import app
 from absl import flags
 import jax
 import jax.numpy as jnp
 
+from experiments import peers
+from experiments.measure import load, matmul_peak_flops, timed
+from experiments.peers import PEER_LABELS, peer_shape
 from models import transformer
 from models.config import ModelConfig, get_preset
 from sampling.sampler import SamplingConfig, generate
 
 _SMOKE = flags.DEFINE_bool("smoke", False, "Tiny shapes, one repetition (for CI).")
-_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions per case (best is reported).")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repetitions per case (best is reported).")
 _OUT = flags.DEFINE_string("out", "runs/bench_sampler", "Output directory.")
-
-
-def matmul_peak_flops(size: int, repeats: int) -> float:
-  """Measured f32 FLOP/s of a large square matmul: the machine's practical peak."""
-  a = jax.random.normal(jax.random.PRNGKey(0), (size, size), jnp.float32)
-  dot = jax.jit(jnp.dot)
-  dot(a, a).block_until_ready()
-  best = min(_timed(lambda: dot(a, a).block_until_ready()) for _ in range(repeats))
-  return 2 * size ** 3 / best
-
+_PEERS = flags.DEFINE_list("peers", ["tunix", "torch"], "Peers to run (tunix, torch); empty: none.")
+_BATCHES = flags.DEFINE_list("batch_sizes", ["16", "64"], "B1 batch sizes.")
+_NEW_TOKENS = flags.DEFINE_list("new_tokens", ["64", "256"], "B1 completion lengths.")
+_ROUNDS = flags.DEFINE_integer("rounds", 1, "Rounds of (Arbor, peers), order alternating.")
+_PEER_ENVS = flags.DEFINE_string("peer_envs", "runs/peer_envs", "Where peer virtualenvs live.")
 
 def decode_flops_per_token(config: ModelConfig, context: float) -> float:
   """Matmul FLOPs to generate one token with `context` tokens already in the cache."""
@@ -47,12 +50,6 @@ def decode_flops_per_token(config: ModelConfig, context: float) -> float:
   return 2 * (c.n_layers * (attn_proj + mlp + attention) + c.d_model * c.vocab_size)
 
 
-def _timed(fn) -> float:
-  start = time.perf_counter()
-  fn()
-  return time.perf_counter() - start
-
-
 def bench_case(config: ModelConfig, batch: int, prompt_len: int, new_tokens: int,
                temperature: float, repeats: int) -> dict:
   params = transformer.init_params(config, jax.random.PRNGKey(0))
@@ -61,13 +58,48 @@ def bench_case(config: ModelConfig, batch: int, prompt_len: int, new_tokens: int
   sampling_config = SamplingConfig(max_new_tokens=new_tokens, temperature=temperature)
   run = lambda seed: generate(params, prompts, mask, jax.random.PRNGKey(seed), config,
                               sampling_config).tokens.block_until_ready()
-  compile_s = _timed(lambda: run(0))
-  best = min(_timed(lambda: run(seed)) for seed in range(1, repeats + 1))
-  tokens_per_s = batch * new_tokens / best
-  flops = decode_flops_per_token(config, prompt_len + new_tokens / 2) * tokens_per_s
+  first = timed(lambda: run(0))
+  best = min(timed(lambda: run(seed)) for seed in range(1, repeats + 1))
   return dict(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
-              temperature=temperature, tokens_per_s=tokens_per_s, best_s=best,
-              compile_s=compile_s - best, model_flops_per_s=flops)
+              temperature=temperature, tokens_per_s=batch * new_tokens / best, best_s=best,
+              compile_s=max(first - best, 0.0))
+
+
+def markdown(result: dict) -> str:
+  names = result["frameworks"]
+  head = ["batch", "new tokens", "T"] + [f"{PEER_LABELS[n]} tok/s" for n in names]
+  head += [f"Arbor / {PEER_LABELS[n]}" for n in names[1:]]
+  head += [f"{PEER_LABELS[n]} compile s" for n in names]
+  head += [f"{PEER_LABELS[n]} util" for n in names]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for case in result["cases"]:
+    cells = [str(case["batch"]), str(case["new_tokens"]), str(case["temperature"])]
+    cells += [f"{case[n]['tokens_per_s']:.0f}" for n in names]
+    cells += [f"{case['arbor']['tokens_per_s'] / case[n]['tokens_per_s']:.2f}x" for n in names[1:]]
+    cells += [f"{case[n]['compile_s']:.1f}" for n in names]
+    cells += [f"{100 * case[n]['utilisation']:.1f}%" for n in names]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str) -> None:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  names, cases = result["frameworks"], result["cases"]
+  fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(cases)), 4))
+  width = 0.8 / len(names)
+  for i, name in enumerate(names):
+    ax.bar([j + i * width for j in range(len(cases))], [c[name]["tokens_per_s"] for c in cases],
+           width, label=PEER_LABELS[name])
+  ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
+  ax.set_xticklabels([f"B{c['batch']} N{c['new_tokens']}\nT={c['temperature']:g}" for c in cases])
+  ax.set_ylabel("generated tokens / s")
+  ax.set_title("B1 sampler throughput (best of N, same machine, same run)")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
 
 
 def main(argv):
@@ -79,29 +111,62 @@ def main(argv):
     repeats, peak_size = 1, 256
   else:
     config = get_preset("b1")
-    cases = list(itertools.product((16, 64), (16,), (64, 256), (0.0, 1.0)))
+    cases = list(itertools.product(map(int, _BATCHES.value), (16,), map(int, _NEW_TOKENS.value),
+                                   (0.0, 1.0)))
     repeats, peak_size = _REPEATS.value, 2048
+  peer_names = peers.peers_enabled(_PEERS.value)
+  load_before = load()
   peak = matmul_peak_flops(peak_size, repeats)
+  spec = dict(shape=peer_shape(config), repeats=repeats,
+              cases=[dict(batch=b, prompt_len=p, new_tokens=n, temperature=t)
+                     for b, p, n, t in cases])
+
+  def run(name: str) -> list[dict]:
+    if name == "arbor":
+      return [bench_case(config, *case, repeats) for case in cases]
+    out = peers.run_peer(name, spec, _PEER_ENVS.value)
+    versions[name] = {k: v for k, v in out.items() if k != "generate"}
+    return out["generate"]
+
+  # Rounds alternate the order (Arbor first, then last) so that a drifting machine load
+  # favours no one; each case keeps its best round, and the first round's compile time.
+  versions, by_framework = {}, {}
+  order = ["arbor"] + peer_names
+  for round_index in range(_ROUNDS.value):
+    for name in order if round_index % 2 == 0 else order[::-1]:
+      rows = run(name)
+      for row in rows:
+        print(f"{PEER_LABELS[name]} batch {row['batch']:3d} new {row['new_tokens']:3d} "
+              f"T={row['temperature']}: {row['tokens_per_s']:9.0f} tok/s  "
+              f"compile {row['compile_s']:.1f} s", flush=True)
+      if name in by_framework:
+        rows = [dict(new, compile_s=old["compile_s"]) if new["best_s"] < old["best_s"] else old
+                for old, new in zip(by_framework[name], rows)]
+      by_framework[name] = rows
+  frameworks = ["arbor"] + peer_names
   rows = []
-  for batch, prompt_len, new_tokens, temperature in cases:
-    row = bench_case(config, batch, prompt_len, new_tokens, temperature, repeats)
-    row["utilisation"] = row["model_flops_per_s"] / peak
+  for i, (batch, prompt_len, new_tokens, temperature) in enumerate(cases):
+    row = dict(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, temperature=temperature)
+    flops_per_token = decode_flops_per_token(config, prompt_len + new_tokens / 2)
+    for name in frameworks:
+      r = dict(by_framework[name][i])
+      r["utilisation"] = flops_per_token * r["tokens_per_s"] / peak
+      row[name] = {k: r[k] for k in ("tokens_per_s", "best_s", "compile_s", "utilisation")}
+    for name in peer_names:
+      row[f"arbor_over_{name}"] = row["arbor"]["tokens_per_s"] / row[name]["tokens_per_s"]
     rows.append(row)
-    print(f"batch {batch:3d} new {new_tokens:3d} T={temperature}: "
-          f"{row['tokens_per_s']:9.0f} tok/s  compile {row['compile_s']:.1f} s  "
-          f"util {100 * row['utilisation']:.1f}%", flush=True)
-  os.makedirs(_OUT.value, exist_ok=True)
   result = {"device": str(jax.devices()[0]), "matmul_peak_flops": peak, "config": str(config),
-            "rows": rows}
+            "repeats": repeats, "rounds": _ROUNDS.value, "frameworks": frameworks,
+            "peer_versions": versions,
+            "load_before": load_before, "load_after": load(), "cases": rows}
+  os.makedirs(_OUT.value, exist_ok=True)
   with open(os.path.join(_OUT.value, "bench_sampler.json"), "w") as f:
     json.dump(result, f, indent=2)
-  table = ["| batch | new tokens | temperature | tokens/s | compile s | utilisation |",
-           "|---|---|---|---|---|---|"]
-  table += [f"| {r['batch']} | {r['new_tokens']} | {r['temperature']} | {r['tokens_per_s']:.0f} | "
-            f"{r['compile_s']:.1f} | {100 * r['utilisation']:.1f}% |" for r in rows]
   with open(os.path.join(_OUT.value, "bench_sampler.md"), "w") as f:
-    f.write("\n".join(table) + "\n")
-  print(f"matmul peak {peak / 1e9:.1f} GFLOP/s; wrote {_OUT.value}")
+    f.write(markdown(result))
+  plot(result, os.path.join(_OUT.value, "bench_sampler.png"))
+  print(markdown(result))
+  print(f"matmul peak {peak / 1e9:.1f} GFLOP/s; {result['load_after']}; wrote {_OUT.value}")
 
 
 if __name__ == "__main__":

@@ -105,6 +105,18 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if config.warm_start.batch_size % config.rl.num_microbatches:
     raise ValueError(f"config.warm_start.batch_size = {config.warm_start.batch_size} is not "
                      f"divisible by config.rl.num_microbatches = {config.rl.num_microbatches}.")
+  if config.rl.prefix_shared_forward and r.kind != "independent":
+    raise ValueError(f"config.rl.prefix_shared_forward needs groups of G independent samples of "
+                     f"one prompt (config.rollout.kind='independent'), got {r.kind!r}.")
+  if config.rl.prefix_shared_forward and r.prompts_per_step % config.rl.num_microbatches:
+    raise ValueError(f"config.rl.prefix_shared_forward needs whole groups per microbatch: "
+                     f"config.rollout.prompts_per_step = {r.prompts_per_step} must be divisible "
+                     f"by config.rl.num_microbatches = {config.rl.num_microbatches}.")
+  if config.rl.prefix_shared_forward and config.selection.kind == "adaptive":
+    raise ValueError("config.rl.prefix_shared_forward needs groups of exactly "
+                     "config.rollout.group_size rows; config.selection.kind='adaptive' gives "
+                     "prompts different rollout counts. Use another selection kind or turn "
+                     "prefix sharing off.")
   if r.kind in ("independent", "partial") and r.group_size < 2:
     raise ValueError(f"config.rollout.group_size = {r.group_size}: group-relative advantages "
                      "need at least 2 completions per prompt.")
@@ -192,10 +204,13 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None):
       max_new_tokens=config.rollout.max_new_tokens, temperature=config.rollout.temperature,
       top_k=config.rollout.top_k, top_p=config.rollout.top_p,
       stop_tokens=(tokenizer.eos_id,), pad_id=tokenizer.pad_id)
+  # Prefix sharing needs groups of one prompt: GRPO batches, not the warm start's.
+  shared_prefix = ((config.rollout.group_size, config.rollout.prompt_len)
+                   if phase == RL and config.rl.prefix_shared_forward else None)
   step = train.make_train_step(model_config, optimizer, loss_config,
                                num_microbatches=config.rl.num_microbatches,
                                temperature=config.rollout.temperature if phase == RL else 1.0,
-                               mesh=mesh)
+                               shared_prefix=shared_prefix, mesh=mesh)
   sharded = {} if mesh is None else dict(
       generate_fn=make_generate(model_config, sampling_config, mesh),
       publish=reshard.make_publish(mesh, jax.eval_shape(

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -118,8 +119,8 @@ def _attention(q, k, v, mask):
   return out.reshape(b, t, h, e)
 
 
-def _block(x, layer, positions, mask, config: ModelConfig, cache_kv, cache_index):
-  """One pre-norm decoder block. Returns the new residual and this layer's (k, v) slots."""
+def _project_qkv(x, layer, positions, config: ModelConfig):
+  """Pre-norm q [B,T,H,E] and k, v [B,T,K,E] of one block, RoPE applied."""
   c = config
   b, t, _ = x.shape
   h = rms_norm(x, layer["attn_norm"], c.norm_eps)
@@ -132,15 +133,22 @@ def _block(x, layer, positions, mask, config: ModelConfig, cache_kv, cache_index
   if c.qk_norm:
     q, k = rms_norm(q, layer["q_norm"], c.norm_eps), rms_norm(k, layer["k_norm"], c.norm_eps)
   q, k = apply_rope(q, positions, c.rope_theta), apply_rope(k, positions, c.rope_theta)
-  if cache_kv is not None:
-    cache_k, cache_v = cache_kv
-    k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), cache_index, axis=1)
-    v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), cache_index, axis=1)
-  attn = _attention(q, k, v, mask).reshape(b, t, c.n_heads * c.head_dim)
+  return q, k, v
+
+
+def _finish_block(x, attn, layer, config: ModelConfig):
+  """Adds the attention output [B,T,H*E] (projected) and the SwiGLU MLP to the residual."""
   x = x + attn @ layer["o"]
-  h = rms_norm(x, layer["mlp_norm"], c.norm_eps)
-  x = x + (jax.nn.silu(h @ layer["gate"]) * (h @ layer["up"])) @ layer["down"]
-  return x, (k, v)
+  h = rms_norm(x, layer["mlp_norm"], config.norm_eps)
+  return x + (jax.nn.silu(h @ layer["gate"]) * (h @ layer["up"])) @ layer["down"]
+
+
+def _block(x, layer, positions, mask, config: ModelConfig):
+  """One pre-norm decoder block without a cache."""
+  b, t, _ = x.shape
+  q, k, v = _project_qkv(x, layer, positions, config)
+  attn = _attention(q, k, v, mask).reshape(b, t, config.n_heads * config.head_dim)
+  return _finish_block(x, attn, layer, config)
 
 
 def forward(params: Params, tokens: jax.Array, positions: jax.Array, kv_mask: jax.Array,
@@ -173,20 +181,22 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, kv_mask: ja
 
   if cache is None:
     def body(x, layer):
-      x, _ = _block(x, layer, positions, mask, c, None, 0)
-      return hook(x), None
+      return hook(_block(x, layer, positions, mask, c)), None
     x, _ = jax.lax.scan(body, x, params["layers"])
     new_cache = None
   else:
     def body(carry, layer_and_index):
+      # Only the T new slots of layer i are written into the carried [L, B, S, K, E]
+      # buffers (in place), rather than the whole layer slab each call.
       x, cache_k, cache_v = carry
       layer, i = layer_and_index
-      kv = (cache_k[i], cache_v[i])
-      x, (k, v) = _block(x, layer, positions, mask, c, kv, cache_index)
-      x = hook(x)
-      cache_k = jax.lax.dynamic_update_index_in_dim(cache_k, k, i, axis=0)
-      cache_v = jax.lax.dynamic_update_index_in_dim(cache_v, v, i, axis=0)
-      return (x, cache_k, cache_v), None
+      b, t, _ = x.shape
+      q, k, v = _project_qkv(x, layer, positions, c)
+      start = (i, 0, cache_index, 0, 0)
+      cache_k = jax.lax.dynamic_update_slice(cache_k, k[None].astype(cache_k.dtype), start)
+      cache_v = jax.lax.dynamic_update_slice(cache_v, v[None].astype(cache_v.dtype), start)
+      attn = _attention(q, cache_k[i], cache_v[i], mask).reshape(b, t, c.n_heads * c.head_dim)
+      return (hook(_finish_block(x, attn, layer, c)), cache_k, cache_v), None
     (x, new_k, new_v), _ = jax.lax.scan(
         body, (x, cache["k"], cache["v"]), (params["layers"], jnp.arange(c.n_layers)))
     new_cache = {"k": new_k, "v": new_v}
@@ -195,6 +205,152 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, kv_mask: ja
   head = params["embed"].T if c.tie_embeddings else params["lm_head"]
   logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
   return logits, new_cache
+
+
+DecodeCache = tuple  # L pairs (k, v), each [B, K, S, E]
+
+
+def to_decode_cache(cache: KVCache) -> DecodeCache:
+  """The cache as L per-layer (k, v) buffers in [B, K, S, E] layout, for decode loops.
+
+  Separate per-layer buffers are updated in place by `forward_decode` and read by its
+  attention without slicing a layer out of the stacked array; head-major [B, K, S, E] is
+  the layout the attention dot consumes without transposing the cache every step.
+  """
+  to_layout = lambda a: jnp.transpose(a, (0, 2, 1, 3))
+  return tuple((to_layout(cache["k"][i]), to_layout(cache["v"][i]))
+               for i in range(cache["k"].shape[0]))
+
+
+def from_decode_cache(cache: DecodeCache) -> KVCache:
+  """Inverse of `to_decode_cache`: the stacked {'k', 'v'} [L, B, S, K, E] cache."""
+  stack = lambda arrays: jnp.stack([jnp.transpose(a, (0, 2, 1, 3)) for a in arrays])
+  return {"k": stack([k for k, _ in cache]), "v": stack([v for _, v in cache])}
+
+
+def unstack_layers(params: Params) -> Params:
+  """params with 'layers' as a tuple of L per-layer dicts (for `forward_decode`)."""
+  layers = params["layers"]
+  count = jax.tree.leaves(layers)[0].shape[0]
+  return dict(params, layers=tuple(jax.tree.map(lambda a, i=i: a[i], layers)
+                                   for i in range(count)))
+
+
+def forward_decode(params: Params, tokens: jax.Array, positions: jax.Array, kv_mask: jax.Array,
+                   config: ModelConfig, cache: DecodeCache,
+                   cache_index: jax.Array | int) -> tuple[jax.Array, DecodeCache]:
+  """`forward` with a `DecodeCache` and unstacked layers (`unstack_layers`), unrolled.
+
+  Same arguments and result as `forward` with a cache; the layers run as a Python loop
+  so each layer's KV buffers stay separate loop-carried arrays that XLA updates in place.
+  The decode loop's inner step: one token per row per call.
+  """
+  c = config
+  x = params["embed"][tokens].astype(c.jnp_dtype)
+  mask = attention_mask(kv_mask, tokens.shape[1], cache_index)
+  b, t, _ = x.shape
+  new_cache = []
+  for layer, (cache_k, cache_v) in zip(params["layers"], cache):
+    q, k, v = _project_qkv(x, layer, positions, c)
+    write = lambda buf, new: jax.lax.dynamic_update_slice(
+        buf, jnp.transpose(new, (0, 2, 1, 3)).astype(buf.dtype), (0, 0, cache_index, 0))
+    cache_k, cache_v = write(cache_k, k), write(cache_v, v)
+    new_cache.append((cache_k, cache_v))
+    kv_heads, e = cache_k.shape[1], cache_k.shape[3]
+    qg = q.reshape(b, t, kv_heads, c.n_heads // kv_heads, e)
+    scores = jnp.einsum("btkge,bkse->bkgts", qg, cache_k,
+                        preferred_element_type=jnp.float32) * (e ** -0.5)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(cache_v.dtype)
+    attn = jnp.einsum("bkgts,bkse->btkge", probs, cache_v).reshape(b, t, c.n_heads * e)
+    x = _finish_block(x, attn, layer, c)
+  x = rms_norm(x, params["final_norm"], c.norm_eps)
+  head = params["embed"].T if c.tie_embeddings else params["lm_head"]
+  logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
+  return logits, tuple(new_cache)
+
+
+def _shared_prefix_attention(q, k_prefix, v_prefix, k, v, prefix_mask, suffix_mask):
+  """Attention of G continuations over their group's shared prefix plus their own keys.
+
+  q [N,G,C,H,E]; k_prefix/v_prefix [N,P,K,E] (one copy per group, never replicated);
+  k/v [N,G,C,K,E]; prefix_mask [N,P]; suffix_mask [N,G,C]. The softmax runs over the
+  concatenated [prefix, own] scores, exactly as over the slots of the replicated row.
+  Returns [N,G,C,H,E].
+  """
+  n, g, t, h, e = q.shape
+  kv_heads = k.shape[-2]
+  q = q.reshape(n, g, t, kv_heads, h // kv_heads, e)
+  neg = jnp.finfo(jnp.float32).min
+  scores_prefix = jnp.einsum("ngtkhe,nske->ngkhts", q, k_prefix,
+                             preferred_element_type=jnp.float32) * (e ** -0.5)
+  scores_own = jnp.einsum("ngtkhe,ngske->ngkhts", q, k,
+                          preferred_element_type=jnp.float32) * (e ** -0.5)
+  scores_prefix = jnp.where(prefix_mask[:, None, None, None, None, :], scores_prefix, neg)
+  causal = jnp.tril(jnp.ones((t, t), bool))
+  own_mask = causal[None, None] & suffix_mask[:, :, None, :]  # [N, G, C, C]
+  scores_own = jnp.where(own_mask[:, :, None, None], scores_own, neg)
+  probs = jax.nn.softmax(jnp.concatenate([scores_prefix, scores_own], axis=-1), axis=-1)
+  probs = probs.astype(v.dtype)
+  prefix_len = k_prefix.shape[1]
+  out = (jnp.einsum("ngkhts,nske->ngtkhe", probs[..., :prefix_len], v_prefix)
+         + jnp.einsum("ngkhts,ngske->ngtkhe", probs[..., prefix_len:], v))
+  return out.reshape(n, g, t, h, e)
+
+
+def forward_shared_prefix(params: Params, prefix_tokens: jax.Array, prefix_positions: jax.Array,
+                          prefix_mask: jax.Array, suffix_tokens: jax.Array,
+                          suffix_positions: jax.Array, suffix_mask: jax.Array,
+                          config: ModelConfig) -> tuple[jax.Array, jax.Array]:
+  """Logits of N groups of G sequences that share a prefix, the prefix computed once.
+
+  Row (n, g) is the sequence prefix_tokens[n] ++ suffix_tokens[n, g]. Each layer runs the
+  prefix once per group and the G suffixes attend to the shared prefix keys/values plus
+  their own (causal) ones, so the result equals `forward` on the N*G replicated rows while
+  the prefix costs 1/G of the compute (the prefix-shared forward of GRPO training, where
+  a group's completions share one prompt). Gradients flow into the shared prefix from all
+  G suffixes, as they sum over the replicated rows.
+
+  One difference from `forward`, on outputs nothing uses: a prefix query with no visible
+  key (a left-padding slot) averages uniformly over the prefix slots here, over all slots
+  of its row there.
+
+  Args:
+    prefix_tokens, prefix_positions, prefix_mask: [N, P] (mask: real prefix tokens).
+    suffix_tokens, suffix_positions, suffix_mask: [N, G, C].
+
+  Returns:
+    prefix logits [N, P, V] and suffix logits [N, G, C, V], float32.
+  """
+  c = config
+  n, g, t = suffix_tokens.shape
+  chex.assert_rank([prefix_tokens, prefix_positions, prefix_mask], 2)
+  chex.assert_shape([suffix_positions, suffix_mask], (n, g, t))
+  chex.assert_axis_dimension(prefix_tokens, 0, n)
+  prefix_len = prefix_tokens.shape[1]
+  x_prefix = params["embed"][prefix_tokens].astype(c.jnp_dtype)
+  x_suffix = params["embed"][suffix_tokens.reshape(n * g, t)].astype(c.jnp_dtype)
+  prefix_attn_mask = attention_mask(prefix_mask, prefix_len, 0)
+  width = c.n_heads * c.head_dim
+
+  def body(carry, layer):
+    x_prefix, x_suffix = carry
+    q_p, k_p, v_p = _project_qkv(x_prefix, layer, prefix_positions, c)
+    q_s, k_s, v_s = _project_qkv(x_suffix, layer, suffix_positions.reshape(n * g, t), c)
+    attn_p = _attention(q_p, k_p, v_p, prefix_attn_mask).reshape(n, prefix_len, width)
+    split = lambda a: a.reshape(n, g, t, *a.shape[2:])
+    attn_s = _shared_prefix_attention(split(q_s), k_p, v_p, split(k_s), split(v_s), prefix_mask,
+                                      suffix_mask).reshape(n * g, t, width)
+    return (_finish_block(x_prefix, attn_p, layer, c), _finish_block(x_suffix, attn_s, layer, c)), None
+
+  (x_prefix, x_suffix), _ = jax.lax.scan(body, (x_prefix, x_suffix), params["layers"])
+  head = params["embed"].T if c.tie_embeddings else params["lm_head"]
+
+  def logits(x):
+    x = rms_norm(x, params["final_norm"], c.norm_eps)
+    return jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
+
+  return logits(x_prefix), logits(x_suffix).reshape(n, g, t, -1)
 
 
 def positions_from_mask(token_mask: jax.Array) -> jax.Array:

@@ -12,6 +12,7 @@ from typing import Any, Callable
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from models import transformer
@@ -60,17 +61,78 @@ def init_train_state(params, optimizer: optax.GradientTransformation) -> TrainSt
 
 def policy_logprobs(params, batch: Rollout, model_config: ModelConfig,
                     temperature: float = 1.0,
-                    residual_hook: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
+                    residual_hook: Callable[[jax.Array], jax.Array] | None = None, *,
+                    shared_prefix: tuple[int, int] | None = None) -> jax.Array:
   """log-probs [B, T] of the batch's tokens at the sampling temperature.
 
   `residual_hook` goes to `transformer.forward` (e.g. an activation sharding constraint).
+  shared_prefix=(group_size G, prompt_len P): rows come in contiguous groups of G that
+  share their first P slots (a GRPO group's prompt); the prompt is run once per group
+  (`transformer.forward_shared_prefix`), which equals the replicated forward at every
+  column whose predicting slot holds a real token (`check_shared_prefix` validates a batch).
+  The prefix-shared forward takes no residual hook: on a mesh its activations follow
+  GSPMD's propagation.
   """
+  if shared_prefix is not None:
+    return _shared_prefix_logprobs(params, batch, model_config, temperature, *shared_prefix)
   logits, _ = transformer.forward(params, batch.tokens,
                                   transformer.positions_from_mask(batch.token_mask),
                                   batch.token_mask, model_config, residual_hook=residual_hook)
   if temperature not in (0.0, 1.0):
     logits = logits / temperature
   return transformer.token_logprobs(logits, batch.tokens)
+
+
+def _shared_prefix_logprobs(params, batch: Rollout, model_config: ModelConfig, temperature: float,
+                            group_size: int, prompt_len: int) -> jax.Array:
+  size, length = batch.tokens.shape
+  groups = size // group_size
+  grouped = lambda x: x.reshape(groups, group_size, length)
+  tokens, mask = grouped(batch.tokens), grouped(batch.token_mask)
+  positions = grouped(transformer.positions_from_mask(batch.token_mask))
+  suffix_tokens = tokens[:, :, prompt_len:]
+  prefix_logits, suffix_logits = transformer.forward_shared_prefix(
+      params, tokens[:, 0, :prompt_len], positions[:, 0, :prompt_len], mask[:, 0, :prompt_len],
+      suffix_tokens, positions[:, :, prompt_len:], mask[:, :, prompt_len:], model_config)
+  if temperature not in (0.0, 1.0):
+    prefix_logits, suffix_logits = prefix_logits / temperature, suffix_logits / temperature
+  prompt_logp = transformer.token_logprobs(prefix_logits, tokens[:, 0, :prompt_len])  # [N, P]
+  # The first completion token is predicted by the prompt's last slot.
+  first = jnp.take_along_axis(jax.nn.log_softmax(prefix_logits[:, -1], axis=-1),
+                              suffix_tokens[:, :, 0], axis=-1)  # [N, G]
+  rest = jnp.take_along_axis(jax.nn.log_softmax(suffix_logits[:, :, :-1], axis=-1),
+                             suffix_tokens[:, :, 1:, None], axis=-1)[..., 0]  # [N, G, C - 1]
+  logp = jnp.concatenate([
+      jnp.broadcast_to(prompt_logp[:, None], (groups, group_size, prompt_len)),
+      first[..., None], rest], axis=-1)
+  return logp.reshape(size, length)
+
+
+def check_shared_prefix(batch: Rollout, group_size: int, prompt_len: int,
+                        num_microbatches: int = 1) -> None:
+  """Raises ValueError unless `batch` fits `policy_logprobs(shared_prefix=(G, P))`.
+
+  Rows must come in contiguous groups of G (whole groups per microbatch) with identical
+  prompt tokens and masks in slots [0, P), and completions only in slots [P, T).
+  """
+  tokens = np.asarray(batch.tokens)
+  prompt_mask, completion_mask = np.asarray(batch.prompt_mask), np.asarray(batch.completion_mask)
+  size, length = tokens.shape
+  if group_size < 1 or not 0 < prompt_len < length:
+    raise ValueError(f"shared_prefix=(group_size={group_size}, prompt_len={prompt_len}) needs "
+                     f"group_size >= 1 and 0 < prompt_len < sequence length {length}.")
+  if size % (group_size * num_microbatches):
+    raise ValueError(f"Batch of {size} rows does not split into whole groups of {group_size} per "
+                     f"microbatch (num_microbatches={num_microbatches}); set the group size to "
+                     "config.rollout.group_size or turn config.rl.prefix_shared_forward off.")
+  if prompt_mask[:, prompt_len:].any() or completion_mask[:, :prompt_len].any():
+    raise ValueError(f"Prompts must occupy slots [0, {prompt_len}) and completions slots "
+                     f"[{prompt_len}, {length}) for the prefix-shared forward.")
+  prompts = np.where(prompt_mask, tokens, -1)[:, :prompt_len].reshape(-1, group_size, prompt_len)
+  if (prompts != prompts[:, :1]).any():
+    raise ValueError(f"Rows of a group (contiguous blocks of {group_size}) have different prompts; "
+                     "the prefix-shared forward needs groups sampled from one prompt "
+                     "(rl.rollout.sample_and_score) or config.rl.prefix_shared_forward=False.")
 
 
 def _split_microbatches(batch: Rollout, num_microbatches: int) -> Rollout:
@@ -85,6 +147,7 @@ def _split_microbatches(batch: Rollout, num_microbatches: int) -> Rollout:
 
 def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransformation,
                     loss_config, *, num_microbatches: int = 1, temperature: float = 1.0,
+                    shared_prefix: tuple[int, int] | None = None,
                     mesh: jax.sharding.Mesh | None = None,
                     rules: sharding_rules.Rules = sharding_rules.TRAINER_RULES,
                     ) -> Callable[[TrainState, Rollout], tuple[TrainState, dict]]:
@@ -92,7 +155,9 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
 
   Microbatch gradients (and metrics) are averaged; with one microbatch the step is exactly
   the full-batch gradient. Batch-level statistics inside an objective (token counts,
-  quantiles, M2 masks) are per microbatch.
+  quantiles, M2 masks) are per microbatch. shared_prefix=(group_size, prompt_len) runs each
+  group's prompt once in the loss forward/backward (`policy_logprobs`); the returned step
+  then checks every batch on the host first (`check_shared_prefix`).
 
   When the objective reads proximal log-probs (decoupled PPO, TIS / MIS) and the batch
   carries none, the step supplies them (config.loss.prox_estimate): 'recompute' runs one
@@ -119,7 +184,8 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
       lambda x: jax.lax.with_sharding_constraint(x, rows))
 
   def objective(params, micro: Rollout, version):
-    logp = policy_logprobs(params, micro, model_config, temperature, residual_hook)
+    logp = policy_logprobs(params, micro, model_config, temperature, residual_hook,
+                           shared_prefix=shared_prefix)
     prox = micro.prox_logp
     if prox is None and prox_estimate == "loglinear":
       prox = corrections.loglinear_prox(logp, micro.behavior_logp, micro.version, version, version)
@@ -134,7 +200,8 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
     def accumulate(grads, one):
       if one.prox_logp is None and prox_estimate == "recompute":
         one = one.replace(prox_logp=jax.lax.stop_gradient(
-            policy_logprobs(state.params, one, model_config, temperature, residual_hook)))
+            policy_logprobs(state.params, one, model_config, temperature, residual_hook,
+                            shared_prefix=shared_prefix)))
       (loss, metrics), g = grad_fn(state.params, one, state.step)
       grads = jax.tree.map(lambda a, b: a + b / num_microbatches, grads, g)
       return grads, (loss, metrics)
@@ -161,15 +228,23 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
     return new_state, metrics
 
   if mesh is None:
-    return jax.jit(step, donate_argnums=0)
-  state_shardings = train_state_shardings(model_config, optimizer, mesh, rules)
-  sharded_step = jax.jit(step, donate_argnums=0, in_shardings=(state_shardings, rows),
-                         out_shardings=(state_shardings, sharding_rules.replicated(mesh)))
-  if jax.process_count() == 1:
-    return sharded_step
-  # Several processes: a host-built batch becomes a global array, each process giving
-  # only its rows (batches already global pass through).
-  return lambda state, batch: sharded_step(state, multihost.place_rows(batch, rows))
+    jitted = jax.jit(step, donate_argnums=0)
+  else:
+    state_shardings = train_state_shardings(model_config, optimizer, mesh, rules)
+    sharded_step = jax.jit(step, donate_argnums=0, in_shardings=(state_shardings, rows),
+                           out_shardings=(state_shardings, sharding_rules.replicated(mesh)))
+    # Several processes: a host-built batch becomes a global array, each process giving
+    # only its rows (batches already global pass through).
+    jitted = sharded_step if jax.process_count() == 1 else (
+        lambda state, batch: sharded_step(state, multihost.place_rows(batch, rows)))
+  if shared_prefix is None:
+    return jitted
+
+  def checked_step(state: TrainState, batch: Rollout) -> tuple[TrainState, dict]:
+    check_shared_prefix(batch, *shared_prefix, num_microbatches=num_microbatches)
+    return jitted(state, batch)
+
+  return checked_step
 
 
 def train_state_shardings(model_config: ModelConfig, optimizer: optax.GradientTransformation,

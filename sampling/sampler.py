@@ -118,9 +118,9 @@ def prefill(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng: jax.A
       cache=cache, rng=rng, prompt_len=prompt_len)
 
 
-def decode_step(params, state: SamplerState, version: jax.Array, model_config: ModelConfig,
-                sampling_config: SamplingConfig) -> SamplerState:
-  """Samples one token for every live row, writes it, and advances the cache."""
+def _advance(state: SamplerState, version: jax.Array, sampling_config: SamplingConfig,
+             forward) -> SamplerState:
+  """One decode step; forward(token [B,1], position [B,1], kv_mask [B,S], cache, slot)."""
   rng, key = jax.random.split(state.rng)
   token, logp = sample_tokens(key, state.next_logits, sampling_config.temperature,
                               sampling_config.top_k, sampling_config.top_p)
@@ -131,9 +131,8 @@ def decode_step(params, state: SamplerState, version: jax.Array, model_config: M
   token_mask = write(state.token_mask, live)
   stop_ids = jnp.asarray(sampling_config.stop_tokens, jnp.int32)
   stopped = live & jnp.isin(token, stop_ids) if sampling_config.stop_tokens else jnp.zeros_like(live)
-  logits, cache = transformer.forward(params, token[:, None], state.next_position[:, None],
-                                      token_mask, model_config, cache=state.cache,
-                                      cache_index=slot)
+  logits, cache = forward(token[:, None], state.next_position[:, None], token_mask, state.cache,
+                          slot)
   return state.replace(
       tokens=write(state.tokens, token),
       token_mask=token_mask,
@@ -146,11 +145,24 @@ def decode_step(params, state: SamplerState, version: jax.Array, model_config: M
       cache=cache, rng=rng)
 
 
+def decode_step(params, state: SamplerState, version: jax.Array, model_config: ModelConfig,
+                sampling_config: SamplingConfig) -> SamplerState:
+  """Samples one token for every live row, writes it, and advances the cache."""
+  forward = lambda token, position, kv_mask, cache, slot: transformer.forward(
+      params, token, position, kv_mask, model_config, cache=cache, cache_index=slot)
+  return _advance(state, version, sampling_config, forward)
+
+
 def decode(params, state: SamplerState, version: jax.Array, model_config: ModelConfig,
            sampling_config: SamplingConfig, max_steps: jax.Array | int | None = None, *,
            position_limit: jax.Array | None = None,
            until: Callable[[SamplerState], jax.Array] | None = None) -> SamplerState:
   """Decodes until every row is done, the slots run out, or `max_steps` more steps.
+
+  Each step equals `decode_step`; inside the loop the KV cache is held per layer in the
+  decode layout (`transformer.to_decode_cache`) and the layers run unrolled
+  (`transformer.forward_decode`), so a step writes only its new slots and never copies
+  or transposes a layer's cache. The state's cache is converted once on entry and exit.
 
   Two optional early stops serve partial rollouts (sampling/partial.py):
     position_limit [B]: a row also finishes once its next RoPE position reaches this
@@ -160,6 +172,9 @@ def decode(params, state: SamplerState, version: jax.Array, model_config: ModelC
   """
   total = state.tokens.shape[1] - state.prompt_len
   limit = total if max_steps is None else jnp.minimum(total, state.step + max_steps)
+  layers = transformer.unstack_layers(params)
+  forward = lambda token, position, kv_mask, cache, slot: transformer.forward_decode(
+      layers, token, position, kv_mask, model_config, cache, slot)
 
   def exhausted(s):
     if position_limit is None:
@@ -171,9 +186,11 @@ def decode(params, state: SamplerState, version: jax.Array, model_config: ModelC
     return keep_going if until is None else keep_going & ~until(s)
 
   def body(s):
-    return exhausted(decode_step(params, s, version, model_config, sampling_config))
+    return exhausted(_advance(s, version, sampling_config, forward))
 
-  return jax.lax.while_loop(cond, body, exhausted(state))
+  state = exhausted(state.replace(cache=transformer.to_decode_cache(state.cache)))
+  state = jax.lax.while_loop(cond, body, state)
+  return state.replace(cache=transformer.from_decode_cache(state.cache))
 
 
 def to_generation(state: SamplerState) -> Generation:

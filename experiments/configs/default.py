@@ -75,6 +75,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.staleness = 0                  # simulated staleness k: sample with params k steps old
   c.rl.async_ = False                 # producer thread samples while the trainer trains (AReaL)
   c.rl.max_staleness = 4              # async / partial: bound on train step - oldest token version
+  c.rl.prefix_shared_forward = False  # run each group's prompt once in the loss forward/backward
 
   c.loss = ml_collections.ConfigDict()
   c.loss.name = "grpo"                # rl/losses.py registry

@@ -1,0 +1,273 @@
+"""Benchmark B2 (BENCHMARKS.md): train-step and GRPO-step speed, and the prefix-shared forward.
+
+    python -m experiments.bench_train                 # B1 shapes, Arbor + Tunix + TRL
+    python -m experiments.bench_train --peers=        # Arbor only
+    python -m experiments.bench_train --smoke         # tiny shapes, one repetition (CI)
+
+Three measurements, all on the B1 decoder (f32), best of --repeats after compilation:
+  1. train step: forward + backward + AdamW on a [16, 80] batch (GRPO loss), tokens/s and
+     model FLOP utilisation against a large f32 matmul timed in this run;
+  2. GRPO step: 4 prompts x 4 completions x 64 new tokens (prompt 16, temperature 1, exactly
+     64 tokens per row, reward = fraction of even token ids, no KL, one update per batch):
+     Arbor's `rl.loop.grpo_iteration` (sample, score, advantages, train step) vs Tunix's
+     GRPOLearner and TRL's GRPOTrainer, each peer in its own virtualenv (experiments/peers);
+  3. prefix-shared vs replicated loss forward/backward + AdamW (`config.rl.prefix_shared_forward`)
+     at G = 8 and 16, prompts 4x longer than responses.
+Peers are skipped when the environment variable CI is set. Writes bench_train.json,
+bench_train.md and bench_train.png to --out.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from absl import app
+from absl import flags
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from experiments import peers
+from experiments.measure import load, matmul_peak_flops, timed
+from experiments.peers import PEER_LABELS, peer_shape
+from models import transformer
+from models.config import ModelConfig, get_preset
+from rl import advantages
+from rl import loop
+from rl import train
+from rl.tasks import Example
+from rl.types import Rollout
+from sampling.sampler import SamplingConfig
+
+_SMOKE = flags.DEFINE_bool("smoke", False, "Tiny shapes, one repetition (for CI).")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repetitions per case (best is reported).")
+_OUT = flags.DEFINE_string("out", "runs/bench_train", "Output directory.")
+_PEERS = flags.DEFINE_list("peers", ["tunix", "torch"], "Peers to run (tunix, torch); empty: none.")
+_PEER_ENVS = flags.DEFINE_string("peer_envs", "runs/peer_envs", "Where peer virtualenvs live.")
+
+GRPO_LABELS = dict(PEER_LABELS, torch="TRL")  # the torch peer's GRPO step is TRL's trainer
+GRPO = ml_collections.FrozenConfigDict(dict(
+    name="grpo", eps_low=0.2, eps_high=0.2, aggregation="seq_mean_token_mean", norm_len=1.0,
+    kl_coef=0.0))
+
+
+def train_flops_per_token(config: ModelConfig, context: float) -> float:
+  """Matmul FLOPs of forward + backward (3x forward) per token at mean `context`."""
+  c = config
+  attn_proj = c.d_model * (2 * c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+  mlp = 3 * c.d_model * c.mlp_dim
+  attention = 2 * c.n_heads * c.head_dim * context
+  return 3 * 2 * (c.n_layers * (attn_proj + mlp + attention) + c.d_model * c.vocab_size)
+
+
+def random_rollout(config: ModelConfig, groups: int, group_size: int, prompt_len: int,
+                   completion_len: int, seed: int = 0) -> Rollout:
+  """Groups of `group_size` rows sharing a random full-length prompt, random completions."""
+  rng = np.random.default_rng(seed)
+  size, length = groups * group_size, prompt_len + completion_len
+  prompts = np.repeat(rng.integers(3, config.vocab_size, (groups, prompt_len)), group_size, 0)
+  completions = rng.integers(3, config.vocab_size, (size, completion_len))
+  completion_mask = np.arange(length)[None].repeat(size, 0) >= prompt_len
+  adv = rng.normal(size=(size, 1)) * completion_mask
+  return Rollout(
+      tokens=jnp.asarray(np.concatenate([prompts, completions], 1), jnp.int32),
+      prompt_mask=jnp.asarray(~completion_mask), completion_mask=jnp.asarray(completion_mask),
+      behavior_logp=jnp.asarray(-7.0 * completion_mask, jnp.float32),
+      version=jnp.zeros((size, length), jnp.int32),
+      group=jnp.repeat(jnp.arange(groups), group_size), reward=jnp.zeros((size,)),
+      advantages=jnp.asarray(adv, jnp.float32))
+
+
+def time_train_step(config: ModelConfig, batch: Rollout, repeats: int,
+                    shared_prefix: tuple[int, int] | None = None) -> tuple[float, float]:
+  """(best seconds, compile seconds) of the jitted GRPO train step on `batch`."""
+  optimizer = train.make_optimizer(1e-5)
+  step = train.make_train_step(config, optimizer, GRPO, shared_prefix=shared_prefix)
+  state = train.init_train_state(transformer.init_params(config, jax.random.PRNGKey(0)), optimizer)
+
+  def run():
+    nonlocal state
+    state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+
+  first = timed(run)
+  best = min(timed(run) for _ in range(repeats))
+  return best, max(first - best, 0.0)
+
+
+class WordTokenizer:
+  """Token id i <-> word 't{i}' (0 pad, 1 bos, 2 eos): the peers' tokenizer, for Arbor."""
+  pad_id, bos_id, eos_id = 0, 1, 2
+
+  def encode(self, text: str, add_bos: bool = False) -> list[int]:
+    return [self.bos_id] * add_bos + [int(w[1:]) for w in text.split()]
+
+  def decode(self, ids) -> str:
+    return " ".join(f"t{int(i)}" for i in ids)
+
+
+class EvenTokensTask:
+  """Random prompts; reward = fraction of even token ids in the completion (as the peers)."""
+  name = "even_tokens"
+
+  def __init__(self, vocab_size: int, prompt_len: int):
+    self.vocab_size, self.prompt_len = vocab_size, prompt_len
+
+  def examples(self, split, n, start=0):
+    del split
+    rng = np.random.default_rng(start)
+    return [Example(prompt=" ".join(f"t{i}" for i in rng.integers(3, self.vocab_size,
+                                                                  self.prompt_len - 1)),
+                    answer="", entry={}) for _ in range(n)]
+
+  def reward(self, completion, example):
+    del example
+    words = completion.split()
+    return float(np.mean([int(w[1:]) % 2 == 0 for w in words])) if words else 0.0
+
+  def exact_match(self, completion, example):
+    del completion, example
+    return False
+
+
+def bench_grpo_step(config: ModelConfig, g: dict, repeats: int) -> dict:
+  """Arbor's GRPO iteration: sample G completions per prompt, score, advantages, update."""
+  optimizer = train.make_optimizer(1e-5)
+  # No stop tokens: every row decodes exactly new_tokens tokens, as the peers are forced to.
+  sampling_config = SamplingConfig(max_new_tokens=g["new_tokens"], temperature=1.0)
+  ctx = loop.LoopContext(
+      task=EvenTokensTask(config.vocab_size, g["prompt_len"]), tokenizer=WordTokenizer(),
+      model_config=config, sampling_config=sampling_config, prompt_len=g["prompt_len"],
+      prompts_per_step=g["prompts"], group_size=g["group_size"],
+      train_step=train.make_train_step(config, optimizer, GRPO),
+      advantage_fn=advantages.grpo_advantages)
+  state = loop.LoopState(
+      train=train.init_train_state(transformer.init_params(config, jax.random.PRNGKey(0)),
+                                   optimizer), rng=jax.random.PRNGKey(1))
+
+  def run():
+    nonlocal state
+    state, _ = loop.grpo_iteration(state, ctx)
+
+  first = timed(run)
+  best = min(timed(run) for _ in range(repeats))
+  return dict(first_step_s=first, best_step_s=best)
+
+
+def markdown(result: dict) -> str:
+  t = result["train_step"]
+  lines = ["**Train step** (forward + backward + AdamW, GRPO loss)", "",
+           "| batch x tokens | tokens/s | step s | compile s | utilisation |",
+           "|---|---|---|---|---|",
+           f"| {t['batch']} x {t['length']} | {t['tokens_per_s']:.0f} | {t['best_s']:.4f} | "
+           f"{t['compile_s']:.1f} | {100 * t['utilisation']:.1f}% |", ""]
+  g = result["grpo_step"]
+  lines += [f"**GRPO step** ({g['prompts']} prompts x {g['group_size']} completions x "
+            f"{g['new_tokens']} tokens, prompt {g['prompt_len']}: sample + score + update)", "",
+            "| framework | step s (best) | first step s | Arbor speed-up |", "|---|---|---|---|"]
+  for name in result["frameworks"]:
+    r = g[name]
+    lines.append(f"| {GRPO_LABELS[name]} | {r['best_step_s']:.3f} | {r['first_step_s']:.2f} | "
+                 f"{r['best_step_s'] / g['arbor']['best_step_s']:.2f}x |")
+  lines += ["", "**Prefix-shared loss forward/backward** (train step, prompt = 4 x response)", "",
+            "| G | groups | prompt | response | replicated s | shared s | speed-up |",
+            "|---|---|---|---|---|---|---|"]
+  for r in result["prefix_shared"]:
+    lines.append(f"| {r['group_size']} | {r['groups']} | {r['prompt_len']} | "
+                 f"{r['completion_len']} | {r['replicated_s']:.4f} | {r['shared_s']:.4f} | "
+                 f"{r['speedup']:.2f}x |")
+  return "\n".join(lines) + "\n"
+
+
+def plot(result: dict, path: str) -> None:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+  names = result["frameworks"]
+  left.bar([GRPO_LABELS[n] for n in names],
+           [result["grpo_step"][n]["best_step_s"] for n in names], color="C0")
+  left.set_ylabel("seconds per GRPO step (best)")
+  left.set_title("GRPO step, 4 prompts x 4 x 64 tokens")
+  shared = result["prefix_shared"]
+  x = np.arange(len(shared))
+  right.bar(x - 0.2, [r["replicated_s"] for r in shared], 0.4, label="replicated")
+  right.bar(x + 0.2, [r["shared_s"] for r in shared], 0.4, label="prefix-shared")
+  right.set_xticks(x)
+  right.set_xticklabels([f"G={r['group_size']}" for r in shared])
+  right.set_ylabel("seconds per train step")
+  right.set_title("Prefix-shared loss forward/backward")
+  right.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def main(argv):
+  del argv
+  if _SMOKE.value:
+    config = get_preset("b1").replace(n_layers=1, d_model=32, n_heads=2, n_kv_heads=1,
+                                      head_dim=16, mlp_dim=64, vocab_size=64)
+    repeats, peak_size = 1, 256
+    step_shape = (2, 8)
+    g = dict(prompts=2, group_size=2, prompt_len=4, new_tokens=4)
+    shared_cases = [(2, 2, 8, 2)]
+  else:
+    config = get_preset("b1")
+    repeats, peak_size = _REPEATS.value, 2048
+    step_shape = (16, 80)
+    g = dict(prompts=4, group_size=4, prompt_len=16, new_tokens=64)
+    # (groups, G, prompt, response): prompts 4x longer than responses.
+    shared_cases = [(2, 8, 256, 64), (2, 16, 256, 64)]
+  peer_names = peers.peers_enabled(_PEERS.value)
+  load_before = load()
+  peak = matmul_peak_flops(peak_size, repeats)
+
+  batch, length = step_shape
+  best, compile_s = time_train_step(config, random_rollout(config, batch, 1, length // 5,
+                                                           length - length // 5), repeats)
+  train_step = dict(batch=batch, length=length, best_s=best, compile_s=compile_s,
+                    tokens_per_s=batch * length / best)
+  train_step["utilisation"] = (train_flops_per_token(config, length / 2)
+                               * train_step["tokens_per_s"] / peak)
+  print(f"train step {batch}x{length}: {train_step['tokens_per_s']:.0f} tok/s, "
+        f"util {100 * train_step['utilisation']:.1f}%", flush=True)
+
+  grpo_step = dict(g, arbor=bench_grpo_step(config, g, repeats))
+  print(f"Arbor GRPO step: {grpo_step['arbor']['best_step_s']:.3f} s", flush=True)
+  versions = {}
+  for name in peer_names:
+    out = peers.run_peer(name, dict(shape=peer_shape(config), grpo=dict(g, repeats=repeats)),
+                         _PEER_ENVS.value)
+    grpo_step[name] = out.pop("grpo")
+    versions[name] = out
+    print(f"{GRPO_LABELS[name]} GRPO step: {grpo_step[name]['best_step_s']:.3f} s", flush=True)
+
+  prefix_shared = []
+  for groups, group_size, prompt_len, completion_len in shared_cases:
+    rollout = random_rollout(config, groups, group_size, prompt_len, completion_len)
+    replicated_s, _ = time_train_step(config, rollout, repeats)
+    shared_s, _ = time_train_step(config, rollout, repeats, shared_prefix=(group_size, prompt_len))
+    prefix_shared.append(dict(groups=groups, group_size=group_size, prompt_len=prompt_len,
+                              completion_len=completion_len, replicated_s=replicated_s,
+                              shared_s=shared_s, speedup=replicated_s / shared_s))
+    print(f"prefix-shared G={group_size}: {replicated_s / shared_s:.2f}x", flush=True)
+
+  result = {"device": str(jax.devices()[0]), "matmul_peak_flops": peak, "config": str(config),
+            "repeats": repeats, "frameworks": ["arbor"] + peer_names, "peer_versions": versions,
+            "load_before": load_before, "load_after": load(), "train_step": train_step,
+            "grpo_step": grpo_step, "prefix_shared": prefix_shared}
+  os.makedirs(_OUT.value, exist_ok=True)
+  with open(os.path.join(_OUT.value, "bench_train.json"), "w") as f:
+    json.dump(result, f, indent=2)
+  with open(os.path.join(_OUT.value, "bench_train.md"), "w") as f:
+    f.write(markdown(result))
+  plot(result, os.path.join(_OUT.value, "bench_train.png"))
+  print(markdown(result))
+  print(f"matmul peak {peak / 1e9:.1f} GFLOP/s; {result['load_after']}; wrote {_OUT.value}")
+
+
+if __name__ == "__main__":
+  app.run(main)

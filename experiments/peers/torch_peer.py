@@ -1,0 +1,150 @@
+"""Peer benchmark run in its own virtualenv: Hugging Face transformers `generate` and TRL's
+GRPOTrainer on torch CPU (BENCHMARKS.md B1, B2; PEERS.md).
+
+Started by experiments/bench_sampler.py and experiments/bench_train.py as
+
+    <venv>/bin/python experiments/peers/torch_peer.py '<json spec>'
+
+and prints one JSON line (the results) last on stdout. Never imported by Arbor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import transformers
+
+
+def qwen2_model(shape: dict) -> transformers.Qwen2ForCausalLM:
+  """A random-init Qwen2 with the benchmark shape, f32, eval mode."""
+  config = transformers.Qwen2Config(
+      vocab_size=shape["vocab_size"], hidden_size=shape["d_model"],
+      intermediate_size=shape["mlp_dim"], num_hidden_layers=shape["n_layers"],
+      num_attention_heads=shape["n_heads"], num_key_value_heads=shape["n_kv_heads"],
+      head_dim=shape["head_dim"], max_position_embeddings=shape["max_seq_len"],
+      rms_norm_eps=shape["norm_eps"], tie_word_embeddings=False,
+      rope_parameters={"rope_type": "default", "rope_theta": shape["rope_theta"]},
+      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+  torch.manual_seed(0)
+  return transformers.Qwen2ForCausalLM(config).float().eval()
+
+
+def bench_generate(spec: dict) -> list[dict]:
+  model = qwen2_model(spec["shape"])
+  rows = []
+  for case in spec["cases"]:
+    batch, prompt_len, new_tokens, temperature = (case["batch"], case["prompt_len"],
+                                                  case["new_tokens"], case["temperature"])
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, spec["shape"]["vocab_size"], (batch, prompt_len), generator=gen)
+    mask = torch.ones_like(prompts)
+    # min_new_tokens = max_new_tokens: exactly N tokens per row; top_k=0 and top_p=1 turn
+    # off the generation-config defaults (top_k=50) so sampling is plain softmax(logits / T).
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
+                  eos_token_id=2)
+    kwargs.update(dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+                  if temperature else dict(do_sample=False))
+
+    def run():
+      with torch.inference_mode():
+        out = model.generate(input_ids=prompts, attention_mask=mask, **kwargs)
+      assert out.shape == (batch, prompt_len + new_tokens), out.shape
+      return out
+
+    start = time.perf_counter()
+    run()
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(spec["repeats"]):
+      start = time.perf_counter()
+      run()
+      times.append(time.perf_counter() - start)
+    best = min(times)
+    rows.append(dict(case, tokens_per_s=batch * new_tokens / best, best_s=best,
+                     compile_s=max(first - best, 0.0)))
+    print(f"transformers {case}: {batch * new_tokens / best:.0f} tok/s", file=sys.stderr, flush=True)
+  return rows
+
+
+def word_tokenizer(folder: str, vocab_size: int):
+  """An offline WordLevel tokenizer over ids 't0'..'t{V-1}' (0 pad, 1 bos, 2 eos)."""
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  vocab = {f"t{i}": i for i in range(vocab_size)}
+  vocab.update({"<pad>": 0, "<bos>": 1, "<eos>": 2})
+  del vocab["t0"], vocab["t1"], vocab["t2"]
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="<pad>"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+  tok.decoder = tokenizers.decoders.WordPiece(prefix="##")
+  fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>",
+                                              bos_token="<bos>", eos_token="<eos>")
+  fast.padding_side = "left"
+  fast.save_pretrained(folder)
+  return transformers.PreTrainedTokenizerFast.from_pretrained(folder)
+
+
+def bench_grpo(spec: dict) -> dict:
+  """TRL GRPOTrainer steps: P prompts x G completions x N tokens, f32, no KL, no checkpointing."""
+  import datasets  # pylint: disable=import-outside-toplevel
+  import trl  # pylint: disable=import-outside-toplevel
+  g = spec["grpo"]
+  shape = spec["shape"]
+  folder = tempfile.mkdtemp(prefix="arbor_trl_")
+  model = qwen2_model(shape)
+  model.save_pretrained(folder)
+  tokenizer = word_tokenizer(folder, shape["vocab_size"])
+  gen = torch.Generator().manual_seed(1)
+  steps = g["repeats"] + 1
+  prompts = [" ".join(f"t{int(i)}" for i in torch.randint(3, shape["vocab_size"], (g["prompt_len"],),
+                                                          generator=gen))
+             for _ in range(g["prompts"] * steps)]
+  dataset = datasets.Dataset.from_dict({"prompt": prompts})
+
+  def reward(completions, **kwargs):
+    del kwargs  # reward: fraction of even token ids, the same rule as Arbor's step
+    return [float(sum(int(w[1:]) % 2 == 0 for w in c.split() if w[1:].isdigit())) / max(len(c.split()), 1)
+            for c in completions]
+
+  rows = g["prompts"] * g["group_size"]
+  args = trl.GRPOConfig(
+      output_dir=os.path.join(folder, "out"), per_device_train_batch_size=rows,
+      num_generations=g["group_size"], max_completion_length=g["new_tokens"],
+      generation_kwargs={"min_new_tokens": g["new_tokens"]}, temperature=1.0, top_k=0, top_p=1.0,
+      beta=0.0, num_iterations=1, learning_rate=1e-5, max_steps=steps, bf16=False, fp16=False,
+      gradient_checkpointing=False, use_cpu=True, report_to="none", logging_steps=1,
+      save_strategy="no", shuffle_dataset=False, seed=0, dataloader_num_workers=0)
+  trainer = trl.GRPOTrainer(model=folder, reward_funcs=reward, args=args, train_dataset=dataset,
+                            processing_class=tokenizer)
+  times = []
+
+  class Timer(transformers.TrainerCallback):
+    def on_step_begin(self, *a, **k):
+      self.start = time.perf_counter()
+
+    def on_step_end(self, *a, **k):
+      times.append(time.perf_counter() - self.start)
+
+  trainer.add_callback(Timer())
+  trainer.train()
+  return dict(first_step_s=times[0], best_step_s=min(times[1:]), steps=len(times))
+
+
+def main():
+  spec = json.loads(sys.argv[1])
+  torch.set_num_threads(spec.get("threads", os.cpu_count()))
+  result = {"torch": torch.__version__, "transformers": transformers.__version__}
+  if spec.get("cases"):
+    result["generate"] = bench_generate(spec)
+  if spec.get("grpo"):
+    import trl  # pylint: disable=import-outside-toplevel
+    result["trl"] = trl.__version__
+    result["grpo"] = bench_grpo(spec)
+  print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+  main()
