@@ -35,6 +35,8 @@ setup(
     extras_require={
         "test": [
             "pytest==9.2.0",
+            # The suite runs on every core (-n auto in pytest.ini): XLA compiles single-threaded.
+            "pytest-xdist==3.8.0",
             # Execute experiments/notebooks/quickstart.ipynb (tests/test_notebook.py).
             "nbclient==0.11.0",
             "nbformat==5.11.1",

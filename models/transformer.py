@@ -22,6 +22,7 @@ llama.cpp's interleaving permutation before parameters reach this module.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import chex
@@ -34,11 +35,13 @@ Params = dict[str, Any]
 KVCache = dict[str, jax.Array]  # {'k', 'v'}: [L, B, S, K, E]
 
 
+@functools.partial(jax.jit, static_argnames=("config", "init_std"))
 def init_params(config: ModelConfig, rng: jax.Array, init_std: float = 0.02) -> Params:
   """Random parameters: normal(0, init_std) matrices, unit norms, zero biases.
 
   The output projections (`o`, `down`) are scaled by 1/sqrt(2 * n_layers) (GPT-2 style)
-  so the residual stream keeps unit scale at depth.
+  so the residual stream keeps unit scale at depth. Jitted: one compiled program instead of
+  a dispatch (and a compilation) per random draw.
   """
   c = config
   dtype = c.jnp_dtype
@@ -151,6 +154,9 @@ def _block(x, layer, positions, mask, config: ModelConfig):
   return _finish_block(x, attn, layer, config)
 
 
+# Jitted (callers inside a jit inline it): eager callers — tests, notebooks — get one
+# compiled program per shape instead of a compilation per operation.
+@functools.partial(jax.jit, static_argnames=("config", "residual_hook"))
 def forward(params: Params, tokens: jax.Array, positions: jax.Array, kv_mask: jax.Array,
             config: ModelConfig, cache: KVCache | None = None,
             cache_index: jax.Array | int = 0,
@@ -298,6 +304,7 @@ def _shared_prefix_attention(q, k_prefix, v_prefix, k, v, prefix_mask, suffix_ma
   return out.reshape(n, g, t, h, e)
 
 
+@functools.partial(jax.jit, static_argnames=("config",))
 def forward_shared_prefix(params: Params, prefix_tokens: jax.Array, prefix_positions: jax.Array,
                           prefix_mask: jax.Array, suffix_tokens: jax.Array,
                           suffix_positions: jax.Array, suffix_mask: jax.Array,
@@ -368,6 +375,7 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
   return jnp.pad(picked, ((0, 0), (1, 0)))
 
 
+@functools.partial(jax.jit, static_argnames=("config",))
 def sequence_logprobs(params: Params, tokens: jax.Array, token_mask: jax.Array,
                       config: ModelConfig) -> jax.Array:
   """Per-token log-probs [B, T] of padded sequences (one uncached forward pass)."""
