@@ -89,10 +89,11 @@ def test_ppo_gradient_equals_policy_gradient_at_ratio_one():
   behaviour = logp_fn(params)
   batch = make_batch(adv, behaviour, mask)
 
-  grad_ppo = jax.grad(lambda p: losses.ppo_clip_loss(logp_fn(p), batch, config=LOSS_CONFIG)[0])(params)
+  grad_ppo = jax.jit(jax.grad(
+      lambda p: losses.ppo_clip_loss(logp_fn(p), batch, config=LOSS_CONFIG)[0]))(params)
   # REINFORCE form: -(1/N) sum_t m A grad logp.
   n = mask.sum()
-  grad_pg = jax.grad(lambda p: -(adv * mask * logp_fn(p)).sum() / n)(params)
+  grad_pg = jax.jit(jax.grad(lambda p: -(adv * mask * logp_fn(p)).sum() / n))(params)
   for a, b in zip(jax.tree.leaves(grad_ppo), jax.tree.leaves(grad_pg)):
     np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
 
