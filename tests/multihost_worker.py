@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax

@@ -8,23 +8,11 @@ import pytest
 
 from experiments import eval as eval_launcher
 from experiments import train as train_launcher
-from experiments.configs import default
+from tests.launcher_config import tiny_run_config
 
 
 def tiny_config(workdir):
-  config = default.get_config()
-  config.workdir = str(workdir)
-  config.task.eval_size = 16
-  config.warm_start.steps = 3
-  config.warm_start.batch_size = 8
-  config.rl.steps = 2
-  config.rollout.prompts_per_step = 2
-  config.rollout.group_size = 4
-  config.eval.every = 2
-  config.eval.batch_size = 16
-  config.checkpoint.every = 2
-  config.checkpoint.max_to_keep = 5
-  return config
+  return tiny_run_config(workdir, {"checkpoint.max_to_keep": 5})
 
 
 def test_eval_restores_checkpoints_and_matches_the_launchers_evaluations(tmp_path):

@@ -6,22 +6,11 @@ import os
 import pytest
 
 from experiments import train as train_launcher
-from experiments.configs import default
+from tests.launcher_config import tiny_run_config
 
 
 def tiny_config(workdir, **rl):
-  config = default.get_config()
-  config.workdir = str(workdir)
-  config.task.eval_size = 16
-  config.warm_start.steps = 3
-  config.warm_start.batch_size = 8
-  config.rl.steps = rl.get("steps", 2)
-  config.rollout.prompts_per_step = 2
-  config.rollout.group_size = 4
-  config.eval.every = 2
-  config.eval.batch_size = 16
-  config.checkpoint.every = 2
-  return config
+  return tiny_run_config(workdir, {"rl.steps": rl.get("steps", 2)})
 
 
 def test_default_run_writes_metrics_plot_checkpoint_and_resumes(tmp_path):

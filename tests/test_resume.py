@@ -20,26 +20,17 @@ import numpy as np
 import pytest
 
 from experiments import train as launcher
-from experiments.configs import default
 from rl import checkpoint
+from tests.launcher_config import tiny_run_config
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _tiny_config(workdir):
-  c = default.get_config()
-  c.workdir = str(workdir)
-  c.task.eval_size = 8
-  c.rollout.prompts_per_step = 4
-  c.rollout.group_size = 2
-  c.warm_start.steps = 2
-  c.warm_start.batch_size = 8
-  c.rl.steps = 4
-  c.eval.every = 2
-  c.eval.batch_size = 8
-  c.checkpoint.every = 1
-  c.checkpoint.max_to_keep = 2
-  return c
+  return tiny_run_config(workdir, {
+      "task.eval_size": 8, "eval.batch_size": 8, "rollout.prompts_per_step": 4,
+      "rollout.group_size": 2, "warm_start.steps": 2, "rl.steps": 4, "checkpoint.every": 1,
+      "checkpoint.max_to_keep": 2})
 
 
 # Runs the launcher in a child process that SIGKILLs itself when orbax is about to rename

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from experiments import train as launcher
-from experiments.configs import default
 from models import transformer
 from models.config import ModelConfig
 from models.tokenizer import CharTokenizer
@@ -21,6 +20,7 @@ from rl import train
 from rl.tasks import make_task
 from rl.types import Rollout
 from sampling import sampler
+from tests.launcher_config import tiny_run_config
 
 TINY = ModelConfig(vocab_size=CharTokenizer().vocab_size, d_model=16, n_layers=1, n_heads=2,
                    n_kv_heads=1, head_dim=8, mlp_dim=32, max_seq_len=24)
@@ -155,20 +155,10 @@ def test_launcher_runs_and_resumes_with_simulated_staleness(tmp_path):
   """config.rl.staleness reaches the loop, and the parameter ring is checkpointed with the
   rest of the state, so a resumed stale run continues."""
   def config(steps):
-    c = default.get_config()
-    c.workdir = str(tmp_path)
-    c.task.eval_size = 8
-    c.warm_start.steps = 2
-    c.warm_start.batch_size = 4
-    c.rollout.prompts_per_step = 2
-    c.rollout.group_size = 2
-    c.eval.every = 2
-    c.eval.batch_size = 8
-    c.checkpoint.every = 2
-    c.rl.steps = steps
-    c.rl.staleness = 2
-    c.loss.name = "m2po"
-    return c
+    return tiny_run_config(tmp_path, {
+        "task.eval_size": 8, "eval.batch_size": 8, "warm_start.steps": 2,
+        "warm_start.batch_size": 4, "rollout.group_size": 2, "rl.steps": steps,
+        "rl.staleness": 2, "loss.name": "m2po"})
 
   launcher.run(config(3))
   summary = launcher.run(config(4))

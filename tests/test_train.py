@@ -4,7 +4,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import pytest
 
 from models import transformer
 from models.config import ModelConfig

@@ -8,26 +8,16 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from experiments import train as launcher
-from experiments.configs import default
 from rl import trajectory_store
+from tests.launcher_config import tiny_run_config
 
 
 def _config(workdir, rl_steps, **rollout):
-  c = default.get_config()
-  c.workdir = str(workdir)
-  c.task.eval_size = 16
-  c.warm_start.steps = 3
-  c.warm_start.batch_size = 8
-  c.rl.steps = rl_steps
-  c.rollout.prompts_per_step = 2
-  c.rollout.group_size = 2
-  c.rollout.kind = "partial"
-  c.rollout.num_slots = 8
-  c.rollout.resume = "reprefill"
+  c = tiny_run_config(workdir, {
+      "rl.steps": rl_steps, "rollout.group_size": 2, "rollout.kind": "partial",
+      "rollout.num_slots": 8, "rollout.resume": "reprefill", "eval.every": 100,
+      "checkpoint.every": 100})
   c.rollout.update(rollout)
-  c.eval.every = 100
-  c.eval.batch_size = 16
-  c.checkpoint.every = 100
   return c
 
 

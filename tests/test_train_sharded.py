@@ -9,22 +9,13 @@ import numpy as np
 import pytest
 
 from experiments import train as launcher
-from experiments.configs import default
+from tests.launcher_config import tiny_run_config
 
 
 def _config(workdir, data, fsdp, tensor):
-  c = default.get_config()
-  c.workdir = workdir
-  c.task.eval_size = 8
-  c.eval.batch_size = 8
-  c.eval.every = 1
-  c.warm_start.steps = 1
-  c.warm_start.batch_size = 8
-  c.rl.steps = 1
-  c.rollout.prompts_per_step = 2
-  c.rollout.group_size = 4
-  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = data, fsdp, tensor
-  return c
+  return tiny_run_config(workdir, {
+      "task.eval_size": 8, "eval.batch_size": 8, "eval.every": 1, "warm_start.steps": 1,
+      "rl.steps": 1, "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor})
 
 
 def _records(workdir):

@@ -7,20 +7,12 @@ import json
 import pytest
 
 from experiments import train
-from experiments.configs import default
 from sampling import tree
+from tests.launcher_config import tiny_run_config
 
 
 def _config(workdir, **tree_fields):
-  c = default.get_config()
-  c.workdir = str(workdir)
-  c.task.eval_size = 16
-  c.eval.batch_size = 16
-  c.warm_start.steps = 2
-  c.warm_start.batch_size = 8
-  c.rl.steps = 2
-  c.rollout.prompts_per_step = 2
-  c.rollout.kind = "tree"
+  c = tiny_run_config(workdir, {"warm_start.steps": 2, "rollout.kind": "tree"})
   c.rollout.tree.update(init_chains=2, fork_points=1, branches=2, rounds=1, **tree_fields)
   return c
 
