@@ -8,6 +8,7 @@ import pytest
 
 from models import transformer
 from models.config import ModelConfig
+from sampling import sampler
 
 CONFIGS = {
     "qwen2": ModelConfig(vocab_size=37, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2,
@@ -52,3 +53,28 @@ def test_forward_decode_equals_stacked_cached_forward(name):
   back = transformer.from_decode_cache(decode_cache)
   for key in ("k", "v"):
     np.testing.assert_allclose(back[key], cache[key], atol=1e-5, rtol=1e-5)
+
+
+def test_decode_loop_equals_repeated_decode_step():
+  """`sampler.decode` (decode layout inside a while loop) == `decode_step` applied N times
+  (stacked cache): the same tokens, behaviour log-probs, stop flags and final cache."""
+  config = CONFIGS["qwen2"]
+  params = transformer.init_params(config, jax.random.PRNGKey(3), init_std=0.3)
+  sampling_config = sampler.SamplingConfig(max_new_tokens=5, temperature=1.0, stop_tokens=(4,))
+  prompt = jnp.asarray(np.random.default_rng(4).integers(3, config.vocab_size, (3, 4)))
+  prompt_mask = jnp.asarray(np.arange(4)[None] >= np.array([[0], [1], [2]]))
+  state = sampler.prefill(params, prompt, prompt_mask, jax.random.PRNGKey(5), config,
+                          sampling_config)
+  version = jnp.int32(7)
+  looped = sampler.decode(params, state, version, config, sampling_config, max_steps=3)
+  stepped = state
+  for _ in range(3):
+    stepped = sampler.decode_step(params, stepped, version, config, sampling_config)
+  for field in ("tokens", "token_mask", "version", "done", "step", "next_position"):
+    np.testing.assert_array_equal(getattr(looped, field), getattr(stepped, field), err_msg=field)
+  np.testing.assert_allclose(looped.behavior_logp, stepped.behavior_logp, atol=1e-5)
+  for key in ("k", "v"):
+    np.testing.assert_allclose(looped.cache[key], stepped.cache[key], atol=1e-5)
+  generated = np.asarray(looped.token_mask)[:, 4:]
+  assert int(looped.step) == 3 and generated.any()
+  assert (np.asarray(looped.version)[:, 4:][generated] == 7).all()
