@@ -55,6 +55,9 @@ _WARM_LR = flags.DEFINE_float("warm_start_lr", 1e-3, "Peak warm-start learning r
 _LR = flags.DEFINE_float("learning_rate", 3e-5, "GRPO learning rate (Adam).")
 _PROMPTS = flags.DEFINE_integer("prompts_per_step", 8, "Prompts per GRPO step.")
 _GROUP = flags.DEFINE_integer("group_size", 8, "Completions per prompt.")
+_MINIBATCHES = flags.DEFINE_integer(
+    "num_minibatches", 1, "Optimiser updates per rollout batch and epoch (config.rl.num_minibatches).")
+_EPOCHS = flags.DEFINE_integer("ppo_epochs", 1, "Passes over each batch (config.rl.ppo_epochs).")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 10, "GRPO steps between evaluations.")
 _EVAL_SIZE = flags.DEFINE_integer("eval_size", 512, "Held-out items per evaluation.")
 _MARGIN = flags.DEFINE_float("collapse_margin", 0.02, "Collapse: final < warm start - margin.")
@@ -62,12 +65,19 @@ _REPORT_ONLY = flags.DEFINE_list(
     "report_only", [], "results.json files to merge; writes table.md, plot.png and a merged "
     "results.json to --out without running anything.")
 _SHARE = flags.DEFINE_bool(
-    "share_on_policy", True, "At k = 0, run decoupled and sat only as grpo (with one update "
-    "per batch they are the same objective on-policy: tests/test_objectives.py) and record "
-    "grpo's curves for them, marked shared_from.")
+    "share_on_policy", True, "At k = 0, run the objectives that equal grpo on-policy only as "
+    "grpo and record grpo's curves for them, marked shared_from (see same_as_grpo_on_policy).")
 
-# Objectives that are grpo on-policy (prox = current, kernel = 1) in this benchmark's loop.
-_SAME_AS_GRPO_ON_POLICY = ("decoupled", "sat")
+
+def same_as_grpo_on_policy(objective: str, updates_per_batch: int) -> bool:
+  """Whether `objective` at k = 0 is the grpo objective (tests/test_objectives.py).
+
+  decoupled: on-policy the proximal policy (the batch's starting parameters) is the
+  behaviour policy, so its IS weight is 1 and it clips like PPO, whatever the number of
+  updates per batch. sat: its kernel factor is 1 only while logp = behav, i.e. with one
+  update per batch.
+  """
+  return objective == "decoupled" or (objective == "sat" and updates_per_batch == 1)
 
 
 def bench_config(seed: int, objective: str, staleness: int) -> ml_collections.ConfigDict:
@@ -81,6 +91,8 @@ def bench_config(seed: int, objective: str, staleness: int) -> ml_collections.Co
   c.rl.staleness = staleness
   c.rollout.prompts_per_step = _PROMPTS.value
   c.rollout.group_size = _GROUP.value
+  c.rl.num_minibatches = _MINIBATCHES.value
+  c.rl.ppo_epochs = _EPOCHS.value
   c.task.eval_size = _EVAL_SIZE.value
   c.eval.batch_size = _EVAL_SIZE.value
   c.loss.name = objective
@@ -227,8 +239,8 @@ def main(argv):
   tokenizer = CharTokenizer()
   results = {"flags": {f: flags.FLAGS[f].value for f in (
       "objectives", "staleness", "seeds", "steps", "warm_start_steps", "warm_start_lr",
-      "learning_rate",
-      "prompts_per_step", "group_size", "eval_every", "eval_size")}, "runs": {}, "warm_start": {}}
+      "learning_rate", "prompts_per_step", "group_size", "num_minibatches", "ppo_epochs",
+      "eval_every", "eval_size")}, "runs": {}, "warm_start": {}}
   started = time.time()
   cache = {}
   for seed in map(int, _SEEDS.value):
@@ -263,7 +275,8 @@ def main(argv):
     for k in map(int, _STALENESS.value):
       for objective in _OBJECTIVES.value:
         t0 = time.time()
-        if _SHARE.value and k == 0 and objective in _SAME_AS_GRPO_ON_POLICY:
+        updates = _MINIBATCHES.value * _EPOCHS.value
+        if _SHARE.value and k == 0 and same_as_grpo_on_policy(objective, updates):
           by_seed = results["runs"].get("grpo", {}).get("0", {})
           if str(seed) not in by_seed:
             by_seed[str(seed)] = run_cell(seed, "grpo", 0, warm, task, tokenizer, model_config,

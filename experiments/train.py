@@ -98,9 +98,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"config.rollout.kind = {r.kind!r}; use 'independent', 'tree' or "
                      "'partial'.")
   rows = r.prompts_per_step * rows_per_prompt(config)
-  if rows % config.rl.num_microbatches:
+  if config.rl.num_minibatches < 1 or config.rl.ppo_epochs < 1:
+    raise ValueError(f"config.rl.num_minibatches = {config.rl.num_minibatches} and "
+                     f"config.rl.ppo_epochs = {config.rl.ppo_epochs} must be >= 1.")
+  rl_parts = config.rl.num_minibatches * config.rl.num_microbatches
+  if rows % rl_parts:
     raise ValueError(f"config.rollout.prompts_per_step * group_size = {rows} is not divisible "
-                     f"by config.rl.num_microbatches = {config.rl.num_microbatches} (with "
+                     f"by config.rl.num_minibatches * num_microbatches = {rl_parts} (with "
                      "kind='tree', group_size is the tree's leaf budget).")
   if config.warm_start.batch_size % config.rl.num_microbatches:
     raise ValueError(f"config.warm_start.batch_size = {config.warm_start.batch_size} is not "
@@ -108,10 +112,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if config.rl.prefix_shared_forward and r.kind != "independent":
     raise ValueError(f"config.rl.prefix_shared_forward needs groups of G independent samples of "
                      f"one prompt (config.rollout.kind='independent'), got {r.kind!r}.")
-  if config.rl.prefix_shared_forward and r.prompts_per_step % config.rl.num_microbatches:
+  if config.rl.prefix_shared_forward and r.prompts_per_step % rl_parts:
     raise ValueError(f"config.rl.prefix_shared_forward needs whole groups per microbatch: "
                      f"config.rollout.prompts_per_step = {r.prompts_per_step} must be divisible "
-                     f"by config.rl.num_microbatches = {config.rl.num_microbatches}.")
+                     f"by config.rl.num_minibatches * num_microbatches = {rl_parts}.")
   if config.rl.prefix_shared_forward and config.selection.kind == "adaptive":
     raise ValueError("config.rl.prefix_shared_forward needs groups of exactly "
                      "config.rollout.group_size rows; config.selection.kind='adaptive' gives "
@@ -146,13 +150,14 @@ def build_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh | None:
   mesh = mesh_lib.make_mesh(mesh_config)
   shards = mesh_lib.batch_size_multiple(mesh)
   r = config.rollout
-  for name, rows, multiple in (
+  micro, mini = config.rl.num_microbatches, config.rl.num_minibatches
+  for name, rows, multiple, parts in (
       ("rollout.prompts_per_step * rollout.group_size", r.prompts_per_step * r.group_size,
-       "mesh.data * mesh.fsdp * rl.num_microbatches"),
+       "mesh.data * mesh.fsdp * rl.num_minibatches * rl.num_microbatches", mini * micro),
       ("warm_start.batch_size", config.warm_start.batch_size,
-       "mesh.data * mesh.fsdp * rl.num_microbatches"),
-      ("eval.batch_size", config.eval.batch_size, "mesh.data * mesh.fsdp")):
-    divisor = shards * (config.rl.num_microbatches if "microbatches" in multiple else 1)
+       "mesh.data * mesh.fsdp * rl.num_microbatches", micro),
+      ("eval.batch_size", config.eval.batch_size, "mesh.data * mesh.fsdp", 1)):
+    divisor = shards * parts
     if rows % divisor:
       raise ValueError(f"config.{name} = {rows} does not split over the mesh: make it a "
                        f"multiple of {multiple} = {divisor}.")
@@ -207,8 +212,11 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None):
   # Prefix sharing needs groups of one prompt: GRPO batches, not the warm start's.
   shared_prefix = ((config.rollout.group_size, config.rollout.prompt_len)
                    if phase == RL and config.rl.prefix_shared_forward else None)
+  # PPO minibatches / epochs are for rollout batches; the warm start takes one update each.
+  updates = (dict(num_minibatches=config.rl.num_minibatches, ppo_epochs=config.rl.ppo_epochs)
+             if phase == RL else {})
   step = train.make_train_step(model_config, optimizer, loss_config,
-                               num_microbatches=config.rl.num_microbatches,
+                               num_microbatches=config.rl.num_microbatches, **updates,
                                temperature=config.rollout.temperature if phase == RL else 1.0,
                                shared_prefix=shared_prefix, mesh=mesh)
   sharded = {} if mesh is None else dict(

@@ -135,36 +135,49 @@ def check_shared_prefix(batch: Rollout, group_size: int, prompt_len: int,
                      "(rl.rollout.sample_and_score) or config.rl.prefix_shared_forward=False.")
 
 
-def _split_microbatches(batch: Rollout, num_microbatches: int) -> Rollout:
-  """Reshapes every [B, ...] leaf to [num_microbatches, B / num_microbatches, ...]."""
+def _split_rows(batch: Rollout, parts: int) -> Rollout:
+  """Reshapes every [B, ...] leaf to [parts, B / parts, ...] (contiguous row blocks)."""
   size = batch.tokens.shape[0]
-  if size % num_microbatches:
-    raise ValueError(f"Batch of {size} sequences does not split into num_microbatches="
-                     f"{num_microbatches}; choose a divisor of the batch size.")
-  return jax.tree.map(lambda x: x.reshape(num_microbatches, size // num_microbatches, *x.shape[1:]),
-                      batch)
+  if size % parts:
+    raise ValueError(f"Batch of {size} sequences does not split into {parts} equal parts "
+                     "(config.rl.num_minibatches x config.rl.num_microbatches); make their "
+                     "product a divisor of the batch size.")
+  return jax.tree.map(lambda x: x.reshape(parts, size // parts, *x.shape[1:]), batch)
 
 
 def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransformation,
-                    loss_config, *, num_microbatches: int = 1, temperature: float = 1.0,
+                    loss_config, *, num_microbatches: int = 1, num_minibatches: int = 1,
+                    ppo_epochs: int = 1, temperature: float = 1.0,
                     shared_prefix: tuple[int, int] | None = None,
                     mesh: jax.sharding.Mesh | None = None,
                     rules: sharding_rules.Rules = sharding_rules.TRAINER_RULES,
                     ) -> Callable[[TrainState, Rollout], tuple[TrainState, dict]]:
   """Builds the jitted train step for the objective `loss_config.name`.
 
-  Microbatch gradients (and metrics) are averaged; with one microbatch the step is exactly
-  the full-batch gradient. Batch-level statistics inside an objective (token counts,
-  quantiles, M2 masks) are per microbatch. shared_prefix=(group_size, prompt_len) runs each
-  group's prompt once in the loss forward/backward (`policy_logprobs`); the returned step
-  then checks every batch on the host first (`check_shared_prefix`).
+  One call is one rollout batch. The batch is split into `num_minibatches` contiguous
+  minibatches, and the step takes `ppo_epochs * num_minibatches` optimiser updates, in
+  order, minibatch after minibatch, epoch after epoch (PPO's / GRPO's inner iterations,
+  the "mu" of the GRPO paper; a fixed order, no shuffling, so the step stays a pure
+  function of its inputs). With the defaults (1, 1) the step is one full-batch update.
+  Every update counts as one `TrainState.step`, so parameter versions (and staleness)
+  are counted in optimiser updates. Each update skips itself if non-finite.
+
+  Within an update, microbatch gradients (and metrics) are averaged; with one microbatch
+  the update is exactly the minibatch gradient. Batch-level statistics inside an objective
+  (token counts, quantiles, M2 masks) are per microbatch. Returned metrics are means over
+  the updates (`update_skipped`: the fraction skipped). shared_prefix=(group_size,
+  prompt_len) runs each group's prompt once in the loss forward/backward
+  (`policy_logprobs`); the returned step then checks every batch on the host first
+  (`check_shared_prefix`).
 
   When the objective reads proximal log-probs (decoupled PPO, TIS / MIS) and the batch
   carries none, the step supplies them (config.loss.prox_estimate): 'recompute' runs one
-  extra forward with the parameters before the update; 'loglinear' interpolates between
-  behav and the current log-probs (`rl.corrections.loglinear_prox`) with no forward. Each
-  batch gets one update here, so the proximal version is the current one (state.step):
-  both estimates equal sg(logp) on stale tokens and behav on fresh ones.
+  forward over the batch with the parameters from before the batch's first update (the
+  proximal policy pi_prox of decoupled PPO, which later updates of the same batch clip
+  against); 'loglinear' interpolates between behav and the current log-probs
+  (`rl.corrections.loglinear_prox`) at that same version, with no forward. With one
+  update per batch the proximal policy is the current one: both estimates equal
+  sg(logp) on stale tokens and behav on fresh ones.
 
   Without `mesh` the step runs on the default device. With a mesh the same step is jitted
   with `in_shardings` / `out_shardings`: the TrainState (parameters, and the optimiser
@@ -176,33 +189,44 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
   place and gather the activations instead, moving activations rather than weights and
   doing each matmul on twice the rows per device.
   """
+  if num_minibatches < 1 or ppo_epochs < 1:
+    raise ValueError(f"num_minibatches = {num_minibatches} and ppo_epochs = {ppo_epochs} must "
+                     "be >= 1 (config.rl.num_minibatches, config.rl.ppo_epochs).")
   loss_fn = losses.get_loss(loss_config.name)
   prox_estimate = (losses.resolve_config(loss_config).prox_estimate
                    if losses.needs_prox(loss_config) else None)
   rows = None if mesh is None else sharding_rules.batch_sharding(mesh)
   residual_hook = None if mesh is None else (
       lambda x: jax.lax.with_sharding_constraint(x, rows))
+  num_updates = num_minibatches * ppo_epochs
 
-  def objective(params, micro: Rollout, version):
-    logp = policy_logprobs(params, micro, model_config, temperature, residual_hook,
+  def logprobs(params, rollout: Rollout) -> jax.Array:
+    return policy_logprobs(params, rollout, model_config, temperature, residual_hook,
                            shared_prefix=shared_prefix)
+
+  def objective(params, micro: Rollout, version, prox_version):
+    logp = logprobs(params, micro)
     prox = micro.prox_logp
     if prox is None and prox_estimate == "loglinear":
-      prox = corrections.loglinear_prox(logp, micro.behavior_logp, micro.version, version, version)
+      prox = corrections.loglinear_prox(logp, micro.behavior_logp, micro.version,
+                                        prox_version, version)
     loss, metrics = loss_fn(logp, micro, prox_logp=prox, config=loss_config)
     return loss, metrics
 
   grad_fn = jax.value_and_grad(objective, has_aux=True)
 
-  def step(state: TrainState, batch: Rollout) -> tuple[TrainState, dict]:
-    micro = _split_microbatches(batch, num_microbatches)
+  def recompute_prox(params, batch: Rollout) -> Rollout:
+    """The batch with prox_logp = log-probs under `params`, one microbatch at a time."""
+    pieces = _split_rows(batch, num_minibatches * num_microbatches)
+    prox = jax.lax.map(lambda piece: logprobs(params, piece), pieces)
+    return batch.replace(prox_logp=jax.lax.stop_gradient(prox.reshape(batch.tokens.shape)))
+
+  def update(state: TrainState, minibatch: Rollout, prox_version) -> tuple[TrainState, dict]:
+    """One optimiser update on `minibatch` (gradients accumulated over microbatches)."""
+    micro = _split_rows(minibatch, num_microbatches)
 
     def accumulate(grads, one):
-      if one.prox_logp is None and prox_estimate == "recompute":
-        one = one.replace(prox_logp=jax.lax.stop_gradient(
-            policy_logprobs(state.params, one, model_config, temperature, residual_hook,
-                            shared_prefix=shared_prefix)))
-      (loss, metrics), g = grad_fn(state.params, one, state.step)
+      (loss, metrics), g = grad_fn(state.params, one, state.step, prox_version)
       grads = jax.tree.map(lambda a, b: a + b / num_microbatches, grads, g)
       return grads, (loss, metrics)
 
@@ -227,6 +251,21 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
                    update_skipped=(~finite).astype(jnp.float32))
     return new_state, metrics
 
+  def step(state: TrainState, batch: Rollout) -> tuple[TrainState, dict]:
+    prox_version = state.step  # the version before this batch's first update
+    if batch.prox_logp is None and prox_estimate == "recompute":
+      batch = recompute_prox(state.params, batch)
+    if num_updates == 1:
+      return update(state, batch, prox_version)
+    minibatches = _split_rows(batch, num_minibatches)
+
+    def one_update(state, index):
+      minibatch = jax.tree.map(lambda x: x[index % num_minibatches], minibatches)
+      return update(state, minibatch, prox_version)
+
+    state, metrics = jax.lax.scan(one_update, state, jnp.arange(num_updates))
+    return state, jax.tree.map(jnp.mean, metrics)
+
   if mesh is None:
     jitted = jax.jit(step, donate_argnums=0)
   else:
@@ -241,7 +280,8 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
     return jitted
 
   def checked_step(state: TrainState, batch: Rollout) -> tuple[TrainState, dict]:
-    check_shared_prefix(batch, *shared_prefix, num_microbatches=num_microbatches)
+    check_shared_prefix(batch, *shared_prefix,
+                        num_microbatches=num_minibatches * num_microbatches)
     return jitted(state, batch)
 
   return checked_step

@@ -33,6 +33,8 @@ def test_default_run_writes_metrics_plot_checkpoint_and_resumes(tmp_path):
     ("loss.name", "ppo2", "Unknown loss 'ppo2'"),
     ("task.name", "sudoku9", "Unknown task 'sudoku9'"),
     ("rl.num_microbatches", 3, "not divisible"),
+    ("rl.num_minibatches", 3, "num_minibatches \\* num_microbatches = 3"),
+    ("rl.ppo_epochs", 0, "ppo_epochs = 0 must be >= 1"),
     ("rollout.group_size", 1, "at least 2 completions"),
     ("rollout.prompt_len", 3, "raise config.rollout.prompt_len"),
 ])

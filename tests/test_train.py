@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import pytest
 
 from models import transformer
 from models.config import ModelConfig
@@ -49,6 +50,109 @@ def test_microbatch_accumulation_equals_full_batch():
   for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
     np.testing.assert_allclose(x, y, atol=1e-6)
   assert int(a.step) == 1
+
+
+def _fresh_state(params, optimizer):
+  return train.init_train_state(jax.tree.map(jnp.copy, params), optimizer)
+
+
+def _rows(batch, start, stop):
+  return jax.tree.map(lambda x: x[start:stop], batch)
+
+
+def _assert_same_params(a, b, atol=1e-6):
+  for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+    np.testing.assert_allclose(x, y, atol=atol)
+
+
+def test_minibatches_and_epochs_equal_single_updates_in_order():
+  """num_minibatches=2, ppo_epochs=2 is four one-update steps: halves 1, 2, 1, 2."""
+  params = transformer.init_params(CONFIG, jax.random.PRNGKey(0))
+  optimizer = train.make_optimizer(1e-2)
+  batch = random_rollout(batch=8)
+  step = train.make_train_step(CONFIG, optimizer, GRPO, num_minibatches=2, ppo_epochs=2)
+  state, metrics = step(_fresh_state(params, optimizer), batch)
+  single = train.make_train_step(CONFIG, optimizer, GRPO)
+  reference, losses_seen = _fresh_state(params, optimizer), []
+  for start in (0, 4, 0, 4):
+    reference, m = single(reference, _rows(batch, start, start + 4))
+    losses_seen.append(float(m["loss"]))
+  _assert_same_params(state, reference)
+  assert int(state.step) == 4 == int(reference.step)
+  np.testing.assert_allclose(metrics["loss"], np.mean(losses_seen), rtol=1e-5)
+  assert metrics["update_skipped"] == 0.0
+
+
+def test_recomputed_prox_is_the_policy_before_the_batch_first_update():
+  """Decoupled PPO over two minibatches clips both against pi_prox = the parameters the
+  batch started from, not the parameters after the first minibatch."""
+  params = transformer.init_params(CONFIG, jax.random.PRNGKey(1))
+  optimizer = train.make_optimizer(5e-2)
+  batch = random_rollout(seed=3, batch=8)
+  decoupled = ml_collections.FrozenConfigDict(dict(GRPO, name="decoupled",
+                                                   prox_estimate="recompute"))
+  step = train.make_train_step(CONFIG, optimizer, decoupled, num_minibatches=2)
+  state, _ = step(_fresh_state(params, optimizer), batch)
+  prox = transformer.sequence_logprobs(params, batch.tokens,
+                                       batch.prompt_mask | batch.completion_mask, CONFIG)
+  with_prox = batch.replace(prox_logp=prox)
+  single = train.make_train_step(CONFIG, optimizer, decoupled)
+  reference = _fresh_state(params, optimizer)
+  for start in (0, 4):
+    reference, _ = single(reference, _rows(with_prox, start, start + 4))
+  _assert_same_params(state, reference)
+  # Recomputing prox per update (the other reading) gives a different result.
+  per_update = _fresh_state(params, optimizer)
+  for start in (0, 4):
+    per_update, _ = single(per_update, _rows(batch, start, start + 4))
+  assert max(float(jnp.abs(x - y).max()) for x, y in zip(
+      jax.tree.leaves(per_update.params), jax.tree.leaves(reference.params))) > 1e-6
+
+
+def test_loglinear_prox_over_minibatches_keeps_fresh_tokens_at_behav():
+  """On a fresh batch (version = step) the log-linear proximal policy is behav at every
+  update of the batch, so the step equals one-update steps with prox_logp = behav."""
+  params = transformer.init_params(CONFIG, jax.random.PRNGKey(2))
+  optimizer = train.make_optimizer(5e-2)
+  batch = random_rollout(seed=4, batch=8)
+  batch = batch.replace(behavior_logp=transformer.sequence_logprobs(
+      params, batch.tokens, batch.prompt_mask | batch.completion_mask, CONFIG) * batch.completion_mask)
+  decoupled = ml_collections.FrozenConfigDict(dict(GRPO, name="decoupled",
+                                                   prox_estimate="loglinear"))
+  step = train.make_train_step(CONFIG, optimizer, decoupled, num_minibatches=2)
+  state, _ = step(_fresh_state(params, optimizer), batch)
+  single = train.make_train_step(CONFIG, optimizer, decoupled)
+  reference = _fresh_state(params, optimizer)
+  for start in (0, 4):
+    reference, _ = single(reference, _rows(batch.replace(prox_logp=batch.behavior_logp),
+                                           start, start + 4))
+  _assert_same_params(state, reference)
+
+
+def test_decoupled_equals_grpo_on_policy_over_minibatches():
+  """On-policy (behav = the starting policy) decoupled PPO's proximal policy is behav, so
+  over several updates per batch it is still PPO (bench_staleness shares its k = 0 cell)."""
+  params = transformer.init_params(CONFIG, jax.random.PRNGKey(5))
+  optimizer = train.make_optimizer(5e-2)
+  batch = random_rollout(seed=6, batch=8)
+  batch = batch.replace(behavior_logp=transformer.sequence_logprobs(
+      params, batch.tokens, batch.prompt_mask | batch.completion_mask, CONFIG) * batch.completion_mask)
+  states = []
+  for name in ("grpo", "decoupled"):
+    step = train.make_train_step(CONFIG, optimizer, ml_collections.FrozenConfigDict(
+        dict(GRPO, name=name)), num_minibatches=2)
+    states.append(step(_fresh_state(params, optimizer), batch)[0])
+  _assert_same_params(*states, atol=1e-5)
+
+
+def test_minibatches_that_do_not_divide_the_batch_are_rejected():
+  optimizer = train.make_optimizer(1e-2)
+  step = train.make_train_step(CONFIG, optimizer, GRPO, num_minibatches=3)
+  state = _fresh_state(transformer.init_params(CONFIG, jax.random.PRNGKey(0)), optimizer)
+  with pytest.raises(ValueError, match="num_minibatches x config.rl.num_microbatches"):
+    step(state, random_rollout(batch=8))
+  with pytest.raises(ValueError, match="ppo_epochs"):
+    train.make_train_step(CONFIG, optimizer, GRPO, ppo_epochs=0)
 
 
 def test_non_finite_loss_skips_the_update_and_is_counted():

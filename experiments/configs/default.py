@@ -71,10 +71,16 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.learning_rate = 5e-5           # AdamW, constant
   c.rl.weight_decay = 0.0             # AdamW decoupled weight decay
   c.rl.max_grad_norm = 1.0            # global-norm gradient clipping, both phases (0 = off)
-  c.rl.num_microbatches = 1           # gradient accumulation; divides prompts*group_size
+  c.rl.num_minibatches = 1            # optimiser updates per rollout batch and epoch (PPO
+                                      # minibatches of contiguous whole groups)
+  c.rl.ppo_epochs = 1                 # passes over each rollout batch (GRPO's mu)
+  c.rl.num_microbatches = 1           # gradient accumulation within an update; num_minibatches
+                                      # * num_microbatches divides prompts*group_size
   c.rl.staleness = 0                  # simulated staleness k: sample with params k steps old
   c.rl.async_ = False                 # producer thread samples while the trainer trains (AReaL)
   c.rl.max_staleness = 4              # async / partial: bound on train step - oldest token version
+                                      # (versions count optimiser updates, several per batch
+                                      # with num_minibatches * ppo_epochs > 1)
   c.rl.prefix_shared_forward = False  # run each group's prompt once in the loss forward/backward
 
   c.loss = ml_collections.ConfigDict()
