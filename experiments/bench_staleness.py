@@ -60,6 +60,9 @@ _MINIBATCHES = flags.DEFINE_integer(
 _EPOCHS = flags.DEFINE_integer("ppo_epochs", 1, "Passes over each batch (config.rl.ppo_epochs).")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 10, "GRPO steps between evaluations.")
 _EVAL_SIZE = flags.DEFINE_integer("eval_size", 512, "Held-out items per evaluation.")
+_DIFFICULTY = flags.DEFINE_list(
+    "difficulty", [], "Overrides of config.task.difficulty as name=int pairs, e.g. "
+    "max_digits=1 (reasoning-gym chain_sum fields).")
 _MARGIN = flags.DEFINE_float("collapse_margin", 0.02, "Collapse: final < warm start - margin.")
 _REPORT_ONLY = flags.DEFINE_list(
     "report_only", [], "results.json files to merge; writes table.md, plot.png and a merged "
@@ -96,6 +99,12 @@ def bench_config(seed: int, objective: str, staleness: int) -> ml_collections.Co
   c.task.eval_size = _EVAL_SIZE.value
   c.eval.batch_size = _EVAL_SIZE.value
   c.loss.name = objective
+  for pair in _DIFFICULTY.value:
+    name, _, value = pair.partition("=")
+    if name not in c.task.difficulty or not value.lstrip("-").isdigit():
+      raise ValueError(f"--difficulty={pair!r}: use name=int with name one of "
+                       f"{sorted(c.task.difficulty)}.")
+    c.task.difficulty[name] = int(value)
   return c
 
 
@@ -240,7 +249,7 @@ def main(argv):
   results = {"flags": {f: flags.FLAGS[f].value for f in (
       "objectives", "staleness", "seeds", "steps", "warm_start_steps", "warm_start_lr",
       "learning_rate", "prompts_per_step", "group_size", "num_minibatches", "ppo_epochs",
-      "eval_every", "eval_size")}, "runs": {}, "warm_start": {}}
+      "difficulty", "eval_every", "eval_size")}, "runs": {}, "warm_start": {}}
   started = time.time()
   cache = {}
   for seed in map(int, _SEEDS.value):
@@ -258,7 +267,8 @@ def main(argv):
                                  batch_size=config.eval.batch_size).accuracy
 
     warm_path = os.path.join(_OUT.value,
-                             f"warm_start_seed{seed}_{_WARM.value}_{_WARM_LR.value:g}.msgpack")
+                             f"warm_start_seed{seed}_{_WARM.value}_{_WARM_LR.value:g}"
+                             f"{''.join('_' + pair for pair in _DIFFICULTY.value)}.msgpack")
     if os.path.exists(warm_path):  # a rerun reuses the seed's warm start
       with open(warm_path, "rb") as f:
         saved = flax.serialization.msgpack_restore(f.read())

@@ -139,11 +139,46 @@ def _project_qkv(x, layer, positions, config: ModelConfig):
   return q, k, v
 
 
+@jax.custom_vjp
+def swiglu(h: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax.Array:
+  """The SwiGLU MLP `(silu(h @ gate) * (h @ up)) @ down`, h [..., D], with a hand-written
+  backward pass.
+
+  Values and gradients are autodiff's (tests/test_transformer.py). Written out, the
+  backward materialises the two pre-activation gradients in row-major [N, F] before the
+  weight-gradient matmuls; under autodiff XLA:CPU fuses the silu derivative into the
+  transposing copies that feed those matmuls, which made the whole model's gradient about
+  2x slower (docs/benchmarks_perf.md).
+  """
+  return (jax.nn.silu(h @ gate) * (h @ up)) @ down
+
+
+def _swiglu_forward(h, gate, up, down):
+  pre_gate, pre_up = h @ gate, h @ up
+  return (jax.nn.silu(pre_gate) * pre_up) @ down, (h, pre_gate, pre_up, gate, up, down)
+
+
+def _swiglu_backward(residuals, d_out):
+  h, pre_gate, pre_up, gate, up, down = residuals
+  sig = jax.nn.sigmoid(pre_gate)
+  silu = pre_gate * sig
+  d_hidden = d_out @ down.T
+  d_up = d_hidden * silu
+  d_gate = d_hidden * pre_up * sig * (1 + pre_gate * (1 - sig))  # silu'(g) = s (1 + g (1 - s))
+  rows = lambda a: a.reshape(-1, a.shape[-1])
+  d_h = d_gate @ gate.T + d_up @ up.T
+  return (d_h, rows(h).T @ rows(d_gate), rows(h).T @ rows(d_up),
+          rows(silu * pre_up).T @ rows(d_out))
+
+
+swiglu.defvjp(_swiglu_forward, _swiglu_backward)
+
+
 def _finish_block(x, attn, layer, config: ModelConfig):
   """Adds the attention output [B,T,H*E] (projected) and the SwiGLU MLP to the residual."""
   x = x + attn @ layer["o"]
   h = rms_norm(x, layer["mlp_norm"], config.norm_eps)
-  return x + (jax.nn.silu(h @ layer["gate"]) * (h @ layer["up"])) @ layer["down"]
+  return x + swiglu(h, layer["gate"], layer["up"], layer["down"])
 
 
 def _block(x, layer, positions, mask, config: ModelConfig):
