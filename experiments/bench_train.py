@@ -12,7 +12,10 @@ Three measurements, all on the B1 decoder (f32), best of --repeats after compila
      Arbor's `rl.loop.grpo_iteration` (sample, score, advantages, train step) vs Tunix's
      GRPOLearner and TRL's GRPOTrainer, each peer in its own virtualenv (experiments/peers);
   3. prefix-shared vs replicated loss forward/backward + AdamW (`config.rl.prefix_shared_forward`)
-     at G = 8 and 16, prompts 4x longer than responses.
+     at G = 8 and 16, prompts 4x longer than responses;
+  4. the SwiGLU MLP's gradient: `transformer.swiglu` (hand-written backward) vs autodiff of
+     the same expression, at the train step's shape and at the default run's (tiny model,
+     256 rows x 18 tokens), best of --repeats x 3 calls, alternating the two.
 Peers are skipped when the environment variable CI is set. Writes bench_train.json,
 bench_train.md and bench_train.png to --out.
 """
@@ -154,6 +157,34 @@ def bench_grpo_step(config: ModelConfig, g: dict, repeats: int) -> dict:
   return dict(first_step_s=first, best_step_s=best)
 
 
+def autodiff_swiglu(h, gate, up, down):
+  """The SwiGLU MLP differentiated by JAX's autodiff: the reference `transformer.swiglu`'s
+  hand-written backward is timed against (and tested against in test_transformer.py)."""
+  return (jax.nn.silu(h @ gate) * (h @ up)) @ down
+
+
+def time_mlp_backward(rows: int, length: int, d_model: int, mlp_dim: int,
+                      repeats: int) -> dict:
+  """Seconds per gradient of sum(MLP(h)) for both backward passes, alternated per repeat."""
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+  h = jax.random.normal(keys[0], (rows, length, d_model))
+  gate, up = (0.05 * jax.random.normal(k, (d_model, mlp_dim)) for k in keys[1:3])
+  down = 0.05 * jax.random.normal(keys[3], (mlp_dim, d_model))
+  grads = {name: jax.jit(jax.grad(lambda *a, f=fn: f(*a).sum(), argnums=(0, 1, 2, 3)))
+           for name, fn in (("autodiff", autodiff_swiglu), ("custom", transformer.swiglu))}
+  best = {name: float("inf") for name in grads}
+  for name, grad in grads.items():
+    jax.block_until_ready(grad(h, gate, up, down))
+  for _ in range(repeats):
+    for name, grad in grads.items():
+      seconds = timed(lambda g=grad: [jax.block_until_ready(g(h, gate, up, down))
+                                      for _ in range(3)]) / 3
+      best[name] = min(best[name], seconds)
+  return dict(rows=rows, length=length, d_model=d_model, mlp_dim=mlp_dim,
+              autodiff_s=best["autodiff"], custom_s=best["custom"],
+              speedup=best["autodiff"] / best["custom"])
+
+
 def markdown(result: dict) -> str:
   t = result["train_step"]
   lines = ["**Train step** (forward + backward + AdamW, GRPO loss)", "",
@@ -176,6 +207,12 @@ def markdown(result: dict) -> str:
     lines.append(f"| {r['group_size']} | {r['groups']} | {r['prompt_len']} | "
                  f"{r['completion_len']} | {r['replicated_s']:.4f} | {r['shared_s']:.4f} | "
                  f"{r['speedup']:.2f}x |")
+  lines += ["", "**SwiGLU MLP gradient** (`transformer.swiglu` vs autodiff of the same expression)",
+            "", "| rows x tokens | d_model | mlp_dim | autodiff s | hand-written s | speed-up |",
+            "|---|---|---|---|---|---|"]
+  for r in result["mlp_backward"]:
+    lines.append(f"| {r['rows']} x {r['length']} | {r['d_model']} | {r['mlp_dim']} | "
+                 f"{r['autodiff_s']:.4f} | {r['custom_s']:.4f} | {r['speedup']:.2f}x |")
   return "\n".join(lines) + "\n"
 
 
@@ -212,6 +249,7 @@ def main(argv):
     step_shape = (2, 8)
     g = dict(prompts=2, group_size=2, prompt_len=4, new_tokens=4)
     shared_cases = [(2, 2, 8, 2)]
+    mlp_cases = [(4, 8, 32, 64)]
   else:
     config = get_preset("b1")
     repeats, peak_size = _REPEATS.value, 2048
@@ -219,6 +257,10 @@ def main(argv):
     g = dict(prompts=4, group_size=4, prompt_len=16, new_tokens=64)
     # (groups, G, prompt, response): prompts 4x longer than responses.
     shared_cases = [(2, 8, 256, 64), (2, 16, 256, 64)]
+    tiny = get_preset("tiny")
+    # (rows, tokens, d_model, mlp_dim): the train step's shape, the default run's GRPO batch.
+    mlp_cases = [(*step_shape, config.d_model, config.mlp_dim),
+                 (256, 18, tiny.d_model, tiny.mlp_dim)]
   peer_names = peers.peers_enabled(_PEERS.value)
   load_before = load()
   peak = matmul_peak_flops(peak_size, repeats)
@@ -253,10 +295,15 @@ def main(argv):
                               shared_s=shared_s, speedup=replicated_s / shared_s))
     print(f"prefix-shared G={group_size}: {replicated_s / shared_s:.2f}x", flush=True)
 
+  mlp_backward = [time_mlp_backward(*case, repeats) for case in mlp_cases]
+  for r in mlp_backward:
+    print(f"SwiGLU gradient {r['rows']}x{r['length']}: {r['speedup']:.2f}x", flush=True)
+
   result = {"device": str(jax.devices()[0]), "matmul_peak_flops": peak, "config": str(config),
             "repeats": repeats, "frameworks": ["arbor"] + peer_names, "peer_versions": versions,
             "load_before": load_before, "load_after": load(), "train_step": train_step,
-            "grpo_step": grpo_step, "prefix_shared": prefix_shared}
+            "grpo_step": grpo_step, "prefix_shared": prefix_shared,
+            "mlp_backward": mlp_backward}
   write_results(_OUT.value, "bench_train", result, markdown, plot)
 
 
