@@ -100,13 +100,13 @@ def test_recomputed_prox_is_the_policy_before_the_batch_first_update():
   reference = _fresh_state(params, optimizer)
   for start in (0, 4):
     reference, _ = single(reference, _rows(with_prox, start, start + 4))
-  _assert_same_params(state, reference)
+  _assert_same_params(state, reference, atol=1e-4)  # Adam at lr 5e-2 amplifies reassociation
   # Recomputing prox per update (the other reading) gives a different result.
   per_update = _fresh_state(params, optimizer)
   for start in (0, 4):
     per_update, _ = single(per_update, _rows(batch, start, start + 4))
   assert max(float(jnp.abs(x - y).max()) for x, y in zip(
-      jax.tree.leaves(per_update.params), jax.tree.leaves(reference.params))) > 1e-6
+      jax.tree.leaves(per_update.params), jax.tree.leaves(reference.params))) > 1e-3
 
 
 def test_loglinear_prox_over_minibatches_keeps_fresh_tokens_at_behav():
@@ -126,7 +126,7 @@ def test_loglinear_prox_over_minibatches_keeps_fresh_tokens_at_behav():
   for start in (0, 4):
     reference, _ = single(reference, _rows(batch.replace(prox_logp=batch.behavior_logp),
                                            start, start + 4))
-  _assert_same_params(state, reference)
+  _assert_same_params(state, reference, atol=1e-4)  # Adam at lr 5e-2 amplifies reassociation
 
 
 def test_decoupled_equals_grpo_on_policy_over_minibatches():
@@ -142,7 +142,12 @@ def test_decoupled_equals_grpo_on_policy_over_minibatches():
     step = train.make_train_step(CONFIG, optimizer, ml_collections.FrozenConfigDict(
         dict(GRPO, name=name)), num_minibatches=2)
     states.append(step(_fresh_state(params, optimizer), batch)[0])
-  _assert_same_params(*states, atol=1e-5)
+  # Adam moves every weight by ~lr = 5e-2 per update; recomputed prox equals behav only
+  # to float reassociation, which Adam's normalisation can amplify on tiny gradients.
+  moved = max(float(jnp.abs(x - y).max()) for x, y in zip(
+      jax.tree.leaves(states[0].params), jax.tree.leaves(params)))
+  assert moved > 1e-2
+  _assert_same_params(*states, atol=2e-4)
 
 
 def test_minibatches_that_do_not_divide_the_batch_are_rejected():
