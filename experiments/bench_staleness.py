@@ -56,7 +56,8 @@ _LR = flags.DEFINE_float("learning_rate", 3e-5, "GRPO learning rate (Adam).")
 _PROMPTS = flags.DEFINE_integer("prompts_per_step", 8, "Prompts per GRPO step.")
 _GROUP = flags.DEFINE_integer("group_size", 8, "Completions per prompt.")
 _MINIBATCHES = flags.DEFINE_integer(
-    "num_minibatches", 1, "Optimiser updates per rollout batch and epoch (config.rl.num_minibatches).")
+    "num_minibatches", 1,
+    "Optimiser updates per rollout batch and epoch (config.rl.num_minibatches).")
 _EPOCHS = flags.DEFINE_integer("ppo_epochs", 1, "Passes over each batch (config.rl.ppo_epochs).")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 10, "GRPO steps between evaluations.")
 _EVAL_SIZE = flags.DEFINE_integer("eval_size", 512, "Held-out items per evaluation.")
@@ -73,7 +74,8 @@ _SHARE = flags.DEFINE_bool(
 
 
 def same_as_grpo_on_policy(objective: str, updates_per_batch: int) -> bool:
-  """Whether `objective` at k = 0 is the grpo objective (tests/test_objectives.py).
+  """Whether `objective` at k = 0 is the grpo objective (tests/test_objectives.py,
+  tests/test_train.py::test_decoupled_equals_grpo_on_policy_over_minibatches).
 
   decoupled: on-policy the proximal policy (the batch's starting parameters) is the
   behaviour policy, so its IS weight is 1 and it clips like PPO, whatever the number of

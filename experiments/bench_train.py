@@ -4,7 +4,7 @@
     python -m experiments.bench_train --peers=        # Arbor only
     python -m experiments.bench_train --smoke         # tiny shapes, one repetition (CI)
 
-Three measurements, all on the B1 decoder (f32), best of --repeats after compilation:
+Four measurements, on the B1 decoder (f32) unless stated, best of --repeats after compiling:
   1. train step: forward + backward + AdamW on a [16, 80] batch (GRPO loss), tokens/s and
      model FLOP utilisation against a large f32 matmul timed in this run;
   2. GRPO step: 4 prompts x 4 completions x 64 new tokens (prompt 16, temperature 1, exactly

@@ -150,10 +150,11 @@ def swiglu(h: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array) -> jax
   transposing copies that feed those matmuls, which made the whole model's gradient about
   2x slower (docs/benchmarks_perf.md).
   """
-  return (jax.nn.silu(h @ gate) * (h @ up)) @ down
+  return _swiglu_forward(h, gate, up, down)[0]
 
 
 def _swiglu_forward(h, gate, up, down):
+  """(MLP output, residuals the backward needs)."""
   pre_gate, pre_up = h @ gate, h @ up
   return (jax.nn.silu(pre_gate) * pre_up) @ down, (h, pre_gate, pre_up, gate, up, down)
 

@@ -255,8 +255,6 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
     prox_version = state.step  # the version before this batch's first update
     if batch.prox_logp is None and prox_estimate == "recompute":
       batch = recompute_prox(state.params, batch)
-    if num_updates == 1:
-      return update(state, batch, prox_version)
     minibatches = _split_rows(batch, num_minibatches)
 
     def one_update(state, index):
