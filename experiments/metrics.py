@@ -8,6 +8,7 @@ import os
 import time
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -104,20 +105,49 @@ class MetricsLog:
     return self._writer
 
 
+def length_stats(counts) -> dict[str, float]:
+  """Median, 95th percentile, max and mean of a length histogram (counts[n] = rows of n
+  tokens); {} when it is empty. Percentiles are the smallest length covering the fraction."""
+  counts = np.asarray(counts, np.int64)
+  total = int(counts.sum())
+  if total == 0:
+    return {}
+  cumulative = np.cumsum(counts)
+  lengths = np.arange(len(counts))
+  quantile = lambda q: int(np.searchsorted(cumulative, q * total))
+  return {"median": quantile(0.5), "p95": quantile(0.95),
+          "max": int(lengths[counts > 0].max()), "mean": float((lengths * counts).sum() / total),
+          "rows": total}
+
+
 def run_figure(records: list[dict]) -> plt.Figure:
-  """Train reward (GRPO steps) and held-out accuracy against global step."""
+  """Train reward (GRPO steps), held-out accuracy against global step (with its standard
+  error) and, for tasks with problem sizes, held-out accuracy per size after the warm start
+  and at the last evaluation."""
   train = [r for r in records if "reward_mean" in r]
   evals = [r for r in records if "eval_accuracy" in r]
-  fig, (ax_reward, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.8))
+  sized = [r for r in evals if r.get("eval_accuracy_by_size")]
+  panels = 3 if sized else 2
+  fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 3.8))
+  ax_reward, ax_acc = axes[:2]
   ax_reward.plot([r["step"] for r in train], [r["reward_mean"] for r in train], lw=0.8,
                  label="mean reward")
   ax_reward.plot([r["step"] for r in train], [r["exact_match"] for r in train], lw=0.8,
                  label="exact match")
   ax_reward.set(xlabel="step", ylabel="train rollouts", title="GRPO rollouts")
   ax_reward.legend()
-  ax_acc.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-")
+  ax_acc.errorbar([r["step"] for r in evals], [r["eval_accuracy"] for r in evals],
+                  yerr=[r.get("eval_accuracy_stderr", 0.0) for r in evals], fmt="o-", capsize=2)
   ax_acc.set(xlabel="step", ylabel="held-out exact match (greedy)", title="Held-out accuracy")
-  for ax in (ax_reward, ax_acc):
+  if sized:
+    first = next((r for r in sized if r.get("event") == "warm_start_end"), sized[0])
+    for record, label in ((first, f"step {first['step']} ({first.get('event', 'eval')})"),
+                          (sized[-1], f"step {sized[-1]['step']} (last)")):
+      by_size = sorted((int(k), v) for k, v in record["eval_accuracy_by_size"].items())
+      axes[2].plot([k for k, _ in by_size], [v for _, v in by_size], "o-", label=label)
+    axes[2].set(xlabel="problem size", ylabel="held-out exact match", title="Accuracy by size")
+    axes[2].legend()
+  for ax in axes:
     ax.grid(alpha=0.3)
   fig.tight_layout()
   return fig

@@ -126,6 +126,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
                      "need at least 2 completions per prompt.")
   if config.rl.staleness < 0:
     raise ValueError(f"config.rl.staleness = {config.rl.staleness} must be >= 0 (0 = on-policy).")
+  if config.warm_start.length_window < 1:
+    raise ValueError(f"config.warm_start.length_window = {config.warm_start.length_window} "
+                     "must be >= 1 (1 = batches in data order).")
+  if any(b < 1 for b in r.train_length_buckets):
+    raise ValueError(f"config.rollout.train_length_buckets = {r.train_length_buckets}: every "
+                     "bucket must be a positive number of completion slots.")
   if config.warm_start.steps < 0 or config.rl.steps < 0:
     raise ValueError("config.warm_start.steps and config.rl.steps must be >= 0.")
   if config.eval.every <= 0 or config.checkpoint.every <= 0:
@@ -190,6 +196,12 @@ def load_policy(config, rng):
   return tokenizer, model_config, transformer.init_params(model_config, rng)
 
 
+def length_buckets(config) -> tuple[int, ...]:
+  """Sequence lengths (prompt_len + completion slots) the train step may cut batches to."""
+  r = config.rollout
+  return tuple(sorted(r.prompt_len + b for b in r.train_length_buckets if b < r.max_new_tokens))
+
+
 def make_context(config, task, tokenizer, model_config, phase, mesh=None):
   """The LoopContext (and optimizer) of one phase of the run (sharded over `mesh`, if any)."""
   if phase == WARM_START:
@@ -218,7 +230,8 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None):
   step = train.make_train_step(model_config, optimizer, loss_config,
                                num_microbatches=config.rl.num_microbatches, **updates,
                                temperature=config.rollout.temperature if phase == RL else 1.0,
-                               shared_prefix=shared_prefix, mesh=mesh)
+                               shared_prefix=shared_prefix, mesh=mesh,
+                               length_buckets=length_buckets(config))
   sharded = {} if mesh is None else dict(
       generate_fn=make_generate(model_config, sampling_config, mesh),
       publish=reshard.make_publish(mesh, jax.eval_shape(
@@ -265,6 +278,27 @@ def make_rl_producer(config, ctx, store):
   return produce_and_keep, rollouts
 
 
+TIME_PARTS = ("warm_start", "rollout", "train", "eval")
+
+
+def add_counts(counts: list[int], more) -> list[int]:
+  """Elementwise sum of two histograms of different lengths, as a list (JSON-able)."""
+  total = [0] * max(len(counts), len(more))
+  for i, c in enumerate(counts):
+    total[i] += int(c)
+  for i, c in enumerate(more):
+    total[i] += int(c)
+  return total
+
+
+def accuracy_by_size_table(warm: dict, final: dict) -> dict[str, dict]:
+  """{size: {examples, warm_start, final}} from two evaluation records."""
+  return {size: {"examples": final["eval_examples_by_size"][size],
+                 "warm_start": warm.get("eval_accuracy_by_size", {}).get(size),
+                 "final": acc}
+          for size, acc in sorted(final["eval_accuracy_by_size"].items(), key=lambda x: int(x[0]))}
+
+
 def run(config: ml_collections.ConfigDict) -> dict:
   """Runs (or resumes) the configured job and returns its summary."""
   validate(config)
@@ -305,7 +339,11 @@ def run(config: ml_collections.ConfigDict) -> dict:
   train_state = new_train_state(params, contexts[WARM_START][1])
   state = loop.LoopState(train=train_state, rng=loop_rng, history=history(train_state.params),
                          selection=selection.init_state(config.task.train_pool, config.selection))
-  meta = {"phase": WARM_START, "data_cursor": 0, "iteration": 0, "evals": []}
+  # Run-level records kept in the checkpoint meta, so a resumed run reports the whole run:
+  # held-out evaluations, the histogram of RL rollout completion lengths, and the wall time
+  # spent in each part (seconds; compilation counts where it happens).
+  meta = {"phase": WARM_START, "data_cursor": 0, "iteration": 0, "evals": [],
+          "completion_length_counts": [], "time_s": dict.fromkeys(TIME_PARTS, 0.0)}
 
   manager = checkpoint.make_manager(os.path.join(config.workdir, "checkpoints"),
                                     config.checkpoint.max_to_keep, remove_unfinished=True)
@@ -356,6 +394,12 @@ def run(config: ml_collections.ConfigDict) -> dict:
   def record_step(phase, step_metrics):
     nonlocal done
     done += 1
+    step_metrics = dict(step_metrics)
+    counts = step_metrics.pop("completion_length_counts", None)
+    if counts is not None:
+      meta["completion_length_counts"] = add_counts(meta["completion_length_counts"], counts)
+    for part in ("rollout", "train"):
+      meta["time_s"][part] += float(step_metrics.get(f"time_{part}_s", 0.0))
     record = {"step": done, "phase": phase, **{k: float(v) for k, v in step_metrics.items()}}
     if primary:
       log.write(record)
@@ -363,10 +407,17 @@ def run(config: ml_collections.ConfigDict) -> dict:
     bar.set_postfix({k: f"{record[k]:.3f}" for k in ("loss", "reward_mean") if k in record})
 
   def evaluate_now(label):
+    started = time.perf_counter()
     result = held_out(state.train.params)
+    meta["time_s"]["eval"] += time.perf_counter() - started
     record = {"step": done, "phase": meta["phase"], "event": label,
-              "eval_accuracy": result.accuracy, "eval_reward": result.mean_reward,
-              "eval_length": result.mean_length}
+              "eval_accuracy": result.accuracy, "eval_accuracy_stderr": result.accuracy_stderr,
+              "eval_reward": result.mean_reward, "eval_length": result.mean_length}
+    if result.accuracy_by_size:
+      record["eval_accuracy_by_size"] = {str(k): acc for k, (_, acc) in
+                                         result.accuracy_by_size.items()}
+      record["eval_examples_by_size"] = {str(k): n for k, (n, _) in
+                                         result.accuracy_by_size.items()}
     meta["evals"].append(record)
     if primary:
       log.write(record)
@@ -381,7 +432,9 @@ def run(config: ml_collections.ConfigDict) -> dict:
     bar.set_description(phase)
     while state.iteration < phase_steps[phase]:
       if phase == WARM_START:
-        state, step_metrics = loop.sft_iteration(state, ctx)
+        started = time.perf_counter()
+        state, step_metrics = loop.sft_iteration(state, ctx, config.warm_start.length_window)
+        meta["time_s"]["warm_start"] += time.perf_counter() - started
         record_step(phase, step_metrics)
       elif config.rollout.kind == "tree":
         state, step_metrics = loop.tree_iteration(state, ctx)
@@ -421,9 +474,15 @@ def run(config: ml_collections.ConfigDict) -> dict:
   warm = next(e for e in meta["evals"] if e["event"] == "warm_start_end")
   final = meta["evals"][-1]
   summary = {"warm_start_accuracy": warm["eval_accuracy"], "final_accuracy": final["eval_accuracy"],
+             "warm_start_accuracy_stderr": warm["eval_accuracy_stderr"],
+             "final_accuracy_stderr": final["eval_accuracy_stderr"],
              "warm_start_reward": warm["eval_reward"], "final_reward": final["eval_reward"],
              "steps": done, "wall_time_s": time.time() - started,
+             "time_s": dict(meta["time_s"]),
+             "rollout_completion_length": metrics.length_stats(meta["completion_length_counts"]),
              "nonfinite_updates": int(multihost.fetch(state.train.nonfinite_updates))}
+  if "eval_accuracy_by_size" in final:
+    summary["accuracy_by_size"] = accuracy_by_size_table(warm, final)
   if rollouts is not None:
     summary["partial_ledger"] = rollouts.ledger.as_dict()
   if primary:
@@ -439,10 +498,23 @@ def main(argv):
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
   summary = run(_CONFIG.value)
-  print(f"Warm-start held-out accuracy: {summary['warm_start_accuracy']:.3f}")
-  print(f"Final held-out accuracy:      {summary['final_accuracy']:.3f}  "
+  print(f"Warm-start held-out accuracy: {summary['warm_start_accuracy']:.3f} "
+        f"+- {summary['warm_start_accuracy_stderr']:.3f}")
+  print(f"Final held-out accuracy:      {summary['final_accuracy']:.3f} "
+        f"+- {summary['final_accuracy_stderr']:.3f}  "
         f"({100 * (summary['final_accuracy'] - summary['warm_start_accuracy']):+.1f} points)")
-  print(f"Wall time: {summary['wall_time_s']:.0f} s; outputs in {_CONFIG.value.workdir}")
+  if "accuracy_by_size" in summary:
+    print("Held-out accuracy by problem size (examples: warm start -> final):")
+    for size, row in summary["accuracy_by_size"].items():
+      before = "  -  " if row["warm_start"] is None else f"{row['warm_start']:.3f}"
+      print(f"  size {size:>3} ({row['examples']:>4}): {before} -> {row['final']:.3f}")
+  lengths = summary["rollout_completion_length"]
+  if lengths:
+    print(f"Rollout completion lengths (tokens): median {lengths['median']}, p95 "
+          f"{lengths['p95']}, max {lengths['max']}")
+  split = ", ".join(f"{part} {seconds:.0f} s" for part, seconds in summary["time_s"].items())
+  print(f"Wall time: {summary['wall_time_s']:.0f} s ({split}); outputs in "
+        f"{_CONFIG.value.workdir}")
 
 
 if __name__ == "__main__":

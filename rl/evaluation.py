@@ -25,10 +25,31 @@ from sharding import multihost
 
 @dataclasses.dataclass(frozen=True)
 class EvalResult:
+  """Greedy held-out results. accuracy_stderr is the binomial standard error
+  sqrt(acc (1 - acc) / n); accuracy_by_size maps each problem size (`Example.size`, for
+  tasks that set it) to (examples, accuracy), so a reader sees where training helps."""
   accuracy: float        # exact-match fraction under greedy decoding
   mean_reward: float     # the task scorer's mean (includes partial credit)
   mean_length: float     # completion tokens per answer
   num_examples: int
+  accuracy_stderr: float = 0.0
+  accuracy_by_size: dict[int, tuple[int, float]] = dataclasses.field(default_factory=dict)
+
+
+def accuracy_stderr(exact: np.ndarray) -> float:
+  """Binomial standard error of the mean of the 0/1 array `exact`: sqrt(p (1 - p) / n)."""
+  n = len(exact)
+  if n == 0:
+    return 0.0
+  p = float(np.mean(exact))
+  return float(np.sqrt(p * (1.0 - p) / n))
+
+
+def accuracy_by_size(sizes: np.ndarray, exact: np.ndarray) -> dict[int, tuple[int, float]]:
+  """{size: (examples, exact-match fraction)} over the examples with a size (> 0)."""
+  sizes, exact = np.asarray(sizes), np.asarray(exact, bool)
+  return {int(k): (int((sizes == k).sum()), float(exact[sizes == k].mean()))
+          for k in np.unique(sizes[sizes > 0])}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +120,11 @@ def evaluate(params, examples: Sequence[Example], *, task: Task, tokenizer, prom
     exact.append(e)
     lengths.append(n)
   rewards, exact, lengths = map(np.concatenate, (rewards, exact, lengths))
+  sizes = np.array([e.size for e in examples])
   return EvalResult(accuracy=float(exact.mean()), mean_reward=float(rewards.mean()),
-                    mean_length=float(lengths.mean()), num_examples=len(examples))
+                    mean_length=float(lengths.mean()), num_examples=len(examples),
+                    accuracy_stderr=accuracy_stderr(exact),
+                    accuracy_by_size=accuracy_by_size(sizes, exact))
 
 
 def evaluate_sampled(params, examples: Sequence[Example], *, task: Task, tokenizer,

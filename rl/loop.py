@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Any, Callable, Optional
 
 import flax.struct
@@ -137,15 +138,47 @@ class LoopContext:
 _UNIFORM = ml_collections.FrozenConfigDict(dict(kind="uniform", max_attempts=1))
 
 
-def sft_iteration(state: LoopState, ctx: LoopContext) -> tuple[LoopState, dict]:
-  """One supervised step on the task's reference answers (the warm start)."""
-  examples = ctx.task.examples("train", ctx.prompts_per_step, state.data_cursor)
+def sft_iteration(state: LoopState, ctx: LoopContext,
+                  length_window: int = 1) -> tuple[LoopState, dict]:
+  """One supervised step on the task's reference answers (the warm start).
+
+  With length_window = W > 1 the step's batch comes from a length-sorted window
+  (`length_grouped_examples`): W consecutive batches' worth of train examples, sorted by
+  answer length, so each batch holds answers of similar length and a train step built with
+  `length_buckets` runs short batches at a short length.
+  """
+  if length_window > 1:
+    examples = length_grouped_examples(ctx.task, state.data_cursor, ctx.prompts_per_step,
+                                       length_window)
+  else:
+    examples = ctx.task.examples("train", ctx.prompts_per_step, state.data_cursor)
   batch = rollout_lib.supervised_batch(ctx.tokenizer, examples, ctx.prompt_len,
                                        ctx.sampling_config.max_new_tokens)
   train, metrics = ctx.train_step(state.train, batch)
   new_state = state.replace(train=train, data_cursor=state.data_cursor + len(examples),
                             iteration=state.iteration + 1)
   return new_state, jax.device_get(metrics)
+
+
+def length_grouped_examples(task: Task, cursor: int, batch_size: int, window: int) -> list:
+  """The batch at data position `cursor` when train positions are read in windows of
+  `window * batch_size`, each window's examples sorted by answer length (stable) and dealt
+  out in that order (the "group by length" of sequence-to-sequence trainers).
+
+  A pure function of the cursor (which must be a multiple of batch_size), so a resumed run
+  reads the same batches; every position of a window is used exactly once.
+  """
+  span = window * batch_size
+  start = cursor - cursor % span
+  order = _length_sorted_window(task, start, span)
+  offset = cursor - start
+  return [order[i] for i in range(offset, offset + batch_size)]
+
+
+@functools.lru_cache(maxsize=2)
+def _length_sorted_window(task: Task, start: int, span: int) -> tuple:
+  examples = task.examples("train", span, start)
+  return tuple(sorted(examples, key=lambda e: len(e.answer)))
 
 
 # A producer makes one scored batch: (params, version, train_step, rng, cursor) ->
@@ -169,6 +202,11 @@ def plain_producer(ctx: LoopContext) -> Producer:
   return produce
 
 
+def completion_length_counts(completion_mask) -> np.ndarray:
+  """Histogram of completion lengths: counts[n] = rows with n completion tokens."""
+  return np.bincount(np.asarray(completion_mask).sum(axis=1))
+
+
 def staleness(samples: rollout_lib.ScoredSamples, train_step: int) -> int:
   """train_step - the oldest parameter version among the batch's generated tokens."""
   version = np.asarray(samples.rollout.version)
@@ -179,8 +217,11 @@ def staleness(samples: rollout_lib.ScoredSamples, train_step: int) -> int:
 def train_on(train: TrainState, samples: rollout_lib.ScoredSamples, ctx: LoopContext,
              train_step: int) -> tuple[TrainState, dict]:
   """One train step on a scored batch, with the batch's reward and staleness metrics."""
+  started = time.perf_counter()
   new_train, metrics = ctx.train_step(train, samples.rollout)
   metrics = jax.device_get(metrics)
+  metrics["time_train_s"] = time.perf_counter() - started
+  metrics["completion_length_counts"] = completion_length_counts(samples.rollout.completion_mask)
   rewards = np.asarray(samples.rollout.reward).reshape(-1, ctx.group_size)
   metrics.update(
       reward_mean=float(rewards.mean()), exact_match=float(samples.exact.mean()),
@@ -212,10 +253,12 @@ def grpo_iteration(state: LoopState, ctx: LoopContext,
     params = ctx.publish(params)
   if produce is not None:
     train_step = int(state.train.step)
+    started = time.perf_counter()
     samples, extra, cursor = produce(params, int(version), train_step, sample_rng,
                                      state.data_cursor)
+    rollout_s = time.perf_counter() - started
     train, metrics = train_on(state.train, samples, ctx, train_step)
-    metrics.update(extra)
+    metrics.update(extra, time_rollout_s=rollout_s)
     new_state = state.replace(train=train, rng=rng, history=history, data_cursor=cursor,
                               iteration=state.iteration + 1)
     return new_state, metrics
@@ -230,14 +273,19 @@ def grpo_iteration(state: LoopState, ctx: LoopContext,
         model_config=ctx.model_config, sampling_config=ctx.sampling_config,
         advantage_fn=ctx.advantage_fn, version=version, generate_fn=ctx.generate_fn)
 
+  started = time.perf_counter()
   collected = selection_lib.collect(
       state.selection, state.data_cursor, sample_rng, sample, config=ctx.selection or _UNIFORM,
       prompts_per_step=ctx.prompts_per_step, group_size=ctx.group_size,
       pool_size=ctx.train_pool, advantage_fn=ctx.advantage_fn)
+  rollout_s = time.perf_counter() - started
   behind = int(state.train.step) - int(version)
   train, metrics = ctx.train_step(state.train, collected.rollout)
   metrics = dict(jax.device_get(metrics), **collected.metrics, staleness=float(behind),
-                 completion_len=collected.metrics["decoded_tokens"] / collected.metrics["rollouts"])
+                 completion_len=collected.metrics["decoded_tokens"] / collected.metrics["rollouts"],
+                 completion_length_counts=completion_length_counts(
+                     collected.rollout.completion_mask),
+                 time_rollout_s=rollout_s, time_train_s=time.perf_counter() - started - rollout_s)
   new_state = state.replace(train=train, rng=rng, history=history, selection=collected.selection,
                             data_cursor=collected.cursor, iteration=state.iteration + 1)
   return new_state, metrics
@@ -250,14 +298,17 @@ def tree_iteration(state: LoopState, ctx: LoopContext) -> tuple[LoopState, dict]
     raise ValueError("tree_iteration needs LoopContext.tree_policy and tree_advantage_fn "
                      "(set config.rollout.kind='tree').")
   rng, sample_rng = jax.random.split(state.rng)
+  started = time.perf_counter()
   examples = ctx.task.examples("train", ctx.prompts_per_step, state.data_cursor)
   samples = rollout_lib.tree_sample_and_score(
       state.train.params, examples, task=ctx.task, tokenizer=ctx.tokenizer, rng=sample_rng,
       prompt_len=ctx.prompt_len, model_config=ctx.model_config,
       sampling_config=ctx.sampling_config, policy=ctx.tree_policy,
       advantage_fn=ctx.tree_advantage_fn, version=int(state.train.step))
+  rollout_s = time.perf_counter() - started
   train, metrics = ctx.train_step(state.train, samples.rollout)
   metrics = jax.device_get(metrics)
+  train_s = time.perf_counter() - started - rollout_s
   leaf = samples.leaf.reshape(len(examples), -1)
   rewards = np.asarray(samples.rollout.reward).reshape(leaf.shape)
   count = np.maximum(leaf.sum(axis=1), 1)
@@ -271,7 +322,9 @@ def tree_iteration(state: LoopState, ctx: LoopContext) -> tuple[LoopState, dict]
       completion_len=float(full_len[samples.leaf].mean()),
       decoded_tokens=float(samples.decoded_tokens), refed_tokens=float(samples.refed_tokens),
       pruned_tokens=float(samples.pruned_tokens),
-      decoded_tokens_per_leaf=samples.decoded_tokens / max(int(leaf.sum()), 1))
+      decoded_tokens_per_leaf=samples.decoded_tokens / max(int(leaf.sum()), 1),
+      completion_length_counts=np.bincount(full_len[samples.leaf]),
+      time_rollout_s=rollout_s, time_train_s=train_s)
   new_state = state.replace(train=train, rng=rng,
                             data_cursor=state.data_cursor + len(examples),
                             iteration=state.iteration + 1)

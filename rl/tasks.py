@@ -48,6 +48,7 @@ class Example:
   prompt: str  # the text fed to the policy
   answer: str  # reference answer (used for the supervised warm start)
   entry: dict  # the reasoning-gym entry, passed back to its scorer
+  size: int = 0  # problem size (e.g. number of terms) for per-size accuracy; 0 = unsized
 
 
 def _nospace(text: str) -> str:
@@ -128,7 +129,7 @@ def register_task(name: str, *, key: Callable[[dict], Hashable],
 
 def task_names() -> tuple[str, ...]:
   """Names `make_task` accepts: the built-in tasks and those added by `register_task`."""
-  return tuple(sorted(_SPECS))
+  return tuple(sorted((*_SPECS, "running_sum")))
 
 
 TASK_NAMES = task_names()  # the built-in tasks
@@ -202,10 +203,11 @@ class Task:
       f"difficulty.")
 
   def _example(self, entry: dict) -> Example:
+    size = int(entry["metadata"].get("num_terms", 0))  # chain_sum / basic_arithmetic
     if self.prompt_style == "compact":
       return Example(prompt=self._spec.compact_prompt(entry),
-              answer=self._spec.compact_answer(entry), entry=entry)
-    return Example(prompt=entry["question"], answer=entry["answer"], entry=entry)
+              answer=self._spec.compact_answer(entry), entry=entry, size=size)
+    return Example(prompt=entry["question"], answer=entry["answer"], entry=entry, size=size)
 
   def examples(self, split: str, n: int, start: int = 0) -> list[Example]:
     """Returns examples at positions start, ..., start + n - 1 of `split`.
@@ -257,6 +259,10 @@ def make_task(name: str, prompt_style: str = "compact", *, seed: int = 0,
   Example: `make_task("chain_sum", min_terms=2, max_terms=3, max_digits=2)`.
   `eval_size` defaults per task (1000; 100 for countdown, whose items are slow to make).
   """
+  if name == "running_sum":  # Arbor's own generator, not a reasoning-gym dataset
+    from rl import running_sum  # pylint: disable=import-outside-toplevel
+    return running_sum.RunningSumTask(prompt_style, seed, 500 if eval_size is None else eval_size,
+                                      **difficulty)
   if name not in _SPECS:
     raise ValueError(f"Unknown task {name!r}; known tasks: {', '.join(task_names())} "
                      "(rl.tasks.register_task adds one).")

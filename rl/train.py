@@ -7,7 +7,7 @@ applied; an objective's `metrics['lr_scale']` (VCPO) scales the update.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import flax.struct
 import jax
@@ -151,6 +151,7 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
                     shared_prefix: tuple[int, int] | None = None,
                     mesh: jax.sharding.Mesh | None = None,
                     rules: sharding_rules.Rules = sharding_rules.TRAINER_RULES,
+                    length_buckets: Sequence[int] = (),
                     ) -> Callable[[TrainState, Rollout], tuple[TrainState, dict]]:
   """Builds the jitted train step for the objective `loss_config.name`.
 
@@ -188,6 +189,12 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
   constrained to rows over data x fsdp: otherwise XLA may keep the FSDP-split weights in
   place and gather the activations instead, moving activations rather than weights and
   doing each matmul on twice the rows per device.
+
+  length_buckets (sequence lengths, e.g. (28, 44, 76)): each batch is first cut to the
+  smallest bucket that holds its last prompt or completion token (`trim_to_bucket`), so a
+  batch of short sequences does not pay for the longest allowed one; the step compiles
+  once per bucket used. The cut slots are masked everywhere, so the results are the same.
+  Single-process runs only (a multi-process batch is a global array; it is not cut).
   """
   if num_minibatches < 1 or ppo_epochs < 1:
     raise ValueError(f"num_minibatches = {num_minibatches} and ppo_epochs = {ppo_epochs} must "
@@ -274,6 +281,9 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
     # only its rows (batches already global pass through).
     jitted = sharded_step if jax.process_count() == 1 else (
         lambda state, batch: sharded_step(state, multihost.place_rows(batch, rows)))
+  if length_buckets and jax.process_count() == 1:
+    unbucketed = jitted
+    jitted = lambda state, batch: unbucketed(state, trim_to_bucket(batch, length_buckets))
   if shared_prefix is None:
     return jitted
 
@@ -283,6 +293,21 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
     return jitted(state, batch)
 
   return checked_step
+
+
+def trim_to_bucket(batch: Rollout, buckets: Sequence[int]) -> Rollout:
+  """`batch` with its [B, T] fields cut to T' slots: the smallest bucket >= the last slot
+  any row uses (prompt or completion), or T when no bucket is that large or none is
+  smaller than T. Slots past every row's last token are masked out of every loss term and,
+  under causal attention, change no earlier log-prob, so the step's results are the same.
+  """
+  length = batch.tokens.shape[1]
+  used = np.asarray(jax.device_get(batch.token_mask)).any(axis=0)
+  last = int(np.flatnonzero(used)[-1]) + 1 if used.any() else 1
+  cut = min([b for b in buckets if last <= b < length], default=length)
+  if cut == length:
+    return batch
+  return jax.tree.map(lambda x: x[:, :cut] if x.ndim == 2 else x, batch)
 
 
 def train_state_shardings(model_config: ModelConfig, optimizer: optax.GradientTransformation,

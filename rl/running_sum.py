@@ -1,0 +1,239 @@
+"""running_sum: repeated addition written as running totals, Arbor's built-in RL testbed.
+
+A problem adds one digit to a two-digit start k times: the prompt "37+5*4=" asks for
+37 + 5 + 5 + 5 + 5. A worked solution tags each step with the letter of the steps left
+(d = 4 left, ..., a = 1: a countdown) and writes the running total after it, then stops
+after "a": "d42c47b52a57". The reward is 1.0 when the number after the last tag equals 37 + 5 * 4 and
+0.0 otherwise; there is no partial credit (only the exact final total scores, so junk cannot
+farm reward). Every step is local: add the prompt's digit to the total just written (carry
+when the units wrap), write the letter before the last tag, stop after "a"; only the first
+tag reads the count from the prompt. So a small transformer learns the procedure quickly and long problems are harder only through compounding.
+
+Why this task makes RL visible on a CPU:
+
+* Long tail by construction. k is drawn with P(k) proportional to (k - 1) ** -length_tail
+  on [min_terms, max_terms], and each step adds 3-4 tokens, so most completions are short
+  and a few are very long (defaults: median ~17 tokens, 95th percentile > 4x that,
+  longest ~100).
+* Headroom by construction: an imperfect teacher. The warm start imitates demonstrations
+  (`Example.answer`) in which, at each step that carries, the teacher forgets the carry
+  with probability `teacher_carry_slip` (writes 32 instead of 42 for 37+5) and then
+  continues correctly from what it wrote. Supervised learning converges to the teacher's
+  conditional distribution, so with a slip probability above 1/2 the warm-started policy's
+  greedy choice at a carry is the slip, and greedy decoding solves only problems without a
+  carry. Sampling still carries with probability ~1 - teacher_carry_slip, so GRPO sees
+  correct completions (short problems first) and can raise the carry probability past 1/2;
+  long problems follow as the per-step accuracy p rises (success ~ p ** carries). The
+  reward always checks the true total, never the teacher.
+
+Items are index-addressable: item i of a split is drawn from NumPy generators seeded by
+(seed, split, i), so `examples(split, n, start)` is a pure function and a loop resumes from
+one integer cursor. The eval split is the first `eval_size` items of its stream; train
+position p redraws its start and digit (same k) until the question is not an eval
+question, so the splits are disjoint and the train size distribution is exactly P(k).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+
+from rl.tasks import Example
+
+NAME = "running_sum"
+PROMPT_STYLES = ("compact", "full")
+
+TAGS = "abcdefghijklmnopqrstuvwxyz"  # a step with n steps left (itself included): TAGS[n - 1]
+_EVAL_STREAM, _TRAIN_STREAM, _TEACHER_STREAM = 1, 2, 3
+_MAX_TRAIN_DRAWS = 64
+_SIZE_DRAW = _MAX_TRAIN_DRAWS  # the draw index whose generator picks k
+_FINAL_TOTAL = re.compile(r"[0-9]{1,12}")
+# The text of a completion that is scored: up to the first newline or end-of-sequence
+# marker left in text decoded by a subword tokenizer.
+_STOP_STRINGS = ("\n", "<|endoftext|>", "<|im_end|>", "</s>")
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+  """start + digit * steps, solved by adding `digit` `steps` times."""
+  start: int
+  digit: int
+  steps: int
+
+  @property
+  def total(self) -> int:
+    return self.start + self.digit * self.steps
+
+
+@dataclasses.dataclass(frozen=True)
+class Difficulty:
+  """The problem distribution and the warm-start teacher.
+
+  min_steps / max_steps: range of k, the number of additions (at most 26 tags).
+  length_tail: P(k) is proportional to k ** -length_tail; 0 = uniform k.
+  min_start / max_start: range of the start (uniform).
+  max_digit: the digit added is uniform on [1, max_digit] (1 = counting on).
+  teacher_carry_slip: probability that a demonstration forgets the carry at a step that
+    carries (0 = a perfect teacher).
+  """
+  min_steps: int = 2
+  max_steps: int = 26
+  length_tail: float = 1.4
+  min_start: int = 10
+  max_start: int = 899
+  max_digit: int = 1
+  teacher_carry_slip: float = 0.6
+
+  def __post_init__(self):
+    if not 1 <= self.min_steps <= self.max_steps <= len(TAGS):
+      raise ValueError(f"running_sum: need 1 <= min_steps <= max_steps <= {len(TAGS)}, got "
+                       f"min_steps={self.min_steps}, max_steps={self.max_steps}.")
+    if not 0 <= self.min_start <= self.max_start:
+      raise ValueError(f"running_sum: need 0 <= min_start <= max_start, got "
+                       f"min_start={self.min_start}, max_start={self.max_start}.")
+    if not 1 <= self.max_digit <= 9:
+      raise ValueError(f"running_sum: max_digit={self.max_digit} must be in [1, 9].")
+    if self.length_tail < 0:
+      raise ValueError(f"running_sum: length_tail={self.length_tail} must be >= 0.")
+    if not 0.0 <= self.teacher_carry_slip <= 1.0:
+      raise ValueError(f"running_sum: teacher_carry_slip={self.teacher_carry_slip} must be "
+                       "a probability in [0, 1].")
+
+  def size_probabilities(self) -> tuple[np.ndarray, np.ndarray]:
+    """(k values, P(k))."""
+    sizes = np.arange(self.min_steps, self.max_steps + 1)
+    weights = sizes ** -float(self.length_tail)
+    return sizes, weights / weights.sum()
+
+
+def question(problem: Problem) -> str:
+  """The compact question, e.g. Problem(37, 5, 4) -> "37+5*4="."""
+  return f"{problem.start}+{problem.digit}*{problem.steps}="
+
+
+def worked_solution(problem: Problem, slips=None) -> str:
+  """The tagged running totals, e.g. Problem(37, 5, 4) -> "d42c47b52a57": the tag of a step
+  is the letter of the steps left (d = 4, ..., a = 1), so the solution ends after "a".
+
+  slips[j] (bool, one per step): at a step whose units digit wraps, forget the carry (write
+  total - 10) and continue from the written total. None = no slips.
+  """
+  total, parts = problem.start, []
+  for j in range(problem.steps):
+    carries = total % 10 + problem.digit >= 10
+    total += problem.digit - (10 if carries and slips is not None and slips[j] else 0)
+    parts.append(f"{TAGS[problem.steps - 1 - j]}{total}")
+  return "".join(parts)
+
+
+def parse_final_answer(completion: str) -> int | None:
+  """The integer after the last tag of the scored text (the text up to the first newline or
+  end-of-sequence marker), or None when that is not 1-12 decimal digits. Linear in the
+  text's length; never evaluates the text."""
+  text = completion.lstrip()
+  for stop in _STOP_STRINGS:
+    text = text.split(stop, 1)[0]
+  final = re.split(f"[{TAGS}]", text)[-1].strip()
+  return int(final) if _FINAL_TOTAL.fullmatch(final) else None
+
+
+class RunningSumTask:
+  """The running_sum task: deterministic train/eval examples and the exact-answer reward.
+
+  Same interface as rl.tasks.Task (name, prompt_style, seed, eval_size, difficulty,
+  examples, reward, exact_match). `Example.size` is k, the number of additions;
+  `Example.entry` holds the Problem, its true total and the correct worked solution;
+  `Example.answer` is the teacher's worked solution (what the warm start imitates).
+  Build with `rl.tasks.make_task("running_sum", ...)`.
+  """
+
+  name = NAME
+
+  def __init__(self, prompt_style: str = "compact", seed: int = 0, eval_size: int = 500,
+               **difficulty):
+    if prompt_style not in PROMPT_STYLES:
+      raise ValueError(f"Task {NAME!r}: unknown prompt_style {prompt_style!r}; use one of "
+                       f"{PROMPT_STYLES}.")
+    fields = sorted(f.name for f in dataclasses.fields(Difficulty))
+    unknown = sorted(set(difficulty) - set(fields))
+    if unknown:
+      raise ValueError(f"Task {NAME!r} has no difficulty field(s) {unknown}; valid fields: "
+                       f"{', '.join(fields)}.")
+    if eval_size < 1:
+      raise ValueError(f"Task {NAME!r}: eval_size={eval_size} must be >= 1.")
+    self.prompt_style = prompt_style
+    self.seed = seed
+    self.eval_size = eval_size
+    self.difficulty = dict(difficulty)
+    self._difficulty = Difficulty(**difficulty)
+    self._sizes, self._size_p = self._difficulty.size_probabilities()
+    self._eval = None
+
+  def __repr__(self) -> str:
+    return (f"RunningSumTask(prompt_style={self.prompt_style!r}, seed={self.seed}, "
+            f"eval_size={self.eval_size}, difficulty={self.difficulty})")
+
+  def _rng(self, stream: int, index: int, draw: int = 0) -> np.random.Generator:
+    return np.random.default_rng((self.seed, stream, index, draw))
+
+  def _size(self, stream: int, index: int) -> int:
+    return int(self._rng(stream, index, _SIZE_DRAW).choice(self._sizes, p=self._size_p))
+
+  def _problem(self, stream: int, index: int, steps: int, draw: int) -> Problem:
+    rng = self._rng(stream, index, draw)
+    d = self._difficulty
+    return Problem(start=int(rng.integers(d.min_start, d.max_start + 1)),
+                   digit=int(rng.integers(1, d.max_digit + 1)), steps=steps)
+
+  def _example(self, stream: int, index: int, problem: Problem) -> Example:
+    slips = self._rng(_TEACHER_STREAM, index, stream).random(problem.steps)
+    slips = slips < self._difficulty.teacher_carry_slip
+    prompt = (question(problem) if self.prompt_style == "compact" else
+              f"Add {problem.digit} to {problem.start}, {problem.steps} times. Write each "
+              f"running total after a step letter (a, b, c, ...), e.g. {question(problem)} "
+              f"{worked_solution(Problem(problem.start, problem.digit, 1))}..., then stop.\n")
+    entry = {"problem": problem, "total": problem.total, "solution": worked_solution(problem)}
+    return Example(prompt=prompt, answer=worked_solution(problem, slips), entry=entry,
+                   size=problem.steps)
+
+  def _eval_items(self) -> tuple[list[Example], frozenset]:
+    if self._eval is None:
+      items = [self._example(_EVAL_STREAM, i,
+                             self._problem(_EVAL_STREAM, i, self._size(_EVAL_STREAM, i), 0))
+               for i in range(self.eval_size)]
+      self._eval = (items, frozenset(e.entry["problem"] for e in items))
+    return self._eval
+
+  def _train_example(self, position: int) -> Example:
+    _, eval_problems = self._eval_items()
+    steps = self._size(_TRAIN_STREAM, position)
+    for draw in range(_MAX_TRAIN_DRAWS):
+      problem = self._problem(_TRAIN_STREAM, position, steps, draw)
+      if problem not in eval_problems:
+        return self._example(_TRAIN_STREAM, position, problem)
+    raise ValueError(f"Task {NAME!r}: train position {position} (k={steps}) collided with the "
+                     f"eval set {_MAX_TRAIN_DRAWS} times; lower eval_size or raise min_steps.")
+
+  def examples(self, split: str, n: int, start: int = 0) -> list[Example]:
+    """Examples at positions start .. start + n - 1 of 'train' (unbounded) or 'eval'
+    (eval_size items, none of whose questions occur in 'train')."""
+    if n < 0 or start < 0:
+      raise ValueError(f"Task {NAME!r}: n={n} and start={start} must be >= 0.")
+    if split == "eval":
+      items, _ = self._eval_items()
+      if start + n > self.eval_size:
+        raise ValueError(f"Task {NAME!r}: eval positions {start}..{start + n - 1} exceed "
+                         f"eval_size={self.eval_size}; raise config.task.eval_size.")
+      return items[start:start + n]
+    if split == "train":
+      return [self._train_example(p) for p in range(start, start + n)]
+    raise ValueError(f"Task {NAME!r}: unknown split {split!r}; use 'train' or 'eval'.")
+
+  def reward(self, completion: str, example: Example) -> float:
+    """1.0 when the final total (`parse_final_answer`) is start + digit * steps, else 0.0."""
+    return float(parse_final_answer(completion) == example.entry["total"])
+
+  def exact_match(self, completion: str, example: Example) -> bool:
+    return self.reward(completion, example) == 1.0
