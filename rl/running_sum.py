@@ -1,13 +1,14 @@
 """running_sum: repeated addition written as running totals, Arbor's built-in RL testbed.
 
-A problem adds one digit to a two-digit start k times: the prompt "37+5*4=" asks for
-37 + 5 + 5 + 5 + 5. A worked solution tags each step with the letter of the steps left
-(d = 4 left, ..., a = 1: a countdown) and writes the running total after it, then stops
-after "a": "d42c47b52a57". The reward is 1.0 when the number after the last tag equals 37 + 5 * 4 and
-0.0 otherwise; there is no partial credit (only the exact final total scores, so junk cannot
-farm reward). Every step is local: add the prompt's digit to the total just written (carry
-when the units wrap), write the letter before the last tag, stop after "a"; only the first
-tag reads the count from the prompt. So a small transformer learns the procedure quickly and long problems are harder only through compounding.
+A problem adds a digit to a start k times. The prompt writes k as a letter (a = 1, ...,
+z = 26): "37+5*d=" asks for 37 + 5 + 5 + 5 + 5. A worked solution tags the steps a, b, c,
+... and writes the running total after each tag, then stops after the prompt's letter:
+"a42b47c52d57". The reward is 1.0 when the number after the last tag equals 37 + 5 * 4 and
+0.0 otherwise; there is no partial credit (only the exact final total scores, so junk
+cannot farm reward). Every step is local: write the letter after the last tag, add the
+prompt's digit to the total just written (carry when the units wrap), and stop when the
+tag just written is the prompt's letter. So a small transformer learns the procedure
+quickly, and long problems are harder only through compounding.
 
 Why this task makes RL visible on a CPU:
 
@@ -45,7 +46,7 @@ from rl.tasks import Example
 NAME = "running_sum"
 PROMPT_STYLES = ("compact", "full")
 
-TAGS = "abcdefghijklmnopqrstuvwxyz"  # a step with n steps left (itself included): TAGS[n - 1]
+TAGS = "abcdefghijklmnopqrstuvwxyz"  # step j (1-based) is tagged TAGS[j - 1]
 _EVAL_STREAM, _TRAIN_STREAM, _TEACHER_STREAM = 1, 2, 3
 _MAX_TRAIN_DRAWS = 64
 _SIZE_DRAW = _MAX_TRAIN_DRAWS  # the draw index whose generator picks k
@@ -109,13 +110,14 @@ class Difficulty:
 
 
 def question(problem: Problem) -> str:
-  """The compact question, e.g. Problem(37, 5, 4) -> "37+5*4="."""
-  return f"{problem.start}+{problem.digit}*{problem.steps}="
+  """The compact question, e.g. Problem(37, 5, 4) -> "37+5*d=": the number of steps is
+  written as the letter that tags the last step (a = 1, ..., z = 26)."""
+  return f"{problem.start}+{problem.digit}*{TAGS[problem.steps - 1]}="
 
 
 def worked_solution(problem: Problem, slips=None) -> str:
-  """The tagged running totals, e.g. Problem(37, 5, 4) -> "d42c47b52a57": the tag of a step
-  is the letter of the steps left (d = 4, ..., a = 1), so the solution ends after "a".
+  """The tagged running totals, e.g. Problem(37, 5, 4) -> "a42b47c52d57": step j is tagged
+  with the j-th letter, so the solution ends after the prompt's letter.
 
   slips[j] (bool, one per step): at a step whose units digit wraps, forget the carry (write
   total - 10) and continue from the written total. None = no slips.
@@ -124,7 +126,7 @@ def worked_solution(problem: Problem, slips=None) -> str:
   for j in range(problem.steps):
     carries = total % 10 + problem.digit >= 10
     total += problem.digit - (10 if carries and slips is not None and slips[j] else 0)
-    parts.append(f"{TAGS[problem.steps - 1 - j]}{total}")
+    parts.append(f"{TAGS[j]}{total}")
   return "".join(parts)
 
 
@@ -191,9 +193,9 @@ class RunningSumTask:
     slips = self._rng(_TEACHER_STREAM, index, stream).random(problem.steps)
     slips = slips < self._difficulty.teacher_carry_slip
     prompt = (question(problem) if self.prompt_style == "compact" else
-              f"Add {problem.digit} to {problem.start}, {problem.steps} times. Write each "
-              f"running total after a step letter (a, b, c, ...), e.g. {question(problem)} "
-              f"{worked_solution(Problem(problem.start, problem.digit, 1))}..., then stop.\n")
+              f"Add {problem.digit} to {problem.start}, {problem.steps} times: "
+              f"{question(problem)} Before each running total write the step's letter "
+              f"(a, b, c, ...) and stop after {TAGS[problem.steps - 1]}.\n")
     entry = {"problem": problem, "total": problem.total, "solution": worked_solution(problem)}
     return Example(prompt=prompt, answer=worked_solution(problem, slips), entry=entry,
                    size=problem.steps)

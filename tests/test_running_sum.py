@@ -13,21 +13,22 @@ from rl.tasks import make_task
 def test_hand_cases():
   problem = Problem(start=37, digit=5, steps=4)
   assert problem.total == 57
-  assert running_sum.question(problem) == "37+5*4="
-  assert running_sum.worked_solution(problem) == "d42c47b52a57"
+  assert running_sum.question(problem) == "37+5*d="
+  assert running_sum.question(Problem(899, 1, 26)) == "899+1*z="
+  assert running_sum.worked_solution(problem) == "a42b47c52d57"
   # 37+5 carries: a slip writes 32 and the teacher goes on from what it wrote.
-  assert running_sum.worked_solution(problem, [True, False, False, False]) == "d32c37b42a47"
+  assert running_sum.worked_solution(problem, [True, False, False, False]) == "a32b37c42d47"
   # A slip only acts where the units wrap: 42+5 does not carry, 47+5 does.
-  assert running_sum.worked_solution(problem, [False, True, True, False]) == "d42c47b42a47"
-  assert running_sum.worked_solution(Problem(98, 1, 3)) == "c99b100a101"
-  assert running_sum.worked_solution(Problem(98, 1, 3), [False, True, True]) == "c99b90a91"
+  assert running_sum.worked_solution(problem, [False, True, True, False]) == "a42b47c42d47"
+  assert running_sum.worked_solution(Problem(98, 1, 3)) == "a99b100c101"
+  assert running_sum.worked_solution(Problem(98, 1, 3), [False, True, True]) == "a99b90c91"
 
 
 @pytest.mark.parametrize("completion, expected", [
-    ("d42c47b52a57", 57), ("57", 57), (" d42c47b52a57\nmore", 57),
-    ("d42c47b52a57<|im_end|>", 57), ("d42 a 0057", 57), ("", None), ("d42c", None),
-    ("d42c5x", None), ("a-57", None), ("a5.7", None), ("a" + "9" * 13, None),
-    ("9" * 10**6, None), ("__import__('os')", None), ("a١٢", None),
+    ("a42b47c52d57", 57), ("57", 57), (" a42b47c52d57\nmore", 57),
+    ("a42b47c52d57<|im_end|>", 57), ("a42 d 0057", 57), ("", None), ("a42b", None),
+    ("a42b5x", None), ("d-57", None), ("d5.7", None), ("d" + "9" * 13, None),
+    ("9" * 10**6, None), ("__import__('os')", None), ("d١٢", None),
 ])
 def test_parse_final_answer(completion, expected):
   assert running_sum.parse_final_answer(completion) == expected

@@ -42,7 +42,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.rollout.top_k = 0                 # 0 = off
   c.rollout.top_p = 1.0               # 1.0 = off
   c.rollout.group_size = 8            # completions per prompt (G)
-  c.rollout.prompts_per_step = 16     # prompts per GRPO step
+  c.rollout.prompts_per_step = 8      # prompts per GRPO step
   c.rollout.kind = "independent"      # "independent": group_size samples per prompt;
                                       # "tree": one tree per prompt (sampling/tree.py);
                                       # "partial": a resumable pool of rows, each round
@@ -70,16 +70,16 @@ def get_config() -> ml_collections.ConfigDict:
   c.rollout.replay_size = 0           # trained batches kept in the trajectory store (0 = none)
 
   c.warm_start = ml_collections.ConfigDict()
-  c.warm_start.steps = 500            # supervised steps on reference answers (0 = skip)
-  c.warm_start.batch_size = 64        # (prompt, reference answer) pairs per step
-  c.warm_start.learning_rate = 2e-3   # peak; linear warmup then linear decay to 10%
+  c.warm_start.steps = 300            # supervised steps on reference answers (0 = skip)
+  c.warm_start.batch_size = 32        # (prompt, reference answer) pairs per step
+  c.warm_start.learning_rate = 3e-3   # peak; linear warmup then linear decay to 10%
   c.warm_start.warmup_steps = 20      # steps of linear learning-rate warmup
   c.warm_start.length_window = 8      # batches per length-sorted window of train examples
                                       # (1 = data order): short batches train at short lengths
 
   c.rl = ml_collections.ConfigDict()
-  c.rl.steps = 400                    # GRPO steps
-  c.rl.learning_rate = 5e-5           # AdamW, constant
+  c.rl.steps = 160                    # GRPO steps
+  c.rl.learning_rate = 3e-4           # AdamW, constant
   c.rl.weight_decay = 0.0             # AdamW decoupled weight decay
   c.rl.max_grad_norm = 1.0            # global-norm gradient clipping, both phases (0 = off)
   c.rl.num_minibatches = 1            # optimiser updates per rollout batch and epoch (PPO
@@ -136,7 +136,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.selection.adaptive.history_decay = 0.5  # weight of a prompt's past rollouts per epoch (pool)
 
   c.eval = ml_collections.ConfigDict()
-  c.eval.every = 50                   # GRPO steps between held-out evaluations
+  c.eval.every = 20                   # GRPO steps between held-out evaluations
   c.eval.batch_size = 250             # prompts per greedy decoding batch
 
   c.checkpoint = ml_collections.ConfigDict()
