@@ -29,6 +29,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from rl import advantages
+
 sg = jax.lax.stop_gradient
 
 
@@ -269,9 +271,11 @@ def vcpo_baseline(terms: TokenTerms, config) -> tuple[TokenTerms, dict]:
   """
   g = ((1.0 - jnp.exp(sg(terms.logp))) ** 2 * terms.mask).sum(axis=1) + 1e-6
   reward = terms.reward.astype(jnp.float32)
-  b = optimal_baseline(sequence_log_weights(terms), g, reward, terms.group)
-  same = (terms.group[:, None] == terms.group[None, :]).astype(jnp.float32)
-  mean = same @ reward / same.sum(axis=1)
-  std = jnp.sqrt(same @ (reward - mean) ** 2 / same.sum(axis=1))
-  adv = ((reward - b) / (std + 1e-6))[:, None] * terms.mask
-  return terms.replace(advantages=adv), {"baseline_shift": jnp.mean(jnp.abs(b - mean))}
+  # Rewards shifted by the group's smallest, so equal rewards give exactly 0 (rl.advantages).
+  shifted = reward - advantages.group_reference(reward, terms.group)
+  b = optimal_baseline(sequence_log_weights(terms), g, shifted, terms.group)
+  mean = advantages.group_mean(shifted, terms.group)
+  adv = advantages.standardise(shifted - b, advantages.group_std(reward, terms.group),
+                               advantages.group_scale(reward, terms.group), 1e-6)
+  return terms.replace(advantages=adv[:, None] * terms.mask), {
+      "baseline_shift": jnp.mean(jnp.abs(b - mean))}

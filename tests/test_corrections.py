@@ -207,6 +207,19 @@ def test_optimal_baseline_matches_numpy_per_group():
   np.testing.assert_allclose(got, want, rtol=1e-5)
 
 
+@pytest.mark.parametrize("size", [3, 7, 16])
+def test_vcpo_baseline_gives_zero_advantage_to_equal_fractional_rewards(size):
+  rng = np.random.default_rng(size)
+  logp = jnp.asarray(rng.normal(-1, 0.3, (size, 5)), jnp.float32)
+  mask = jnp.ones((size, 5))
+  terms = corrections.TokenTerms(
+      logp=logp, behav=logp + jnp.asarray(rng.normal(0, 0.2, (size, 5)), jnp.float32),
+      prox=None, advantages=jnp.zeros((size, 5)), mask=mask, weight=jnp.ones((size, 5)),
+      clip_scale=jnp.ones((size, 5)), reward=jnp.full((size,), 0.7), group=jnp.zeros(size, jnp.int32))
+  out, _ = corrections.vcpo_baseline(terms, None)
+  np.testing.assert_array_equal(np.asarray(out.advantages), 0.0)
+
+
 # --- TIS / MIS and the log-linear proximal policy -------------------------------------
 
 
