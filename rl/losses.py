@@ -84,6 +84,29 @@ def aggregate(per_token: jax.Array, mask: jax.Array, mode: str, norm_len: float 
   raise ValueError(f"Unknown aggregation {mode!r} (config.loss.aggregation); known: {AGGREGATIONS}.")
 
 
+def aggregation_denominator(mask: jax.Array, mode: str) -> jax.Array:
+  """What `aggregate(..., mode)` divides by for this mask: the valid tokens (token_mean),
+  the sequences with a valid token (seq_mean_token_mean) or the rows
+  (seq_mean_token_sum_norm). Gradient accumulation weights each microbatch's loss by its
+  share of the whole batch's denominator (rl.train), so that the accumulated gradient is
+  the whole batch's: a token_mean over microbatches of 20 and 4 tokens is the mean over
+  the 24, not the mean of two means (which weighted those tokens 0.6x and 3x)."""
+  mask = mask.astype(jnp.float32)
+  if mode == "token_mean":
+    return mask.sum()
+  if mode == "seq_mean_token_mean":
+    return (mask.sum(axis=1) > 0).astype(jnp.float32).sum()
+  if mode == "seq_mean_token_sum_norm":
+    return jnp.asarray(mask.shape[0], jnp.float32)
+  raise ValueError(f"Unknown aggregation {mode!r} (config.loss.aggregation); known: {AGGREGATIONS}.")
+
+
+def effective_aggregation(config) -> str:
+  """The aggregation the objective `config.name` uses: its own fixed one (DAPO and M2PO:
+  token_mean) or config.aggregation."""
+  return resolve_config(config, getattr(get_loss(config.name), "overrides", None)).aggregation
+
+
 def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
   """Mean of x over mask (0 when the mask is empty)."""
   mask = mask.astype(jnp.float32)
