@@ -125,11 +125,26 @@ def resolve_config(config, overrides=None) -> types.SimpleNamespace:
   if config is not None:
     values.update(config.items() if hasattr(config, "items") else vars(config).items())
   values.update(overrides or {})
+  if isinstance(values["corrections"], str):
+    raise ValueError(f"config.loss.corrections = {values['corrections']!r} must be a tuple of "
+                     f"names, e.g. ({values['corrections']!r},); known: {sorted(corr.CORRECTIONS)}.")
   values["corrections"] = tuple(values["corrections"])
   if values["prox_estimate"] not in PROX_ESTIMATES:
     raise ValueError(f"Unknown config.loss.prox_estimate {values['prox_estimate']!r}; known: "
                      f"{PROX_ESTIMATES}.")
   return types.SimpleNamespace(**values)
+
+
+def check_config(config) -> None:
+  """Raises ValueError unless `config` (config.loss) names a registered objective, a known
+  aggregation, registered corrections and a known prox_estimate. The train step checks
+  this when it is built, so a bad name fails before any training, not at the first trace."""
+  loss_fn = get_loss(config.name)
+  aggregation = effective_aggregation(config)
+  if aggregation not in AGGREGATIONS:
+    raise ValueError(f"Unknown config.loss.aggregation {aggregation!r}; known: {AGGREGATIONS}.")
+  for name in correction_chain(loss_fn, config):
+    corr.get_correction(name)
 
 
 def correction_chain(loss_fn: LossFn, config) -> tuple[str, ...]:

@@ -195,6 +195,7 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
   if num_minibatches < 1 or ppo_epochs < 1:
     raise ValueError(f"num_minibatches = {num_minibatches} and ppo_epochs = {ppo_epochs} must "
                      "be >= 1 (config.rl.num_minibatches, config.rl.ppo_epochs).")
+  losses.check_config(loss_config)
   loss_fn = losses.get_loss(loss_config.name)
   aggregation = losses.effective_aggregation(loss_config)
   prox_estimate = (losses.resolve_config(loss_config).prox_estimate
