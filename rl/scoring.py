@@ -35,6 +35,7 @@ round trip plus the scorer's own time (docs/add_task.md has the measurement).
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
 import dataclasses
 import importlib
 import math
@@ -128,7 +129,8 @@ def serve(fd: int, page_fd: int) -> None:
 
 def _die_with_parent() -> None:
   """On Linux, asks the kernel to kill this worker when the trainer dies (even by SIGKILL),
-  so a scorer stuck in a loop does not outlive it."""
+  so a scorer stuck in a loop does not outlive it. (The kernel watches the thread that
+  started the worker: `_SPAWNER`, which lives as long as the trainer.)"""
   if sys.platform.startswith("linux"):
     try:
       import ctypes  # pylint: disable=import-outside-toplevel
@@ -146,14 +148,19 @@ def _import_attribute(module: str, qualname: str):
 
 class _Pickler(pickle.Pickler):
   """Pickles the classes and functions of a main module run as `python -m package.module`
-  by that module's name: in the worker, `__main__` is the worker itself."""
+  by that module's name: in the worker, `__main__` is the worker itself. Those of a main
+  script (`python script.py`, a notebook) have no importable name: a PicklingError."""
 
   def reducer_override(self, obj):
+    if (not isinstance(obj, (type, types.FunctionType))
+        or getattr(obj, "__module__", None) != "__main__"):
+      return NotImplemented
     name = getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None)
-    if (name and isinstance(obj, (type, types.FunctionType))
-        and getattr(obj, "__module__", None) == "__main__"):
-      return _import_attribute, (name, obj.__qualname__)
-    return NotImplemented
+    if name is None:
+      raise pickle.PicklingError(
+          f"{obj.__qualname__} is defined in the main script, which the worker cannot "
+          "import; move it into a module (or run the script as python -m package.module)")
+    return _import_attribute, (name, obj.__qualname__)
 
 
 def _dumps(obj) -> bytes:
@@ -236,8 +243,12 @@ class Scorer:
       self._page = mmap.mmap(page_file.fileno(), _PROGRESS.size)
       code = _WORKER_CODE.format(path=list(sys.path), fd=theirs.fileno(),
                                  page=page_file.fileno())
-      self._process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
-                                       pass_fds=(theirs.fileno(), page_file.fileno()))
+      # Started from one long-lived thread: Linux's parent-death signal (`_die_with_parent`)
+      # follows the thread that started the worker, and a producer thread that scored first
+      # may end long before the trainer does.
+      self._process = _SPAWNER.submit(
+          subprocess.Popen, [sys.executable, "-c", code], stdin=subprocess.DEVNULL,
+          pass_fds=(theirs.fileno(), page_file.fileno())).result()
     theirs.close()
     self._conn = Connection(ours.detach())
 
@@ -315,6 +326,7 @@ class Scorer:
         results[i] = (0.0, False, status)
 
 
+_SPAWNER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="scorer-spawn")
 _DEFAULT = Scorer()
 atexit.register(_DEFAULT.close)
 

@@ -6,8 +6,12 @@ The hostile completions are the issue's: code injection, `9**9**9`, `1e999999`,
 
 import builtins
 import collections
+import os
 import random
 import re
+import subprocess
+import sys
+import threading
 import time
 
 import jax
@@ -30,6 +34,7 @@ from rl import train
 from sampling.sampler import SamplingConfig
 from tests import scoring_tasks
 
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRPO = ml_collections.FrozenConfigDict(
     dict(name="grpo", eps_low=0.2, eps_high=0.2, aggregation="seq_mean_token_mean"))
 
@@ -241,3 +246,49 @@ def test_grpo_step_goes_on_when_a_completion_hangs_its_scorer(monkeypatch):
   assert samples.completions[1] == scoring_tasks.HANG_MARKER
   assert float(samples.rollout.reward[1]) == 0.0
   assert samples.reward_timeouts == 1 and samples.reward_errors == 0
+
+
+def test_worker_started_by_a_thread_outlives_the_thread():
+  # The async loop's producer thread may score first and end; the worker (which the kernel
+  # kills when the thread that started it ends) must stay for the next caller.
+  scorer = scoring.Scorer()
+  task, first = scoring_tasks.MisbehavingTask(), ("prompt", 1)
+  try:
+    thread = threading.Thread(target=scorer.score, args=(task, ["ab"], [first]))
+    thread.start()
+    thread.join()
+    pid = scorer._process.pid  # pylint: disable=protected-access
+    time.sleep(0.5)
+    scores = scorer.score(task, ["abc"], [first])
+    assert scores.rewards.tolist() == [pytest.approx(0.3)] and scores.errors == 0
+    assert scorer._process.pid == pid  # pylint: disable=protected-access
+  finally:
+    scorer.close()
+
+
+_MAIN_MODULE = '''
+from rl import scoring
+
+class LengthTask:
+  name = "length"
+
+  def reward(self, completion, example):
+    return len(completion) / 10
+
+if __name__ == "__main__":
+  print(scoring.score(LengthTask(), ["abc", "abcdefghij"], [None, None]).rewards.tolist())
+'''
+
+
+def test_task_defined_in_the_main_module(tmp_path):
+  # `python -m module`: the worker imports the module by name. `python script.py`: a clear
+  # error before anything is sent, since the worker cannot import a script.
+  (tmp_path / "length_task.py").write_text(_MAIN_MODULE)
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([_REPO, str(tmp_path)]))
+  run = lambda *args: subprocess.run([sys.executable, *args], cwd=tmp_path, env=env,
+                                     capture_output=True, text=True, timeout=300)
+  result = run("-m", "length_task")
+  assert result.returncode == 0 and result.stdout.strip() == "[0.30000001192092896, 1.0]"
+  result = run("length_task.py")
+  assert result.returncode == 1
+  assert "LengthTask is defined in the main script" in result.stderr
