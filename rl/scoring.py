@@ -19,8 +19,8 @@ optionally `exact_match(completion, example) -> bool` (default: reward >= 1); bo
 the worker, under the same limit. The time limit is the task's `reward_timeout_s` attribute
 when it has one, else `DEFAULT_TIMEOUT_S`. The worker rebuilds the task from a pickle, once
 per worker, so a task's class and the functions it holds must be importable (defined at
-module level, not in `__main__` of an interactive session or as a lambda); a task that does
-not pickle is a ValueError saying so.
+module level in a module, or in a `python -m` main module; not in a main script or a
+notebook, not as a lambda); a task that does not pickle is a ValueError saying so.
 
 Cost. One persistent worker per trainer process, started on first use as a fresh Python
 interpreter (`python -c`, not multiprocessing's fork or spawn: it inherits no JAX threads
@@ -40,7 +40,6 @@ import dataclasses
 import importlib
 import math
 import mmap
-import os
 import pickle
 import signal
 import socket
