@@ -114,7 +114,15 @@ def render(source: str | None = None) -> str:
          "any of them on the command line, e.g. `python -m experiments.train "
          "--config.rl.steps=50`,",
          "or write a config file that starts from `default.get_config()` and pass it with",
-         "`--config=path/to/file.py`.", ""]
+         "`--config=path/to/file.py`.", "",
+         "The launcher validates the whole config up front, before it loads a model or takes",
+         "a step (`experiments/train.py` `validate`): every size must be positive and every",
+         "rate or bound in its range, and every name (task, model preset, objective,",
+         "aggregation, corrections, proximal estimate, advantage estimator, tree policy and",
+         "advantage, selection kind) must be one its registry knows; a bad value is a",
+         "ValueError naming the field and the fix. A command-line override of a field that",
+         "does not exist (`--config.rl.stepz=5`) is a flag error listing the valid fields.",
+         ""]
   in_table = False
   for entry in parse_entries(source):
     description = entry.description.replace("|", "\\|")

@@ -35,12 +35,12 @@ from absl import flags
 from absl import logging
 import jax
 import ml_collections
-from ml_collections import config_flags
 import tqdm
 
+from experiments import config_flag
 from experiments import metrics
 from models import transformer
-from models.config import get_preset
+from models.config import PRESETS, get_preset
 from models.pretrained import load_pretrained
 from models.tokenizer import CharTokenizer
 from rl import advantages
@@ -48,11 +48,12 @@ from rl import async_loop
 from rl import checkpoint
 from rl import evaluation
 from rl import loop
+from rl import losses
 from rl import partial_rollout
 from rl import selection
 from rl import train
 from rl import trajectory_store
-from rl.tasks import make_task
+from rl.tasks import PROMPT_STYLES, make_task, task_names
 from rl.rollout import make_generate
 from sampling import tree as tree_lib
 from sampling.partial import PartialConfig
@@ -62,7 +63,7 @@ from sharding import multihost
 from sharding import reshard
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "configs", "default.py")
-_CONFIG = config_flags.DEFINE_config_file("config", _DEFAULT_CONFIG, "Run configuration file.")
+_CONFIG = config_flag.define_config_file("config", _DEFAULT_CONFIG, "Run configuration file.")
 
 WARM_START, RL = "warm_start", "rl"
 
@@ -91,16 +92,84 @@ def rows_per_prompt(config) -> int:
   return config.rollout.group_size
 
 
+# Numeric fields and the range each must lie in: (dotted path, lowest, inclusive?, highest).
+# Sizes and counts are positive; counts that may be off are >= 0.
+_RANGES = (
+    [(f"rollout.{k}", 1, True, None) for k in ("prompts_per_step", "group_size", "prompt_len",
+                                               "max_new_tokens")]
+    + [(f"rollout.{k}", 0, True, None) for k in ("num_slots", "decode_window", "replay_size",
+                                                 "top_k", "temperature")]
+    + [("rollout.top_p", 0, False, 1.0)]
+    + [("task.eval_size", 1, True, None), ("task.train_pool", 0, True, None)]
+    + [("warm_start.batch_size", 1, True, None), ("warm_start.steps", 0, True, None),
+       ("warm_start.warmup_steps", 0, True, None), ("warm_start.learning_rate", 0, False, None),
+       ("warm_start.length_window", 1, True, None)]
+    + [(f"rl.{k}", 1, True, None) for k in ("num_microbatches", "num_minibatches", "ppo_epochs")]
+    + [(f"rl.{k}", 0, True, None) for k in ("steps", "staleness", "max_staleness",
+                                            "weight_decay", "max_grad_norm")]
+    + [("rl.learning_rate", 0, False, None)]
+    + [(f"loss.{k}", 0, True, None) for k in ("eps_low", "eps_high", "kl_coef", "is_floor")]
+    + [(f"loss.{k}", 0, False, None) for k in ("norm_len", "is_cap", "m2_tau", "sat_bandwidth",
+                                               "vcpo_rho_ref", "vcpo_is_cap")]
+    + [("loss.sat_quantile", 0, False, 1.0)]
+    + [("eval.every", 1, True, None), ("eval.batch_size", 1, True, None),
+       ("checkpoint.every", 1, True, None), ("checkpoint.max_to_keep", 1, True, None)])
+
+
+def _field(config, path: str):
+  node = config
+  for name in path.split("."):
+    node = node[name]
+  return node
+
+
+def check_ranges(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError for a numeric field outside its range (`_RANGES`): a size of 0 would
+  train on empty batches (NaN rewards) or skip every update without an error."""
+  for path, low, inclusive, high in _RANGES:
+    value = _field(config, path)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      raise ValueError(f"config.{path} = {value!r} must be a number.")
+    bound = (f">= {low}" if inclusive else f"> {low}") + (f" and <= {high}" if high else "")
+    if value < low or (not inclusive and value == low) or (high is not None and value > high):
+      raise ValueError(f"config.{path} = {value} must be {bound}.")
+
+
+def check_names(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError for a name no registry knows: task, prompt style, model preset and
+  dtype, objective, aggregation, corrections, proximal estimate, advantage estimator, tree
+  policy and tree advantage, partial-rollout resume mode."""
+  if config.task.name not in task_names():
+    raise ValueError(f"Unknown task {config.task.name!r} (config.task.name); known tasks: "
+                     f"{', '.join(task_names())} (rl.tasks.register_task adds one).")
+  if config.task.prompt_style not in PROMPT_STYLES:
+    raise ValueError(f"config.task.prompt_style = {config.task.prompt_style!r}; use one of "
+                     f"{PROMPT_STYLES}.")
+  if not config.model.get("checkpoint") and config.model.preset not in PRESETS:
+    raise ValueError(f"Unknown config.model.preset {config.model.preset!r}; known: "
+                     f"{sorted(PRESETS)}.")
+  if config.model.dtype not in ("float32", "bfloat16"):
+    raise ValueError(f"config.model.dtype = {config.model.dtype!r}; use 'float32' or "
+                     "'bfloat16'.")
+  losses.check_config(config.loss)
+  advantages.get_advantage_fn(config.advantage.name)
+  if config.rollout.kind == "tree":
+    advantages.get_tree_advantage_fn(config.rollout.tree.advantage)
+  if config.rollout.kind == "partial" and config.rollout.resume not in ("kept_kv", "reprefill"):
+    raise ValueError(f"config.rollout.resume = {config.rollout.resume!r}; use 'kept_kv' or "
+                     "'reprefill'.")
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
-  """Raises ValueError naming the inconsistent fields and how to fix them."""
+  """Raises ValueError naming the inconsistent fields and how to fix them. `run` calls it
+  before anything else, so a bad config fails before the first training step."""
+  check_ranges(config)
+  check_names(config)
   r = config.rollout
   if r.kind not in ("independent", "tree", "partial"):
     raise ValueError(f"config.rollout.kind = {r.kind!r}; use 'independent', 'tree' or "
                      "'partial'.")
   rows = r.prompts_per_step * rows_per_prompt(config)
-  if config.rl.num_minibatches < 1 or config.rl.ppo_epochs < 1:
-    raise ValueError(f"config.rl.num_minibatches = {config.rl.num_minibatches} and "
-                     f"config.rl.ppo_epochs = {config.rl.ppo_epochs} must be >= 1.")
   rl_parts = config.rl.num_minibatches * config.rl.num_microbatches
   if rows % rl_parts:
     raise ValueError(f"config.rollout.prompts_per_step * group_size = {rows} is not divisible "
@@ -124,24 +193,13 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if r.kind in ("independent", "partial") and r.group_size < 2:
     raise ValueError(f"config.rollout.group_size = {r.group_size}: group-relative advantages "
                      "need at least 2 completions per prompt.")
-  if config.rl.staleness < 0:
-    raise ValueError(f"config.rl.staleness = {config.rl.staleness} must be >= 0 (0 = on-policy).")
-  if config.warm_start.length_window < 1:
-    raise ValueError(f"config.warm_start.length_window = {config.warm_start.length_window} "
-                     "must be >= 1 (1 = batches in data order).")
   if any(b < 1 for b in r.train_length_buckets):
     raise ValueError(f"config.rollout.train_length_buckets = {r.train_length_buckets}: every "
                      "bucket must be a positive number of completion slots.")
-  if config.warm_start.steps < 0 or config.rl.steps < 0:
-    raise ValueError("config.warm_start.steps and config.rl.steps must be >= 0.")
-  if config.eval.every <= 0 or config.checkpoint.every <= 0:
-    raise ValueError("config.eval.every and config.checkpoint.every must be positive.")
   if config.rl.async_ and (r.kind == "tree" or config.rl.staleness):
     raise ValueError("config.rl.async_ runs independent or partial rollouts with real "
                      "staleness; set config.rollout.kind to 'independent' or 'partial' and "
                      "config.rl.staleness = 0 (simulated staleness is for the sync loop).")
-  if config.rl.max_staleness < 0:
-    raise ValueError(f"config.rl.max_staleness = {config.rl.max_staleness} must be >= 0.")
   selection.check_config(config.selection, prompts_per_step=r.prompts_per_step,
                          group_size=r.group_size, pool_size=config.task.train_pool)
 
@@ -368,7 +426,9 @@ def run(config: ml_collections.ConfigDict) -> dict:
       rollouts.load(store.load_pool(step, partial_rollout.POOL_FIELDS), meta["partial_ledger"])
     if store is not None:
       store.truncate_after(int(state.train.step) - 1 if meta["phase"] == RL else -1)
-    logging.info("Resumed from checkpoint step %d (%s).", step, meta["phase"])
+    if primary:  # absl logs only warnings here (see main), so say it plainly
+      print(f"Resumed from step {step} ({meta['phase']} phase) in {config.workdir}.",
+            flush=True)
   elif primary:
     log.truncate_after(-1)
     if store is not None:
@@ -518,4 +578,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=config_flag.parse_flags)

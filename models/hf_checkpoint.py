@@ -11,6 +11,13 @@ Weights may sit in one `model.safetensors` or in shards listed by
 or from transformers-5 `rope_parameters`; only unscaled ("default") RoPE is supported, so a
 config with RoPE scaling is rejected rather than loaded with wrong positions.
 
+Loading refuses what Arbor cannot represent rather than loading something else: a tensor
+in the files that the config does not use (q/k/v biases or q/k norms under a config that
+says `llama`, layers beyond `num_hidden_layers`), an `lm_head.weight` that disagrees with
+`tie_word_embeddings`, non-finite weights, and malformed files (invalid JSON, a missing or
+mistyped field, a truncated safetensors file), each with an error naming the file and the
+field or tensor.
+
 HF stores a linear layer as `weight [out, in]` (y = x W^T); Arbor stores `[in, out]`
 (y = x W) with layers stacked on a leading axis, so loading transposes and stacks, and
 export does the reverse. HF's q/k weights are already in the rotate-half RoPE layout
@@ -20,13 +27,15 @@ Arbor uses: no permutation is needed (unlike GGUF, see models/gguf_checkpoint.py
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from typing import Any
 
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from models.config import ModelConfig
@@ -35,6 +44,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
+# Tensors some exporters write that are derived from the config, so ignoring them is safe.
+_DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 # Arbor layer leaf -> HF name inside `model.layers.{i}.`; "linear" leaves are transposed.
 _LAYER_LINEAR = {"q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight",
@@ -56,7 +67,9 @@ def rope_theta_from_hf(hf: dict, source: str) -> float:
   """
   params = hf.get("rope_parameters") or {}
   scaling = hf.get("rope_scaling") or {}
-  for spec in (params, scaling):
+  for key, spec in (("rope_parameters", params), ("rope_scaling", scaling)):
+    if not isinstance(spec, dict):
+      raise ValueError(f"{source}: field {key!r} must be a JSON object, got {spec!r}.")
     kind = spec.get("rope_type", spec.get("type", "default"))
     if kind != "default":
       raise ValueError(f"{source}: RoPE type {kind!r} is not supported (Arbor implements "
@@ -65,11 +78,46 @@ def rope_theta_from_hf(hf: dict, source: str) -> float:
   if theta is None:
     raise ValueError(f"{source}: no RoPE base; expected 'rope_theta' or "
                      "'rope_parameters': {'rope_theta': ...}.")
-  return float(theta)
+  return _number({"rope_theta": theta}, "rope_theta", source, float)
+
+
+def _number(hf: dict, key: str, source: str, kind: type, default=...):
+  """hf[key] checked to be a positive int (kind=int) or a finite positive number
+  (kind=float); `default` when absent (or null) and a default is given."""
+  value = hf.get(key)
+  if value is None:
+    if default is ...:
+      raise ValueError(f"{source}: required field {key!r} is missing.")
+    return default
+  wanted = "a positive integer" if kind is int else "a positive number"
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+      kind is int and not isinstance(value, int)):
+    raise ValueError(f"{source}: field {key!r} must be {wanted}, got {value!r} "
+                     f"({type(value).__name__}).")
+  if not (math.isfinite(value) and value > 0):
+    raise ValueError(f"{source}: field {key!r} must be {wanted}, got {value!r}.")
+  return kind(value)
+
+
+def _flag(hf: dict, key: str, source: str, default: bool = False) -> bool:
+  value = hf.get(key, default)
+  if value is None:
+    return default
+  if not isinstance(value, bool):
+    raise ValueError(f"{source}: field {key!r} must be true or false, got {value!r}.")
+  return value
 
 
 def config_from_hf(hf: dict, dtype: str = "float32", source: str = "config.json") -> ModelConfig:
-  """The ModelConfig of a HF `config.json` dict (llama / qwen2 / qwen3)."""
+  """The ModelConfig of a HF `config.json` dict (llama / qwen2 / qwen3).
+
+  Every field Arbor reads is type-checked: a missing required field, a string or a
+  boolean where a number belongs, or a non-positive size raises a ValueError naming
+  `source` and the field.
+  """
+  if not isinstance(hf, dict):
+    raise ValueError(f"{source}: expected a JSON object of model settings, got a JSON "
+                     f"{type(hf).__name__}.")
   kind = hf.get("model_type")
   if kind not in ARCHITECTURES:
     raise ValueError(f"{source}: model_type {kind!r} is not supported; Arbor loads "
@@ -84,15 +132,19 @@ def config_from_hf(hf: dict, dtype: str = "float32", source: str = "config.json"
   if kind in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
     raise ValueError(f"{source}: use_sliding_window=True is not supported (Arbor attends to "
                      "the full context); set it to false if the model was trained that way.")
-  n_heads = hf["num_attention_heads"]
-  return ModelConfig(
-      vocab_size=hf["vocab_size"], d_model=hf["hidden_size"], n_layers=hf["num_hidden_layers"],
-      n_heads=n_heads, n_kv_heads=hf.get("num_key_value_heads") or n_heads,
-      head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
-      mlp_dim=hf["intermediate_size"], rope_theta=rope_theta_from_hf(hf, source),
-      norm_eps=float(hf.get("rms_norm_eps", 1e-6)), qkv_bias=kind == "qwen2",
-      qk_norm=kind == "qwen3", tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-      max_seq_len=int(hf.get("max_position_embeddings", 2048)), dtype=dtype)
+  number = lambda key, kind=int, default=...: _number(hf, key, source, kind, default)
+  d_model, n_heads = number("hidden_size"), number("num_attention_heads")
+  try:
+    return ModelConfig(
+        vocab_size=number("vocab_size"), d_model=d_model, n_layers=number("num_hidden_layers"),
+        n_heads=n_heads, n_kv_heads=number("num_key_value_heads", default=n_heads),
+        head_dim=number("head_dim", default=d_model // n_heads),
+        mlp_dim=number("intermediate_size"), rope_theta=rope_theta_from_hf(hf, source),
+        norm_eps=number("rms_norm_eps", float, 1e-6), qkv_bias=kind == "qwen2",
+        qk_norm=kind == "qwen3", tie_embeddings=_flag(hf, "tie_word_embeddings", source),
+        max_seq_len=number("max_position_embeddings", default=2048), dtype=dtype)
+  except ValueError as error:  # shapes that do not fit together (heads, head_dim)
+    raise ValueError(f"{source}: {error}") from error
 
 
 def architecture_of(config: ModelConfig) -> str:
@@ -126,12 +178,28 @@ def config_to_hf(config: ModelConfig, extra: dict | None = None) -> dict:
   return hf
 
 
+def read_json(path: str) -> Any:
+  """The JSON document in `path`; invalid JSON is a ValueError naming the file and where."""
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except json.JSONDecodeError as error:
+    raise ValueError(f"{path}: invalid JSON at line {error.lineno}, column {error.colno}: "
+                     f"{error.msg}.") from error
+  except UnicodeDecodeError as error:
+    raise ValueError(f"{path}: not UTF-8 text ({error.reason}).") from error
+
+
 def _weight_files(directory: str) -> list[str]:
   index = os.path.join(directory, _INDEX)
   if os.path.exists(index):
-    with open(index) as f:
-      shards = sorted(set(json.load(f)["weight_map"].values()))
-    return [os.path.join(directory, s) for s in shards]
+    weight_map = read_json(index)
+    weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str)
+                                                   for v in weight_map.values()):
+      raise ValueError(f"{index}: expected a JSON object with a 'weight_map' of tensor name "
+                       "-> shard file name.")
+    return [os.path.join(directory, s) for s in sorted(set(weight_map.values()))]
   single = os.path.join(directory, _SINGLE)
   if os.path.exists(single):
     return [single]
@@ -145,9 +213,13 @@ def read_safetensors(directory: str) -> dict[str, np.ndarray]:
   for path in _weight_files(directory):
     if not os.path.exists(path):
       raise ValueError(f"{path}: shard listed in {_INDEX} is missing.")
-    with safe_open(path, framework="numpy") as f:
-      for name in f.keys():
-        tensors[name] = f.get_tensor(name)
+    try:
+      with safe_open(path, framework="numpy") as f:
+        for name in f.keys():
+          tensors[name] = f.get_tensor(name)
+    except (SafetensorError, OSError) as error:
+      raise ValueError(f"{path}: not a readable safetensors file (truncated or damaged?): "
+                       f"{error}") from error
   return tensors
 
 
@@ -171,8 +243,14 @@ def layer_tensor_shapes(config: ModelConfig) -> tuple[dict[str, tuple[int, ...]]
 
 def params_from_hf_tensors(tensors: dict[str, np.ndarray], config: ModelConfig,
                            source: str = "checkpoint") -> dict[str, Any]:
-  """Arbor's parameter pytree from HF-named tensors (see models/transformer.py)."""
+  """Arbor's parameter pytree from HF-named tensors (see models/transformer.py).
+
+  Raises ValueError for a tensor that is missing, misshapen or not finite, for tensors the
+  config does not use (`check_all_used`), and for an `lm_head.weight` that disagrees with
+  the config's tying (present and different from the embedding although tied).
+  """
   dtype = config.jnp_dtype
+  used = set()
 
   def take(name, shape):
     if name not in tensors:
@@ -182,7 +260,10 @@ def params_from_hf_tensors(tensors: dict[str, np.ndarray], config: ModelConfig,
     if tuple(value.shape) != tuple(shape):
       raise ValueError(f"{source}: tensor {name!r} has shape {tuple(value.shape)}, config.json "
                        f"implies {tuple(shape)}.")
-    return np.asarray(value, np.float32)
+    value = np.asarray(value, np.float32)
+    check_finite(value, name, source)
+    used.add(name)
+    return value
 
   c = config
   linear_shapes, vector_shapes = layer_tensor_shapes(c)
@@ -193,12 +274,57 @@ def params_from_hf_tensors(tensors: dict[str, np.ndarray], config: ModelConfig,
   for leaf, shape in vector_shapes.items():
     stacked = [take(f"model.layers.{i}.{_LAYER_VECTOR[leaf]}", shape) for i in range(c.n_layers)]
     layers[leaf] = jnp.asarray(np.stack(stacked), dtype)
-  params = {"embed": jnp.asarray(take("model.embed_tokens.weight", (c.vocab_size, c.d_model)), dtype),
-            "layers": layers,
+  embed = take("model.embed_tokens.weight", (c.vocab_size, c.d_model))
+  params = {"embed": jnp.asarray(embed, dtype), "layers": layers,
             "final_norm": jnp.asarray(take("model.norm.weight", (c.d_model,)), dtype)}
   if not c.tie_embeddings:
+    if "lm_head.weight" not in tensors:
+      raise ValueError(f"{source}: config.json says tie_word_embeddings=false but there is no "
+                       "'lm_head.weight'; if the model shares its embedding with the output "
+                       "layer, set tie_word_embeddings to true.")
     params["lm_head"] = jnp.asarray(take("lm_head.weight", (c.vocab_size, c.d_model)).T, dtype)
+  elif "lm_head.weight" in tensors:
+    # Some exporters write the tied matrix twice; a different one is an untied model.
+    if not np.array_equal(np.asarray(tensors["lm_head.weight"], np.float32), embed):
+      raise ValueError(f"{source}: config.json says tie_word_embeddings=true but "
+                       "'lm_head.weight' differs from 'model.embed_tokens.weight'; the model "
+                       "is untied: set tie_word_embeddings to false.")
+    used.add("lm_head.weight")
+  check_all_used(set(tensors), used, config, source)
   return params
+
+
+def check_finite(value: np.ndarray, name: str, source: str) -> None:
+  """Raises ValueError when `value` holds NaN or infinity (a damaged or diverged model)."""
+  if not np.all(np.isfinite(value)):
+    bad = int(np.size(value) - np.count_nonzero(np.isfinite(value)))
+    raise ValueError(f"{source}: tensor {name!r} has {bad} non-finite value(s) (NaN or inf); "
+                     "refusing to load a damaged or diverged checkpoint.")
+
+
+_LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.*)")
+
+
+def check_all_used(names: set[str], used: set[str], config: ModelConfig, source: str) -> None:
+  """Raises ValueError naming the tensors in the file that `config` leaves unused: Arbor
+  would silently compute a different model (biases or norms dropped, layers cut off)."""
+  unused = sorted(n for n in names - used if not n.endswith(_DERIVED_SUFFIXES))
+  if not unused:
+    return
+  layers = {int(m.group(1)) for m in map(_LAYER_NAME.fullmatch, unused) if m}
+  if layers and min(layers) >= config.n_layers:
+    raise ValueError(f"{source}: the weights hold {max(layers) + 1} layers but config.json "
+                     f"says num_hidden_layers={config.n_layers}; fix num_hidden_layers.")
+  hints = {"self_attn.q_proj.bias": "q/k/v biases are Qwen2's (model_type 'qwen2')",
+           "q_norm.weight": "q/k norms are Qwen3's (model_type 'qwen3')",
+           "k_norm.weight": "q/k norms are Qwen3's (model_type 'qwen3')"}
+  hint = next((h for key, h in hints.items() if any(n.endswith(key) for n in unused)), None)
+  raise ValueError(
+      f"{source}: {len(unused)} tensor(s) in the weights are not used by a "
+      f"{architecture_of(config)} model with this config, e.g. {unused[:3]}"
+      + (f"; {hint}: check config.json's model_type." if hint else
+         "; the config does not describe these weights.")
+      + " Loading would compute a different model, so Arbor refuses.")
 
 
 def load_hf(directory: str, dtype: str = "float32") -> tuple[ModelConfig, dict[str, Any]]:
@@ -206,8 +332,7 @@ def load_hf(directory: str, dtype: str = "float32") -> tuple[ModelConfig, dict[s
   config_path = os.path.join(directory, "config.json")
   if not os.path.exists(config_path):
     raise ValueError(f"{directory}: no config.json; expected a Hugging Face checkpoint folder.")
-  with open(config_path) as f:
-    config = config_from_hf(json.load(f), dtype=dtype, source=config_path)
+  config = config_from_hf(read_json(config_path), dtype=dtype, source=config_path)
   return config, params_from_hf_tensors(read_safetensors(directory), config, source=directory)
 
 

@@ -1,4 +1,13 @@
-"""Advantage estimators: pure functions of rewards and group ids (METHODS.md section 2)."""
+"""Advantage estimators: pure functions of rewards and group ids (METHODS.md section 2).
+
+Equal rewards give exactly zero advantage. In float32 the mean of seven 0.7s is not 0.7,
+and GRPO divides that one-ulp residue by a std of the same size plus eps = 1e-6, which
+gave every row of such a group an advantage of ~0.06 (reasoning-gym's partial credit makes
+equal fractional groups common). So group statistics are computed on rewards shifted by
+a per-group reference (`group_reference`): the differences of equal values are exact
+zeros, so equal rewards centre to exactly 0; and a std below `REL_STD_TOL` times the
+group's reward scale is float noise, not signal, so it standardises to 0 (`standardise`).
+"""
 
 from __future__ import annotations
 
@@ -13,10 +22,27 @@ def _same_group(group: jax.Array) -> jax.Array:
   return (group[:, None] == group[None, :]).astype(jnp.float32)
 
 
+# A std at most this fraction of the group's largest |value| is rounding noise (about 8
+# float32 ulps), and standardises to 0 rather than to +-1.
+REL_STD_TOL = 1e-6
+
+
+def group_reference(values: jax.Array, group: jax.Array) -> jax.Array:
+  """The smallest value of each row's group, broadcast to rows [B]: the shift that makes
+  group statistics exact for equal values (see the module docstring)."""
+  same = group[:, None] == group[None, :]
+  return jnp.min(jnp.where(same, values[None, :], jnp.inf), axis=1)
+
+
 def group_mean(values: jax.Array, group: jax.Array) -> jax.Array:
-  """Mean of `values` over each row's group, broadcast back to rows. [B] -> [B]."""
+  """Mean of `values` over each row's group, broadcast back to rows. [B] -> [B].
+
+  Computed as reference + mean(values - reference), so a group of equal values has
+  exactly that value as its mean.
+  """
   same = _same_group(group)
-  return same @ values / same.sum(axis=1)
+  reference = group_reference(values, group)
+  return reference + same @ (values - reference) / same.sum(axis=1)
 
 
 def group_std(values: jax.Array, group: jax.Array) -> jax.Array:
@@ -25,13 +51,27 @@ def group_std(values: jax.Array, group: jax.Array) -> jax.Array:
   return jnp.sqrt(group_mean(centred * centred, group))
 
 
+def group_scale(values: jax.Array, group: jax.Array) -> jax.Array:
+  """Largest |value| of each row's group, broadcast to rows [B] (the scale of its noise)."""
+  same = group[:, None] == group[None, :]
+  return jnp.max(jnp.where(same, jnp.abs(values)[None, :], 0.0), axis=1)
+
+
+def standardise(centred: jax.Array, std: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
+  """centred / (std + eps), or exactly 0 where std <= REL_STD_TOL * scale (the values
+  differ only by rounding). Shapes broadcast."""
+  return jnp.where(std > REL_STD_TOL * scale, centred / (std + eps), 0.0)
+
+
 def grpo_advantages(reward: jax.Array, group: jax.Array, eps: float = 1e-6) -> jax.Array:
   """GRPO (DeepSeekMath): (r - mean_group(r)) / (std_group(r) + eps).
 
-  The std is the population std (ddof=0); a group whose rewards are all equal gets 0.
+  The std is the population std (ddof=0); a group whose rewards are all equal gets
+  exactly 0, fractional rewards included.
   """
   reward = reward.astype(jnp.float32)
-  return (reward - group_mean(reward, group)) / (group_std(reward, group) + eps)
+  return standardise(reward - group_mean(reward, group), group_std(reward, group),
+                     group_scale(reward, group), eps)
 
 
 def drgrpo_advantages(reward: jax.Array, group: jax.Array) -> jax.Array:
@@ -42,12 +82,13 @@ def drgrpo_advantages(reward: jax.Array, group: jax.Array) -> jax.Array:
 
 def rloo_advantages(reward: jax.Array, group: jax.Array) -> jax.Array:
   """RLOO (REINFORCE leave-one-out): r_i - mean of the other rewards of the group,
-  = G / (G - 1) * (r_i - mean_group(r)). A group of one gets 0."""
-  reward = reward.astype(jnp.float32)
+  = G / (G - 1) * (r_i - mean_group(r)). A group of one gets 0. Computed on rewards
+  shifted by the group reference, so equal rewards give exactly 0."""
+  shifted = reward.astype(jnp.float32) - group_reference(reward.astype(jnp.float32), group)
   same = _same_group(group)
   size = same.sum(axis=1)
-  others = (same @ reward - reward) / jnp.maximum(size - 1.0, 1.0)
-  return jnp.where(size > 1, reward - others, 0.0)
+  others = (same @ shifted - shifted) / jnp.maximum(size - 1.0, 1.0)
+  return jnp.where(size > 1, shifted - others, 0.0)
 
 
 def median_advantages(reward: jax.Array, group: jax.Array, eps: float = 1e-6) -> jax.Array:
@@ -60,7 +101,7 @@ def median_advantages(reward: jax.Array, group: jax.Array, eps: float = 1e-6) ->
   reward = reward.astype(jnp.float32)
   same = _same_group(group) > 0
   median = jnp.nanmedian(jnp.where(same, reward[None, :], jnp.nan), axis=1)
-  return (reward - median) / (group_std(reward, group) + eps)
+  return standardise(reward - median, group_std(reward, group), group_scale(reward, group), eps)
 
 
 ADVANTAGES: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
@@ -120,25 +161,32 @@ def tree_node_values(reward: jax.Array, group: jax.Array, node: jax.Array, paren
   Returns owner, value (V(n): mean reward of the leaves below the token's node), leaves
   (#leaves(n)), start (node's first completion position), parent_value (V of the node
   before it; V(root), the group's mean leaf reward, for a node starting at position 0),
-  root_value, root_std (population std of the group's leaf rewards), and valid.
+  root_value, root_std (population std of the group's leaf rewards), root_scale (the
+  group's largest |reward|, for `standardise`), and valid.
   """
   batch, completion_len = completion_mask.shape
   leaf = node >= 0
   reward = jnp.where(leaf, reward.astype(jnp.float32), 0.0)
+  # Sums run over rewards shifted by the group's smallest leaf reward, so a group of equal
+  # rewards has every value exactly equal (and so every difference exactly 0).
+  same = ((group[:, None] == group[None, :]) & leaf[None, :]).astype(jnp.float32)
+  reference = jnp.min(jnp.where(same > 0, reward[None, :], jnp.inf), axis=1)
+  reference = jnp.where(jnp.isfinite(reference), reference, 0.0)
+  shifted = jnp.where(leaf, reward - reference, 0.0)
   owner = tree_token_owners(group, node, parent, prefix_len, completion_len)
   valid = completion_mask & leaf[:, None]
   ids = jnp.where(valid, owner * completion_len + jnp.arange(completion_len)[None, :],
                   batch * completion_len)
   segments = batch * completion_len + 1
-  total = jax.ops.segment_sum(jnp.where(valid, reward[:, None], 0.0).reshape(-1),
+  total = jax.ops.segment_sum(jnp.where(valid, shifted[:, None], 0.0).reshape(-1),
                               ids.reshape(-1), segments)
   count = jax.ops.segment_sum(valid.astype(jnp.float32).reshape(-1), ids.reshape(-1), segments)
   leaves = jnp.where(valid, count[ids], 0.0)
-  value = jnp.where(valid, total[ids] / jnp.maximum(count[ids], 1.0), 0.0)
-  same = ((group[:, None] == group[None, :]) & leaf[None, :]).astype(jnp.float32)
+  value = jnp.where(valid, reference[:, None] + total[ids] / jnp.maximum(count[ids], 1.0), 0.0)
   root_count = jnp.maximum(same.sum(axis=1), 1.0)
-  root_value = same @ reward / root_count
-  root_std = jnp.sqrt(same @ (reward - root_value) ** 2 / root_count)
+  root_mean = same @ shifted / root_count  # the root's value, less the reference
+  root_value = reference + root_mean
+  root_std = jnp.sqrt(same @ (shifted - root_mean) ** 2 / root_count)
   pos = jnp.arange(completion_len)[None, :]
   previous = jnp.pad(leaves, ((0, 0), (1, 0)), constant_values=jnp.inf)[:, :-1]
   is_start = valid & (leaves < previous)
@@ -146,23 +194,28 @@ def tree_node_values(reward: jax.Array, group: jax.Array, node: jax.Array, paren
   before = jnp.take_along_axis(value, jnp.maximum(start - 1, 0), axis=1)
   parent_value = jnp.where(start > 0, before, root_value[:, None])
   return dict(owner=owner, value=value, leaves=leaves, start=start, parent_value=parent_value,
-              root_value=root_value, root_std=root_std, valid=valid,
-              is_start=is_start)
+              root_value=root_value, root_std=root_std, root_scale=group_scale(reward, group),
+              valid=valid, is_start=is_start)
 
 
 def treerl_advantages(reward: jax.Array, group: jax.Array, node: jax.Array, parent: jax.Array,
-                      prefix_len: jax.Array, completion_mask: jax.Array,
-                      eps: float = 1e-6) -> jax.Array:
-  """TreeRL token advantages [B, N]: ((V(n) - V(root)) + (V(n) - V(parent(n)))) / sqrt(#leaves(n)).
+                      prefix_len: jax.Array, completion_mask: jax.Array, *,
+                      normalize: bool = False, eps: float = 1e-6) -> jax.Array:
+  """TreeRL token advantages [B, N], the method's formula at its own scale:
+  ((V(n) - V(root)) + (V(n) - V(parent(n)))) / sqrt(#leaves(n)).
 
-  Choice (METHODS.md leaves the scale open): the two terms are averaged, not summed, and
-  divided by the group's leaf-reward std + eps, so a tree without forks (every leaf a
-  chain from the prompt) gets exactly GRPO's advantages. Tokens of one node get one value
-  in every row that contains them; unused rows and padding get 0.
+  normalize=True (registered as 'treerl_normalized') averages the two terms instead of
+  summing them and divides by the group's leaf-reward std + eps, so a tree without forks
+  (every leaf a chain from the prompt) gets exactly GRPO's advantages; the spec does not
+  say this, so it is an option, not the default. Tokens of one node get one value in
+  every row that contains them; unused rows and padding get 0; a group of equal leaf
+  rewards gets exactly 0.
   """
   s = tree_node_values(reward, group, node, parent, prefix_len, completion_mask)
-  raw = 0.5 * ((s["value"] - s["root_value"][:, None]) + (s["value"] - s["parent_value"]))
-  scaled = raw / jnp.sqrt(jnp.maximum(s["leaves"], 1.0)) / (s["root_std"][:, None] + eps)
+  raw = (s["value"] - s["root_value"][:, None]) + (s["value"] - s["parent_value"])
+  scaled = raw / jnp.sqrt(jnp.maximum(s["leaves"], 1.0))
+  if normalize:
+    scaled = standardise(0.5 * scaled, s["root_std"][:, None], s["root_scale"][:, None], eps)
   return jnp.where(s["valid"], scaled, 0.0)
 
 
@@ -187,18 +240,27 @@ def sibling_advantages(reward: jax.Array, group: jax.Array, node: jax.Array, par
   once = s["is_start"] & (s["owner"] == rows[:, None])
   segments = batch * completion_len + batch + 1
   ids = jnp.where(once, parent_id, segments - 1).reshape(-1)
+  # Values relative to the root: exactly 0 throughout a group of equal rewards.
+  value = s["value"] - s["root_value"][:, None]
   n = jax.ops.segment_sum(once.astype(jnp.float32).reshape(-1), ids, segments)
-  total = jax.ops.segment_sum(jnp.where(once, s["value"], 0.0).reshape(-1), ids, segments)
+  total = jax.ops.segment_sum(jnp.where(once, value, 0.0).reshape(-1), ids, segments)
   mean = total / jnp.maximum(n, 1.0)
-  centred = jnp.where(once, s["value"] - mean[parent_id], 0.0)
+  centred = jnp.where(once, value - mean[parent_id], 0.0)
   square = jax.ops.segment_sum((centred ** 2).reshape(-1), ids, segments)
   std = jnp.sqrt(square / jnp.maximum(n, 1.0))
-  adv = (s["value"] - mean[parent_id]) / (std[parent_id] + eps)
+  adv = standardise(value - mean[parent_id], std[parent_id], s["root_scale"][:, None], eps)
   return jnp.where(s["valid"], adv, 0.0)
+
+
+def treerl_normalized_advantages(*args, eps: float = 1e-6) -> jax.Array:
+  """TreeRL with normalize=True: the two terms averaged and divided by the group's
+  leaf-reward std (a tree without forks gets GRPO's advantages)."""
+  return treerl_advantages(*args, normalize=True, eps=eps)
 
 
 TREE_ADVANTAGES: dict[str, Callable[..., jax.Array]] = {
     "treerl": treerl_advantages,
+    "treerl_normalized": treerl_normalized_advantages,
     "siblings": sibling_advantages,
 }
 

@@ -29,6 +29,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from rl import advantages
+
 sg = jax.lax.stop_gradient
 
 
@@ -167,15 +169,22 @@ def m2_mask(d: jax.Array, mask: jax.Array, tau: float) -> jax.Array:
   the count, so the first count that satisfies the bound is the minimal mask. One sort and
   one cumulative sum; ties break by position (stable sort). If no single token is within
   tau, every token is dropped (the empty set's mean is taken as 0).
+
+  The kept sums are suffix sums of the sorted d^2, accumulated from the smallest value up,
+  not the total minus the dropped prefix: that difference cancels catastrophically when
+  the dropped tokens dominate, leaving a float residue that made "drop everything" look
+  unsatisfiable (so nothing was dropped) or a kept set look within tau when it was not.
   """
   mask = mask.astype(jnp.float32)
   flat_d2 = jnp.where(mask > 0, d * d, -1.0).reshape(-1)  # invalid tokens sort last
   n = mask.sum()
   order = jnp.argsort(-flat_d2, stable=True)
-  sorted_d2 = jnp.maximum(flat_d2[order], 0.0)
-  dropped_sum = jnp.concatenate([jnp.zeros((1,)), jnp.cumsum(sorted_d2)])  # j = 0..BT
-  j = jnp.arange(dropped_sum.shape[0], dtype=jnp.float32)
-  ok = ((sorted_d2.sum() - dropped_sum) <= tau * (n - j)) & (j <= n)
+  sorted_d2 = jnp.maximum(flat_d2[order], 0.0)  # invalid tokens: 0, at the end
+  # kept_sum[j]: sum of the d^2 kept when the j largest are dropped (j = 0..BT); exactly 0
+  # for j >= n, so dropping every valid token always satisfies the bound.
+  kept_sum = jnp.concatenate([jnp.cumsum(sorted_d2[::-1])[::-1], jnp.zeros((1,))])
+  j = jnp.arange(kept_sum.shape[0], dtype=jnp.float32)
+  ok = (kept_sum <= tau * (n - j)) & (j <= n)
   num_drop = jnp.argmax(ok)
   rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0]))
   keep = (rank >= num_drop).reshape(mask.shape).astype(jnp.float32)
@@ -262,9 +271,11 @@ def vcpo_baseline(terms: TokenTerms, config) -> tuple[TokenTerms, dict]:
   """
   g = ((1.0 - jnp.exp(sg(terms.logp))) ** 2 * terms.mask).sum(axis=1) + 1e-6
   reward = terms.reward.astype(jnp.float32)
-  b = optimal_baseline(sequence_log_weights(terms), g, reward, terms.group)
-  same = (terms.group[:, None] == terms.group[None, :]).astype(jnp.float32)
-  mean = same @ reward / same.sum(axis=1)
-  std = jnp.sqrt(same @ (reward - mean) ** 2 / same.sum(axis=1))
-  adv = ((reward - b) / (std + 1e-6))[:, None] * terms.mask
-  return terms.replace(advantages=adv), {"baseline_shift": jnp.mean(jnp.abs(b - mean))}
+  # Rewards shifted by the group's smallest, so equal rewards give exactly 0 (rl.advantages).
+  shifted = reward - advantages.group_reference(reward, terms.group)
+  b = optimal_baseline(sequence_log_weights(terms), g, shifted, terms.group)
+  mean = advantages.group_mean(shifted, terms.group)
+  adv = advantages.standardise(shifted - b, advantages.group_std(reward, terms.group),
+                               advantages.group_scale(reward, terms.group), 1e-6)
+  return terms.replace(advantages=adv[:, None] * terms.mask), {
+      "baseline_shift": jnp.mean(jnp.abs(b - mean))}

@@ -32,6 +32,8 @@ class EvalResult:
   mean_reward: float     # the task scorer's mean (includes partial credit)
   mean_length: float     # completion tokens per answer
   num_examples: int
+  reward_timeouts: int = 0  # answers whose scorer timed out (reward 0; rl.scoring)
+  reward_errors: int = 0    # answers whose scorer raised or crashed (reward 0)
   accuracy_stderr: float = 0.0
   accuracy_by_size: dict[int, tuple[int, float]] = dataclasses.field(default_factory=dict)
 
@@ -56,13 +58,16 @@ def accuracy_by_size(sizes: np.ndarray, exact: np.ndarray) -> dict[int, tuple[in
 class SampledEvalResult:
   """pass_at_k: {k: mean over examples of the unbiased pass@k}; num_correct [E]: exact
   matches among each example's num_samples completions; mean_reward / mean_length over all
-  sampled completions."""
+  sampled completions; reward_timeouts / reward_errors: completions whose scorer timed out
+  or failed (reward 0, not correct; rl.scoring)."""
   pass_at_k: dict[int, float]
   mean_reward: float
   mean_length: float
   num_examples: int
   num_samples: int
   num_correct: np.ndarray
+  reward_timeouts: int = 0
+  reward_errors: int = 0
 
 
 def pass_at_k(num_samples: int, num_correct, k: int) -> np.ndarray:
@@ -87,7 +92,7 @@ def pass_at_k(num_samples: int, num_correct, k: int) -> np.ndarray:
 def _decode_and_score(generate_fn: Callable, params, chunk: Sequence[Example], repeats: int,
                       rows: int, rng: jax.Array, *, task: Task, tokenizer, prompt_len: int):
   """Decodes `repeats` completions of each example in one batch of `rows` (padded with
-  copies of the last example); (rewards, exact, lengths) [len(chunk) * repeats]."""
+  copies of the last example); (scores, lengths [len(chunk) * repeats])."""
   prompts = [e.prompt for e in chunk for _ in range(repeats)]
   used = len(prompts)
   prompts += [prompts[-1]] * (rows - used)
@@ -95,8 +100,8 @@ def _decode_and_score(generate_fn: Callable, params, chunk: Sequence[Example], r
   gen = generate_fn(params, jnp.asarray(tokens), jnp.asarray(mask), rng)
   out_tokens, completion_mask = multihost.fetch((gen.tokens, gen.completion_mask))
   completions = rollout_lib.decode_completions(tokenizer, out_tokens, completion_mask)[:used]
-  rewards, exact = rollout_lib.score(task, [e for e in chunk for _ in range(repeats)], completions)
-  return rewards, exact, completion_mask.sum(axis=1)[:used]
+  scores = rollout_lib.score(task, [e for e in chunk for _ in range(repeats)], completions)
+  return scores, completion_mask.sum(axis=1)[:used]
 
 
 def evaluate(params, examples: Sequence[Example], *, task: Task, tokenizer, prompt_len: int,
@@ -110,21 +115,20 @@ def evaluate(params, examples: Sequence[Example], *, task: Task, tokenizer, prom
   sampling_config = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0,
                                    stop_tokens=(tokenizer.eos_id,), pad_id=tokenizer.pad_id)
   generate_fn = rollout_lib.make_generate(model_config, sampling_config, mesh)
-  rewards, exact, lengths = [], [], []
+  scores, lengths = [], []
   starts = range(0, len(examples), batch_size)
   for start in tqdm.tqdm(starts, desc="greedy eval", disable=not progress, leave=False):
-    r, e, n = _decode_and_score(generate_fn, params, examples[start:start + batch_size], 1,
-                                batch_size, jax.random.PRNGKey(0), task=task,
-                                tokenizer=tokenizer, prompt_len=prompt_len)
-    rewards.append(r)
-    exact.append(e)
+    s, n = _decode_and_score(generate_fn, params, examples[start:start + batch_size], 1,
+                             batch_size, jax.random.PRNGKey(0), task=task,
+                             tokenizer=tokenizer, prompt_len=prompt_len)
+    scores.append(s)
     lengths.append(n)
-  rewards, exact, lengths = map(np.concatenate, (rewards, exact, lengths))
+  rewards, exact, lengths = _joined(scores, lengths)
   sizes = np.array([e.size for e in examples])
   return EvalResult(accuracy=float(exact.mean()), mean_reward=float(rewards.mean()),
                     mean_length=float(lengths.mean()), num_examples=len(examples),
                     accuracy_stderr=accuracy_stderr(exact),
-                    accuracy_by_size=accuracy_by_size(sizes, exact))
+                    accuracy_by_size=accuracy_by_size(sizes, exact), **_failures(scores))
 
 
 def evaluate_sampled(params, examples: Sequence[Example], *, task: Task, tokenizer,
@@ -147,19 +151,30 @@ def evaluate_sampled(params, examples: Sequence[Example], *, task: Task, tokeniz
   rows = per_batch * num_samples
   generate_fn = functools.partial(generate, model_config=model_config,
                                   sampling_config=sampling_config)
-  rewards, exact, lengths = [], [], []
+  scores, lengths = [], []
   starts = range(0, len(examples), per_batch)
   for b, start in enumerate(tqdm.tqdm(starts, desc=f"sampled eval (n={num_samples})",
                                       disable=not progress, leave=False)):
-    r, e, n = _decode_and_score(generate_fn, params, examples[start:start + per_batch],
-                                num_samples, rows, jax.random.fold_in(rng, b), task=task,
-                                tokenizer=tokenizer, prompt_len=prompt_len)
-    rewards.append(r)
-    exact.append(e)
+    s, n = _decode_and_score(generate_fn, params, examples[start:start + per_batch],
+                             num_samples, rows, jax.random.fold_in(rng, b), task=task,
+                             tokenizer=tokenizer, prompt_len=prompt_len)
+    scores.append(s)
     lengths.append(n)
-  rewards, exact, lengths = map(np.concatenate, (rewards, exact, lengths))
+  rewards, exact, lengths = _joined(scores, lengths)
   num_correct = exact.reshape(len(examples), num_samples).sum(axis=1)
   return SampledEvalResult(
       pass_at_k={k: float(pass_at_k(num_samples, num_correct, k).mean()) for k in ks},
       mean_reward=float(rewards.mean()), mean_length=float(lengths.mean()),
-      num_examples=len(examples), num_samples=num_samples, num_correct=num_correct)
+      num_examples=len(examples), num_samples=num_samples, num_correct=num_correct,
+      **_failures(scores))
+
+
+def _joined(scores, lengths) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(rewards, exact, lengths) of a list of per-batch Scores and lengths."""
+  return (np.concatenate([s.rewards for s in scores]), np.concatenate([s.exact for s in scores]),
+          np.concatenate(lengths))
+
+
+def _failures(scores) -> dict[str, int]:
+  return dict(reward_timeouts=sum(s.timeouts for s in scores),
+              reward_errors=sum(s.errors for s in scores))

@@ -228,7 +228,8 @@ def train_on(train: TrainState, samples: rollout_lib.ScoredSamples, ctx: LoopCon
       informative_groups=float(np.mean(rewards.std(axis=1) > 0)),
       completion_len=float(np.asarray(samples.rollout.completion_mask).sum(axis=1).mean()),
       decode_steps=samples.decode_steps, staleness=float(staleness(samples, train_step)),
-      decoded_tokens=float(np.asarray(samples.rollout.completion_mask).sum()))
+      decoded_tokens=float(np.asarray(samples.rollout.completion_mask).sum()),
+      reward_timeouts=samples.reward_timeouts, reward_errors=samples.reward_errors)
   return new_train, metrics
 
 
@@ -324,7 +325,8 @@ def tree_iteration(state: LoopState, ctx: LoopContext) -> tuple[LoopState, dict]
       pruned_tokens=float(samples.pruned_tokens),
       decoded_tokens_per_leaf=samples.decoded_tokens / max(int(leaf.sum()), 1),
       completion_length_counts=np.bincount(full_len[samples.leaf]),
-      time_rollout_s=rollout_s, time_train_s=train_s)
+      time_rollout_s=rollout_s, time_train_s=train_s,
+      reward_timeouts=samples.reward_timeouts, reward_errors=samples.reward_errors)
   new_state = state.replace(train=train, rng=rng,
                             data_cursor=state.data_cursor + len(examples),
                             iteration=state.iteration + 1)

@@ -84,6 +84,29 @@ def aggregate(per_token: jax.Array, mask: jax.Array, mode: str, norm_len: float 
   raise ValueError(f"Unknown aggregation {mode!r} (config.loss.aggregation); known: {AGGREGATIONS}.")
 
 
+def aggregation_denominator(mask: jax.Array, mode: str) -> jax.Array:
+  """What `aggregate(..., mode)` divides by for this mask: the valid tokens (token_mean),
+  the sequences with a valid token (seq_mean_token_mean) or the rows
+  (seq_mean_token_sum_norm). Gradient accumulation weights each microbatch's loss by its
+  share of the whole batch's denominator (rl.train), so that the accumulated gradient is
+  the whole batch's: a token_mean over microbatches of 20 and 4 tokens is the mean over
+  the 24, not the mean of two means (which weighted those tokens 0.6x and 3x)."""
+  mask = mask.astype(jnp.float32)
+  if mode == "token_mean":
+    return mask.sum()
+  if mode == "seq_mean_token_mean":
+    return (mask.sum(axis=1) > 0).astype(jnp.float32).sum()
+  if mode == "seq_mean_token_sum_norm":
+    return jnp.asarray(mask.shape[0], jnp.float32)
+  raise ValueError(f"Unknown aggregation {mode!r} (config.loss.aggregation); known: {AGGREGATIONS}.")
+
+
+def effective_aggregation(config) -> str:
+  """The aggregation the objective `config.name` uses: its own fixed one (DAPO and M2PO:
+  token_mean) or config.aggregation."""
+  return resolve_config(config, getattr(get_loss(config.name), "overrides", None)).aggregation
+
+
 def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
   """Mean of x over mask (0 when the mask is empty)."""
   mask = mask.astype(jnp.float32)
@@ -102,11 +125,26 @@ def resolve_config(config, overrides=None) -> types.SimpleNamespace:
   if config is not None:
     values.update(config.items() if hasattr(config, "items") else vars(config).items())
   values.update(overrides or {})
+  if isinstance(values["corrections"], str):
+    raise ValueError(f"config.loss.corrections = {values['corrections']!r} must be a tuple of "
+                     f"names, e.g. ({values['corrections']!r},); known: {sorted(corr.CORRECTIONS)}.")
   values["corrections"] = tuple(values["corrections"])
   if values["prox_estimate"] not in PROX_ESTIMATES:
     raise ValueError(f"Unknown config.loss.prox_estimate {values['prox_estimate']!r}; known: "
                      f"{PROX_ESTIMATES}.")
   return types.SimpleNamespace(**values)
+
+
+def check_config(config) -> None:
+  """Raises ValueError unless `config` (config.loss) names a registered objective, a known
+  aggregation, registered corrections and a known prox_estimate. The train step checks
+  this when it is built, so a bad name fails before any training, not at the first trace."""
+  loss_fn = get_loss(config.name)
+  aggregation = effective_aggregation(config)
+  if aggregation not in AGGREGATIONS:
+    raise ValueError(f"Unknown config.loss.aggregation {aggregation!r}; known: {AGGREGATIONS}.")
+  for name in correction_chain(loss_fn, config):
+    corr.get_correction(name)
 
 
 def correction_chain(loss_fn: LossFn, config) -> tuple[str, ...]:

@@ -13,6 +13,7 @@ import numpy as np
 
 from models import transformer
 from models.config import ModelConfig
+from rl import scoring
 from rl.tasks import Example, Task
 from rl.types import Rollout
 from sampling import sampler
@@ -144,11 +145,14 @@ def _pad_rows(x, count: int):
 
 @dataclasses.dataclass
 class ScoredSamples:
-  """A sampled, scored batch: the Rollout plus host-side texts and exact-match flags."""
+  """A sampled, scored batch: the Rollout plus host-side texts and exact-match flags, and
+  how many rows got reward 0 because their scorer timed out or failed (rl.scoring)."""
   rollout: Rollout
   completions: list[str]
   exact: np.ndarray
   decode_steps: int
+  reward_timeouts: int = 0
+  reward_errors: int = 0
 
 
 def decode_completions(tokenizer: Tokenizer, tokens: np.ndarray, completion_mask: np.ndarray) -> list[str]:
@@ -156,16 +160,11 @@ def decode_completions(tokenizer: Tokenizer, tokens: np.ndarray, completion_mask
   return [tokenizer.decode(row[m]) for row, m in zip(tokens, completion_mask)]
 
 
-def score(task: Task, examples: Sequence[Example], completions: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-  """(rewards, exact-match flags) from the task's own scorer; a NaN reward is an error."""
-  rewards = np.array([task.reward(c, e) for c, e in zip(completions, examples)], np.float32)
-  if not np.all(np.isfinite(rewards)):
-    bad = int(np.flatnonzero(~np.isfinite(rewards))[0])
-    raise ValueError(f"Task {task.name!r} returned reward {rewards[bad]} for completion "
-                     f"{completions[bad]!r} of prompt {examples[bad].prompt!r}; rewards must be "
-                     "finite: fix the task's scorer.")
-  exact = np.array([task.exact_match(c, e) for c, e in zip(completions, examples)], bool)
-  return rewards, exact
+def score(task: Task, examples: Sequence[Example], completions: Sequence[str]) -> scoring.Scores:
+  """Rewards and exact-match flags from the task's scorer, run in rl.scoring's worker
+  process under a time limit: a completion whose scorer hangs, raises, crashes or returns
+  a non-finite value gets reward 0 and is counted (Scores.timeouts / Scores.errors)."""
+  return scoring.score(task, completions, examples)
 
 
 def sample_and_score(params, examples: Sequence[Example], *, task: Task, tokenizer: Tokenizer,
@@ -198,22 +197,24 @@ def score_generation(generation: Generation, examples: Sequence[Example], group_
   tokens, completion_mask = jax.device_get((generation.tokens, generation.completion_mask))
   completions = decode_completions(tokenizer, tokens, completion_mask)
   repeated = [e for e in examples for _ in range(group_size)]
-  rewards, exact = score(task, repeated, completions)
+  scores = score(task, repeated, completions)
   group = jnp.repeat(jnp.arange(len(examples), dtype=jnp.int32), group_size)
-  reward = jnp.asarray(rewards)
+  reward = jnp.asarray(scores.rewards)
   advantages = advantage_fn(reward, group)[:, None] * generation.completion_mask
   rollout = Rollout(tokens=generation.tokens, prompt_mask=generation.prompt_mask,
                     completion_mask=generation.completion_mask,
                     behavior_logp=generation.behavior_logp, version=generation.version,
                     group=group, reward=reward, advantages=advantages)
-  return ScoredSamples(rollout=rollout, completions=completions, exact=exact,
-                       decode_steps=int(generation.decode_steps))
+  return ScoredSamples(rollout=rollout, completions=completions, exact=scores.exact,
+                       decode_steps=int(generation.decode_steps),
+                       reward_timeouts=scores.timeouts, reward_errors=scores.errors)
 
 
 @dataclasses.dataclass
 class ScoredTree:
   """A sampled, scored tree batch: the Rollout (tree fields set), the leaves' texts and
-  exact-match flags (unused rows: '' and False), the leaf mask and the decode counters."""
+  exact-match flags (unused rows: '' and False), the leaf mask, the decode counters and the
+  leaves whose scorer timed out or failed (rl.scoring)."""
   rollout: Rollout
   completions: list[str]
   exact: np.ndarray
@@ -221,6 +222,8 @@ class ScoredTree:
   decoded_tokens: int
   refed_tokens: int
   pruned_tokens: int
+  reward_timeouts: int = 0
+  reward_errors: int = 0
 
 
 def tree_rollout(generation: TreeGeneration, reward: jax.Array, group: jax.Array,
@@ -262,11 +265,14 @@ def tree_sample_and_score(params, examples: Sequence[Example], *, task: Task,
       (generation.tokens, generation.completion_mask, generation.leaf))
   completions = decode_completions(tokenizer, tokens, completion_mask)
   repeated = [e for e in examples for _ in range(policy.leaves)]
-  rewards, exact = score(task, repeated, completions)
-  rewards, exact = np.where(leaf, rewards, 0.0), exact & leaf
+  rows = np.flatnonzero(leaf)  # unused rows are not scored
+  scores = score(task, [repeated[r] for r in rows], [completions[r] for r in rows])
+  rewards, exact = np.zeros(len(leaf), np.float32), np.zeros(len(leaf), bool)
+  rewards[rows], exact[rows] = scores.rewards, scores.exact
   group = jnp.repeat(jnp.arange(len(examples), dtype=jnp.int32), policy.leaves)
   rollout = tree_rollout(generation, jnp.asarray(rewards, jnp.float32), group, advantage_fn)
   return ScoredTree(rollout=rollout, completions=completions, exact=exact, leaf=leaf,
                     decoded_tokens=int(generation.decoded_tokens),
                     refed_tokens=int(generation.refed_tokens),
-                    pruned_tokens=int(generation.pruned_tokens))
+                    pruned_tokens=int(generation.pruned_tokens),
+                    reward_timeouts=scores.timeouts, reward_errors=scores.errors)

@@ -37,6 +37,7 @@ question, so the splits are disjoint and the train size distribution is exactly 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import numpy as np
@@ -172,6 +173,12 @@ class RunningSumTask:
     self._difficulty = Difficulty(**difficulty)
     self._sizes, self._size_p = self._difficulty.size_probabilities()
     self._eval = None
+
+  def __reduce__(self):
+    """Pickles as the arguments that rebuild the task (rl.scoring's worker unpickles it),
+    not its cache of held-out examples."""
+    return (functools.partial(RunningSumTask, **self.difficulty),
+            (self.prompt_style, self.seed, self.eval_size))
 
   def __repr__(self) -> str:
     return (f"RunningSumTask(prompt_style={self.prompt_style!r}, seed={self.seed}, "

@@ -278,6 +278,12 @@ def _finish(rollout: Rollout, group: np.ndarray, keep_rows: np.ndarray, advantag
   return rollout.replace(group=group, completion_mask=completion_mask, advantages=advantages)
 
 
+def _scoring_failures(rounds: list[ScoredSamples]) -> dict[str, int]:
+  """Rows of all rounds whose scorer timed out or failed (rl.scoring; their reward is 0)."""
+  return dict(reward_timeouts=sum(s.reward_timeouts for s in rounds),
+              reward_errors=sum(s.reward_errors for s in rounds))
+
+
 def _group_rewards(reward: np.ndarray, group: np.ndarray, n: int) -> list[np.ndarray]:
   return [reward[group == i] for i in range(n)]
 
@@ -333,7 +339,7 @@ def collect(state: Optional[SelectionState], cursor: int, rng: jax.Array, sample
   all_rewards = np.concatenate([np.asarray(s.rollout.reward) for s in rounds])
   batch_reward = np.asarray(rollout.reward).reshape(prompts_per_step, group_size)
   metrics = dict(rollout_rounds=len(rounds), prompts_skipped=skipped, rollouts=rows,
-                 decoded_tokens=tokens, decode_steps=decode_steps,
+                 decoded_tokens=tokens, decode_steps=decode_steps, **_scoring_failures(rounds),
                  reward_mean=float(all_rewards.mean()), exact_match=float(exact_all.mean()),
                  informative_groups=float(np.mean(
                      all_rewards.reshape(-1, group_size).std(axis=1) > 0)),
@@ -377,7 +383,7 @@ def _collect_adaptive(state, cursor, rng, sample, *, config, prompts_per_step, g
   metrics = dict(rollout_rounds=len(rounds), prompts_skipped=0, rollouts=budget,
                  decoded_tokens=int(sum(np.asarray(s.rollout.completion_mask).sum()
                                         for s in rounds)),
-                 decode_steps=sum(s.decode_steps for s in rounds),
+                 decode_steps=sum(s.decode_steps for s in rounds), **_scoring_failures(rounds),
                  reward_mean=float(reward.mean()), exact_match=float(exact.mean()),
                  informative_groups=float(informative.mean()),
                  batch_informative_groups=float(informative.mean()),

@@ -2,7 +2,10 @@
 
 A `Task` turns a reasoning-gym dataset into prompts for the policy and scores completions
 with the dataset's own `score_answer` (which gives partial credit, e.g. 0.5 for a sign
-error in chain_sum).
+error in chain_sum), except countdown, whose `score_answer` evaluates the text with sympy
+(it runs Python): countdown is scored by `rl.countdown`'s safe verifier, on the same scale.
+Training and evaluation call the scorer through `rl.scoring`, in a worker process under a
+time limit; a Task pickles as the arguments that rebuild it, for that worker.
 
 Data position. `Task.examples(split, n, start)` is a pure function of
 (split, n, start) for a given task configuration, so a training loop resumes from one
@@ -25,12 +28,13 @@ answer text verbatim, for subword tokenizers.
 """
 
 import dataclasses
-import math
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import reasoning_gym
 from reasoning_gym.factory import DATASETS as _RG_DATASETS
+
+from rl import countdown
 
 PROMPT_STYLES = ("compact", "full")
 
@@ -81,26 +85,41 @@ def _countdown_prompt(entry: dict) -> str:
   return ",".join(str(x) for x in meta["numbers"]) + f":{meta['target']}="
 
 
+# Module-level functions, not lambdas: a Task pickles with its spec (see Task.__reduce__).
+def _expression_prompt(entry: dict) -> str:
+  return _nospace(entry["metadata"]["expression"]) + "="
+
+
+def _reference_answer(entry: dict) -> str:
+  return entry["answer"]
+
+
+def _reference_answer_nospace(entry: dict) -> str:
+  return _nospace(entry["answer"])
+
+
 _SPECS = {
   "chain_sum": _TaskSpec(
     key=_expression_key,
-    compact_prompt=lambda e: _nospace(e["metadata"]["expression"]) + "=",
-    compact_answer=lambda e: e["answer"],
+    compact_prompt=_expression_prompt,
+    compact_answer=_reference_answer,
     default_eval_size=1000,
   ),
   "basic_arithmetic": _TaskSpec(
     key=_expression_key,
-    compact_prompt=lambda e: _nospace(e["metadata"]["expression"]) + "=",
-    compact_answer=lambda e: e["answer"],
+    compact_prompt=_expression_prompt,
+    compact_answer=_reference_answer,
     default_eval_size=1000,
   ),
   # Countdown items cost ~10 ms each to generate (the generator searches for a
-  # solvable target), hence the smaller default eval set.
+  # solvable target), hence the smaller default eval set. Scored by rl.countdown, never
+  # by reasoning-gym's score_answer (sympy parse_expr executes the text).
   "countdown": _TaskSpec(
     key=_countdown_key,
     compact_prompt=_countdown_prompt,
-    compact_answer=lambda e: _nospace(e["answer"]),
+    compact_answer=_reference_answer_nospace,
     default_eval_size=100,
+    reward=countdown.reward,
   ),
 }
 
@@ -115,7 +134,9 @@ def register_task(name: str, *, key: Callable[[dict], Hashable],
   skipped); compact_prompt / compact_answer(entry): text for the character tokenizer
   (prompt_style "full" uses the dataset's question and answer); reward(answer, entry): a
   score in [0, 1] of the parsed answer (`parse_completion`), replacing the dataset's own
-  `score_answer`. docs/add_task.md walks through an example.
+  `score_answer`. The scoring worker (rl.scoring) rebuilds the task from a pickle, so
+  these functions must be importable: define them at module level, not as lambdas.
+  docs/add_task.md walks through an example.
   """
   if name in _SPECS:
     raise ValueError(f"Task {name!r} is already registered.")
@@ -152,18 +173,24 @@ class Task:
   """
 
   def __init__(self, name: str, prompt_style: str, seed: int, eval_size: int,
-         difficulty: dict[str, Any]):
+         difficulty: dict[str, Any], spec: _TaskSpec | None = None):
     self.name = name
     self.prompt_style = prompt_style
     self.seed = seed
     self.eval_size = eval_size
     self.difficulty = dict(difficulty)
-    self._spec = _SPECS[name]
+    self._spec = _SPECS[name] if spec is None else spec
     self._datasets = {}
     self._eval_entries = None
     self._eval_keys = None
     # Build one dataset now so that a bad difficulty value fails at make_task.
     self._scorer = self._dataset(seed)
+
+  def __reduce__(self):
+    """Pickles as the arguments that rebuild the task, spec included, so a process where
+    `register_task` never ran (the scoring worker) rebuilds a registered task too."""
+    return (Task, (self.name, self.prompt_style, self.seed, self.eval_size, self.difficulty,
+                   self._spec))
 
   def __repr__(self) -> str:
     return (f"Task({self.name!r}, prompt_style={self.prompt_style!r}, seed={self.seed}, "
@@ -231,20 +258,16 @@ class Task:
 
   def reward(self, completion: str, example: Example) -> float:
     """Scores `completion` with reasoning-gym's own `score_answer` (or the `reward` given
-    to `register_task`), in [0, 1].
+    to `register_task`; countdown: `rl.countdown.reward`), in [0, 1].
 
     The completion is first cut by `parse_completion`. Partial credit is the scorer's
     (chain_sum gives 0.5 for "-3" against "3"; countdown gives 0.01-0.05 for wrong
-    expressions). Never NaN: if the scorer raises (malformed completions can reach its
-    expression parser) or returns a non-finite value, the reward is 0.0, since an
-    unscorable completion deserves no credit.
+    expressions). A scorer that raises raises here: training and evaluation score through
+    `rl.scoring`, which gives such a completion reward 0 and counts it (`reward_errors`),
+    as it does for a non-finite value, a crash or a timeout.
     """
     score_answer = self._spec.reward or self._scorer.score_answer
-    try:
-      score = float(score_answer(parse_completion(completion), example.entry))
-    except Exception:  # pylint: disable=broad-except
-      return 0.0
-    return score if math.isfinite(score) else 0.0
+    return float(score_answer(parse_completion(completion), example.entry))
 
   def exact_match(self, completion: str, example: Example) -> bool:
     """True when the scorer gives full credit (so equivalent answers such as "+03" for

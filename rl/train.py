@@ -163,9 +163,12 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
   Every update counts as one `TrainState.step`, so parameter versions (and staleness)
   are counted in optimiser updates. Each update skips itself if non-finite.
 
-  Within an update, microbatch gradients (and metrics) are averaged; with one microbatch
-  the update is exactly the minibatch gradient. Batch-level statistics inside an objective
-  (token counts, quantiles, M2 masks) are per microbatch. Returned metrics are means over
+  Within an update, each microbatch's gradient and loss are weighted by its share of the
+  minibatch's aggregation denominator (`losses.aggregation_denominator`: valid tokens for
+  token_mean, non-empty sequences for seq_mean_token_mean, rows for the constant
+  normaliser), so the accumulated gradient equals the whole minibatch's for every
+  aggregation; other metrics are averaged. Batch-level statistics inside an objective
+  (quantiles, M2 masks, ESS) are per microbatch. Returned metrics are means over
   the updates (`update_skipped`: the fraction skipped). shared_prefix=(group_size,
   prompt_len) runs each group's prompt once in the loss forward/backward
   (`policy_logprobs`); the returned step then checks every batch on the host first
@@ -199,7 +202,9 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
   if num_minibatches < 1 or ppo_epochs < 1:
     raise ValueError(f"num_minibatches = {num_minibatches} and ppo_epochs = {ppo_epochs} must "
                      "be >= 1 (config.rl.num_minibatches, config.rl.ppo_epochs).")
+  losses.check_config(loss_config)
   loss_fn = losses.get_loss(loss_config.name)
+  aggregation = losses.effective_aggregation(loss_config)
   prox_estimate = (losses.resolve_config(loss_config).prox_estimate
                    if losses.needs_prox(loss_config) else None)
   rows = None if mesh is None else sharding_rules.batch_sharding(mesh)
@@ -231,15 +236,19 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
   def update(state: TrainState, minibatch: Rollout, prox_version) -> tuple[TrainState, dict]:
     """One optimiser update on `minibatch` (gradients accumulated over microbatches)."""
     micro = _split_rows(minibatch, num_microbatches)
+    denominators = jax.vmap(
+        lambda m: losses.aggregation_denominator(m.completion_mask, aggregation))(micro)
+    shares = denominators / jnp.maximum(denominators.sum(), 1.0)  # [num_microbatches]
 
-    def accumulate(grads, one):
+    def accumulate(grads, one_and_share):
+      one, share = one_and_share
       (loss, metrics), g = grad_fn(state.params, one, state.step, prox_version)
-      grads = jax.tree.map(lambda a, b: a + b / num_microbatches, grads, g)
-      return grads, (loss, metrics)
+      grads = jax.tree.map(lambda a, b: a + b * share, grads, g)
+      return grads, (loss * share, metrics)
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)
-    grads, (loss, metrics) = jax.lax.scan(accumulate, zeros, micro)
-    loss = loss.mean()
+    grads, (loss, metrics) = jax.lax.scan(accumulate, zeros, (micro, shares))
+    loss = loss.sum()
     metrics = jax.tree.map(jnp.mean, metrics)
     lr_scale = metrics.get("lr_scale", jnp.ones(()))
     grad_norm = optax.tree.norm(grads)

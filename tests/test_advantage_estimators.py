@@ -60,3 +60,26 @@ def test_estimators_by_name():
   assert {"grpo", "drgrpo", "rloo", "median"} <= set(advantages.ADVANTAGES)
   with pytest.raises(ValueError, match="Unknown advantage"):
     advantages.get_advantage_fn("mean_of_means")
+
+
+@pytest.mark.parametrize("name", sorted(advantages.ADVANTAGES))
+def test_equal_fractional_rewards_give_exactly_zero(name):
+  # The case: grpo_advantages(full((7,), 0.7), zeros(7)) was 0.056 per row (a
+  # one-ulp error in the float32 mean, divided by eps = 1e-6). One batch holds a group of
+  # each size G = 3..16 with equal rewards, and a group with signal, which keeps its
+  # advantages.
+  fn = advantages.get_advantage_fn(name)
+  sizes = range(3, 17)
+  group = np.concatenate([np.full(g, i) for i, g in enumerate(sizes)] + [np.full(3, 99)])
+  for value in (0.7, 0.1, 0.3, 1 / 3, 0.05, 0.99):
+    reward = np.concatenate([np.full(len(group) - 3, value), [0.0, 1.0, 0.5]]).astype(np.float32)
+    adv = np.asarray(fn(jnp.asarray(reward), jnp.asarray(group, jnp.int32)))
+    np.testing.assert_array_equal(adv[:-3], 0.0)
+    assert np.all(adv[-3:-1] != 0)
+
+
+def test_rewards_equal_up_to_rounding_standardise_to_zero():
+  # 0.1 + 0.2 and 0.3 differ by one float32 ulp: not a signal to blow up to +-1.
+  reward = jnp.asarray([np.float32(0.1) + np.float32(0.2), np.float32(0.3)] * 2)
+  adv = advantages.grpo_advantages(reward, jnp.zeros(4, jnp.int32))
+  np.testing.assert_array_equal(np.asarray(adv), 0.0)

@@ -102,6 +102,45 @@ def test_m2po_masks_nothing_when_m2_within_tau():
   assert np.any(np.asarray(keep) == 0.0)
 
 
+def test_m2po_drops_every_token_when_none_is_within_tau():
+  # The issue's case: 21 tokens with d = 0.3 and one with d = 3.0 (every d^2 > tau = 0.04).
+  # The old "total - dropped prefix" left a float residue at "drop all", so no count
+  # satisfied the bound, argmax returned 0 and every token was kept.
+  d = jnp.asarray([[0.3] * 21 + [3.0]], jnp.float32)
+  keep = corrections.m2_mask(d, jnp.ones_like(d), 0.04)
+  assert np.asarray(keep).sum() == 0.0
+  # A padding token stays 1 (left to the aggregation mask); valid ones all go.
+  keep = corrections.m2_mask(jnp.pad(d, ((0, 0), (0, 1))), jnp.asarray([[1.0] * 22 + [0.0]]), 0.04)
+  np.testing.assert_array_equal(np.asarray(keep), [[0.0] * 22 + [1.0]])
+
+
+def _minimal_drop_float64(d2: np.ndarray, tau: float) -> int:
+  """Fewest largest-first drops with kept mean <= tau, in float64 (the reference)."""
+  d2 = np.sort(d2.astype(np.float64))[::-1]
+  kept_sum = np.concatenate([np.cumsum(d2[::-1])[::-1], [0.0]])
+  return int(np.argmax(kept_sum <= tau * (len(d2) - np.arange(len(d2) + 1))))
+
+
+@pytest.mark.parametrize("small_fraction", [0.0, 0.01, 0.1])
+def test_m2po_large_batches_keep_mean_within_tau(small_fraction):
+  # 4,096 tokens mostly far from the behaviour policy (|d| in [0.25, 3], d^2 > tau), a few
+  # (small_fraction) close to it. Before the fix, "nothing fits" batches kept every token
+  # in ~40% of trials, and batches with 1% close tokens kept too many in some.
+  rng = np.random.default_rng(17)
+  tau = 0.04
+  mask_fn = jax.jit(corrections.m2_mask, static_argnums=2)
+  for _ in range(20):
+    d = rng.uniform(0.25, 3.0, 4096) * rng.choice([-1.0, 1.0], 4096)
+    d = np.where(rng.random(4096) < small_fraction, rng.normal(0, 0.05, 4096), d)
+    d = d.astype(np.float32).reshape(8, 512)
+    keep = np.asarray(mask_fn(jnp.asarray(d), jnp.ones_like(jnp.asarray(d)), tau)) > 0
+    d2 = d.astype(np.float64) ** 2
+    assert (d2[keep].mean() if keep.any() else 0.0) <= tau
+    assert (~keep).sum() == _minimal_drop_float64(d2.reshape(-1), tau)
+    if small_fraction == 0.0:
+      assert not keep.any()
+
+
 # --- VCPO ----------------------------------------------------------------------------
 
 
@@ -166,6 +205,19 @@ def test_optimal_baseline_matches_numpy_per_group():
   got = corrections.optimal_baseline(*(jnp.asarray(x, jnp.float32) for x in (log_w, g, r)),
                                      jnp.asarray(group))
   np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("size", [3, 7, 16])
+def test_vcpo_baseline_gives_zero_advantage_to_equal_fractional_rewards(size):
+  rng = np.random.default_rng(size)
+  logp = jnp.asarray(rng.normal(-1, 0.3, (size, 5)), jnp.float32)
+  mask = jnp.ones((size, 5))
+  terms = corrections.TokenTerms(
+      logp=logp, behav=logp + jnp.asarray(rng.normal(0, 0.2, (size, 5)), jnp.float32),
+      prox=None, advantages=jnp.zeros((size, 5)), mask=mask, weight=jnp.ones((size, 5)),
+      clip_scale=jnp.ones((size, 5)), reward=jnp.full((size,), 0.7), group=jnp.zeros(size, jnp.int32))
+  out, _ = corrections.vcpo_baseline(terms, None)
+  np.testing.assert_array_equal(np.asarray(out.advantages), 0.0)
 
 
 # --- TIS / MIS and the log-linear proximal policy -------------------------------------

@@ -59,12 +59,16 @@ def _train_bpe() -> tokenizers.Tokenizer:
   return tok
 
 
-def _write_gguf(path, model, tok: tokenizers.Tokenizer, quant: dict[str, Q]) -> dict:
+def _write_gguf(path, model, tok: tokenizers.Tokenizer, quant: dict[str, Q], *,
+                block_count: int | None = None, extra: dict | None = None,
+                edit=None) -> dict:
   """Writes the HF llama `model` as llama.cpp would (q/k permuted), with `tok` in the
-  metadata; tensors named in `quant` are quantised. Returns the raw stored tensors."""
+  metadata; tensors named in `quant` are quantised. Returns the raw stored tensors.
+  For the refusal tests: `block_count` overrides the metadata's, `extra` adds tensors and
+  `edit(name, value)` changes a tensor before it is stored."""
   c = model.config
   writer = gguf.GGUFWriter(str(path), "llama")
-  writer.add_block_count(c.num_hidden_layers)
+  writer.add_block_count(block_count or c.num_hidden_layers)
   writer.add_context_length(c.max_position_embeddings)
   writer.add_embedding_length(c.hidden_size)
   writer.add_feed_forward_length(c.intermediate_size)
@@ -97,9 +101,13 @@ def _write_gguf(path, model, tok: tokenizers.Tokenizer, quant: dict[str, Q]) -> 
                   ("post_attention_layernorm", "ffn_norm")]:
       names[f"model.layers.{i}.{hf}.weight"] = f"blk.{i}.{g}.weight"
   stored = {}
+  for name, value in (extra or {}).items():
+    writer.add_tensor(name, value, raw_dtype=Q.F32)
   for hf_name, value in model.state_dict().items():
     value = value.detach().float().numpy()
     name = names[hf_name]
+    if edit is not None:
+      value = edit(name, value)
     if name.endswith("attn_q.weight"):
       value = _llama_cpp_permute(value, c.num_attention_heads)
     elif name.endswith("attn_k.weight"):
@@ -174,6 +182,29 @@ def test_gguf_tokenizer_matches_source_tokenizer(tmp_path):
     assert tok.decode(tok.encode(text)) == source.decode(source.encode(text).ids)
   ids = tok.encode("hello", add_bos=True)
   assert ids[0] == tok.bos_id and tok.encode(tok.decode(ids), add_bos=True) == ids
+
+
+def _nan_in(target):
+  def edit(name, value):
+    if name == target:
+      value = value.copy()
+      value[1, 1] = np.nan
+    return value
+  return edit
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(block_count=1), "holds 2 blocks but its metadata says llama.block_count=1"),
+    (dict(extra={"rope_freqs.weight": np.ones(8, np.float32)}), "rope_freqs holds RoPE scaling"),
+    (dict(extra={"blk.1.attn_k_norm.weight": np.ones(16, np.float32)}),
+     r"not used by Arbor's llama model.*blk.1.attn_k_norm"),
+    (dict(edit=_nan_in("blk.1.ffn_up.weight")), "'blk.1.ffn_up.weight' has 1 non-finite"),
+])
+def test_gguf_loading_refuses_what_it_cannot_represent(tmp_path, options, message):
+  path = tmp_path / "bad.gguf"
+  _write_gguf(path, random_hf_model("llama"), _train_bpe(), quant={}, **options)
+  with pytest.raises(ValueError, match=message):
+    gguf_checkpoint.load_gguf(str(path))
 
 
 def test_unsupported_gguf_inputs(tmp_path):

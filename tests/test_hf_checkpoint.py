@@ -12,9 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors.numpy
 import torch
 import transformers
 
+import models
 from models import hf_checkpoint
 from models import transformer
 from models.config import ModelConfig
@@ -107,3 +109,103 @@ def test_missing_tensor_and_folder_errors(tmp_path):
   os.remove(tmp_path / "model.safetensors")
   with pytest.raises(ValueError, match="model.safetensors"):
     hf_checkpoint.load_hf(str(tmp_path))
+
+
+# --- What loading refuses -------------------------------------------------------------
+
+
+def _tiny(kind="llama", tie=False, n_layers=2):
+  return ModelConfig(vocab_size=40, d_model=16, n_layers=n_layers, n_heads=2, n_kv_heads=1,
+                     head_dim=8, mlp_dim=24, qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
+                     tie_embeddings=tie, max_seq_len=32)
+
+
+def _folder(tmp_path, kind="llama", tie=False, config_edit=None, tensors_edit=None):
+  """A HF folder of a tiny random `kind` model written by save_hf, then tampered with:
+  config_edit(config.json dict) and tensors_edit(tensors dict) edit the files in place."""
+  config = _tiny(kind, tie)
+  params = transformer.init_params(config, jax.random.PRNGKey(0), init_std=0.25)
+  hf_checkpoint.save_hf(str(tmp_path), params, config)
+  if tensors_edit is not None:
+    tensors = safetensors.numpy.load_file(str(tmp_path / "model.safetensors"))
+    tensors_edit(tensors)
+    safetensors.numpy.save_file(tensors, str(tmp_path / "model.safetensors"),
+                                metadata={"format": "pt"})
+  if config_edit is not None:
+    hf = json.loads((tmp_path / "config.json").read_text())
+    hf = config_edit(hf)
+    (tmp_path / "config.json").write_text(hf if isinstance(hf, str) else json.dumps(hf))
+  return str(tmp_path)
+
+
+def _set(**fields):
+  return lambda hf: dict(hf, **fields)
+
+
+def _without(field):
+  return lambda hf: {k: v for k, v in hf.items() if k != field}
+
+
+def _with_nan(tensors):
+  tensors["model.layers.1.mlp.up_proj.weight"][3, 2] = np.nan
+
+
+@pytest.mark.parametrize("kind,tie,config_edit,tensors_edit,message", [
+    # The issue's silent-wrong loads: each loaded before, with different logits.
+    ("llama", False, _set(tie_word_embeddings=True), None,
+     "tie_word_embeddings=true but 'lm_head.weight' differs"),
+    ("qwen2", True, _set(model_type="llama"), None, "q/k/v biases are Qwen2's"),
+    ("qwen3", True, _set(model_type="llama"), None, "q/k norms are Qwen3's"),
+    ("llama", True, _set(num_hidden_layers=1), None,
+     "weights hold 2 layers but config.json says num_hidden_layers=1"),
+    ("llama", True, None, _with_nan, "'model.layers.1.mlp.up_proj.weight' has 1 non-finite"),
+    ("llama", True, None, lambda t: t.update(extra=np.zeros(3, np.float32)),
+     r"not used by a llama model.*'extra'"),
+    # Tying the other way: untied config, no lm_head in the file.
+    ("llama", True, _set(tie_word_embeddings=False), None,
+     "tie_word_embeddings=false but there is no 'lm_head.weight'"),
+    # Malformed config.json: the file and the field are named.
+    ("llama", True, lambda hf: json.dumps(hf)[:-10], None, r"config.json: invalid JSON at line 1"),
+    ("llama", True, _without("hidden_size"), None,
+     r"config.json: required field 'hidden_size' is missing"),
+    ("llama", True, _set(hidden_size="16"), None,
+     r"config.json: field 'hidden_size' must be a positive integer, got '16' \(str\)"),
+    ("llama", True, _set(num_attention_heads=2.0), None,
+     r"config.json: field 'num_attention_heads' must be a positive integer"),
+    ("llama", True, _set(rms_norm_eps="1e-6"), None,
+     r"config.json: field 'rms_norm_eps' must be a positive number"),
+    ("llama", True, _set(tie_word_embeddings="yes"), None,
+     r"config.json: field 'tie_word_embeddings' must be true or false"),
+    ("llama", True, _set(intermediate_size=0), None, r"field 'intermediate_size' must be a positive"),
+    ("llama", True, lambda hf: list(hf), None, r"config.json: expected a JSON object.*list"),
+])
+def test_loading_refuses_what_it_cannot_represent(tmp_path, kind, tie, config_edit, tensors_edit,
+                                                  message):
+  folder = _folder(tmp_path, kind, tie, config_edit, tensors_edit)
+  with pytest.raises(ValueError, match=message):
+    hf_checkpoint.load_hf(folder)
+
+
+def test_tied_checkpoint_that_also_stores_lm_head_loads(tmp_path):
+  def duplicate(tensors):
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)
+  config, params = hf_checkpoint.load_hf(_folder(tmp_path, "llama", True, tensors_edit=duplicate))
+  assert config.tie_embeddings and "lm_head" not in params
+
+
+def test_truncated_safetensors_names_the_file(tmp_path):
+  folder = _folder(tmp_path)
+  path = tmp_path / "model.safetensors"
+  path.write_bytes(path.read_bytes()[:300])
+  with pytest.raises(ValueError, match=r"model.safetensors: not a readable safetensors file"):
+    hf_checkpoint.load_hf(folder)
+  (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": [1, 2]}')
+  with pytest.raises(ValueError, match=r"index.json: expected a JSON object with a 'weight_map'"):
+    hf_checkpoint.load_hf(folder)
+
+
+def test_load_pretrained_refuses_through_the_launcher_entry(tmp_path):
+  folder = _folder(tmp_path, "qwen2", True, _set(model_type="llama"))
+  with pytest.raises(ValueError, match="q/k/v biases are Qwen2's"):
+    models.load_pretrained(folder)

@@ -150,3 +150,20 @@ def test_full_prompt_style_keeps_the_problem_and_the_teacher():
   example = task.examples("train", 1)[0]
   assert running_sum.question(example.entry["problem"]) in example.prompt
   assert example.answer == make_task("running_sum", eval_size=5).examples("train", 1)[0].answer
+
+
+def test_scored_in_the_isolated_worker_like_any_task():
+  """The task pickles as its arguments (rl.scoring rebuilds it in the worker) and scores
+  hostile text there without timeouts or errors."""
+  import pickle  # pylint: disable=import-outside-toplevel
+  from rl import scoring  # pylint: disable=import-outside-toplevel
+  task = make_task("running_sum", seed=4, eval_size=30, teacher_carry_slip=0.3)
+  copy = pickle.loads(pickle.dumps(task))
+  assert copy.examples("train", 5) == task.examples("train", 5)
+  assert copy.difficulty == task.difficulty and copy.eval_size == 30
+  examples = task.examples("train", 4)
+  completions = [examples[0].entry["solution"], "9" * 10**6, "__import__('os').system('x')",
+                 examples[3].entry["solution"][:-1]]
+  scores = scoring.score(task, completions, examples)
+  assert list(scores.rewards) == [1.0, 0.0, 0.0, 0.0]
+  assert scores.timeouts == 0 and scores.errors == 0

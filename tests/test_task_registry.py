@@ -21,7 +21,7 @@ def lcm_spec(reward):
               compact_answer=lambda e: e["answer"], default_eval_size=10, reward=reward)
 
 
-def test_custom_reward_replaces_the_dataset_scorer_and_never_gives_nan(registered):
+def test_custom_reward_replaces_the_dataset_scorer(registered):
   calls = []
 
   def reward(answer, entry):
@@ -41,7 +41,11 @@ def test_custom_reward_replaces_the_dataset_scorer_and_never_gives_nan(registere
   assert example.prompt.startswith("lcm(") and example.prompt.endswith(")=")
   assert task.reward(f" {example.answer}\nmore", example) == 0.25  # parsed, then scored
   assert not task.exact_match(example.answer, example)            # 0.25 is not full credit
-  assert task.reward("boom", example) == 0.0 and task.reward("nan", example) == 0.0
+  # A raising reward raises here; the trainer scores through rl.scoring, which gives 0 to
+  # a raising or non-finite reward and counts it (tests/test_scoring.py runs that path).
+  with pytest.raises(ZeroDivisionError):
+    task.reward("boom", example)
+  assert math.isnan(task.reward("nan", example))
   assert calls == [example.answer, example.answer, "boom", "nan"]
   # Train questions stay disjoint from the held-out ones under the registered key.
   eval_keys = {tuple(sorted(e.entry["metadata"]["numbers"])) for e in task.examples("eval", 10)}

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 import pytest
 
 from models import transformer
@@ -50,6 +51,36 @@ def test_microbatch_accumulation_equals_full_batch():
   for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
     np.testing.assert_allclose(x, y, atol=1e-6)
   assert int(a.step) == 1
+
+
+@pytest.mark.parametrize("name", ["dapo", "grpo"])  # token_mean, seq_mean_token_mean
+def test_microbatched_gradient_is_the_full_batch_gradient_for_uneven_microbatches(name):
+  # The case: microbatches of 20 and 4 completion tokens. token_mean was the mean of
+  # the two microbatch means (per-token weights 0.6x and 3x the global mean's); now each
+  # microbatch is weighted by its share of the tokens. Row 3 has no tokens, so
+  # seq_mean_token_mean's microbatches also hold unequal numbers of sequences. Plain SGD,
+  # so the parameter change is the gradient itself.
+  length = 16
+  batch = random_rollout(seed=3, length=length)
+  lengths = np.array([10, 10, 4, 0])
+  completion = jnp.asarray(np.arange(length)[None] >= length - lengths[:, None])
+  advantage = jnp.asarray([[1.0], [-0.5], [2.0], [1.0]])
+  batch = batch.replace(completion_mask=completion, prompt_mask=~completion,
+                        advantages=advantage * completion,
+                        behavior_logp=jnp.where(completion, -3.0, 0.0))
+  config = ml_collections.FrozenConfigDict(dict(GRPO, name=name))
+  params = transformer.init_params(CONFIG, jax.random.PRNGKey(0))
+  optimizer = optax.sgd(1.0)
+  deltas, loss = [], []
+  for micro in (1, 2):
+    step = train.make_train_step(CONFIG, optimizer, config, num_microbatches=micro)
+    state, metrics = step(_fresh_state(params, optimizer), batch)
+    deltas.append(jax.tree.map(lambda new, old: new - old, state.params, params))
+    loss.append(float(metrics["loss"]))
+  np.testing.assert_allclose(loss[1], loss[0], rtol=1e-5)
+  assert max(float(jnp.abs(d).max()) for d in jax.tree.leaves(deltas[0])) > 1e-3
+  for full, micro in zip(jax.tree.leaves(deltas[0]), jax.tree.leaves(deltas[1])):
+    np.testing.assert_allclose(micro, full, rtol=1e-4, atol=1e-7)
 
 
 def _fresh_state(params, optimizer):

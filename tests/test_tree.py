@@ -178,7 +178,8 @@ def test_entropy_branch_points_are_highest_entropy_tokens():
 
 
 def _slow_tree_advantages(gen, reward, leaves):
-  """NumPy TreeRL / sibling advantages from explicit leaf sets, for every (row, j)."""
+  """NumPy TreeRL (spec scale, and normalised) / sibling advantages from explicit leaf
+  sets, for every (row, j)."""
   rows = _rows(gen)
   def owner(row, j):
     while j < gen.prefix_len[row]:
@@ -188,7 +189,7 @@ def _slow_tree_advantages(gen, reward, leaves):
     o = owner(row, j)
     return frozenset(s for s in rows if s // leaves == row // leaves
                      and j < gen.completion_len[s] and owner(s, j) == o)
-  treerl, siblings = {}, {}
+  treerl, normalized, siblings = {}, {}, {}
   for row in rows:
     group = [s for s in rows if s // leaves == row // leaves]
     root, std = np.mean(reward[group]), np.std(reward[group])
@@ -198,7 +199,8 @@ def _slow_tree_advantages(gen, reward, leaves):
       start = min(i for i in range(j + 1) if sets[i] == ls)
       parent_set = sets[start - 1] if start else None
       v_parent = value(parent_set) if start else root
-      treerl[row, j] = 0.5 * (2 * value(ls) - root - v_parent) / np.sqrt(len(ls)) / (std + 1e-6)
+      treerl[row, j] = (2 * value(ls) - root - v_parent) / np.sqrt(len(ls))
+      normalized[row, j] = 0.5 * treerl[row, j] / (std + 1e-6)
       # Siblings: node sets (children of the same parent node) seen from any leaf.
       sibs = set()
       for s in group:
@@ -210,7 +212,7 @@ def _slow_tree_advantages(gen, reward, leaves):
             sibs.add(other)
       vals = np.array([value(x) for x in sibs])
       siblings[row, j] = (value(ls) - vals.mean()) / (vals.std() + 1e-6)
-  return treerl, siblings
+  return treerl, normalized, siblings
 
 
 def test_tree_advantages_match_slow_reference_on_sampled_tree():
@@ -220,8 +222,9 @@ def test_tree_advantages_match_slow_reference_on_sampled_tree():
   group = np.arange(gen.leaf.shape[0]) // k
   prompt_len = gen.tokens.shape[1] - gen.entropy.shape[1]
   mask = gen.completion_mask[:, prompt_len:]
-  want_treerl, want_siblings = _slow_tree_advantages(gen, reward, k)
+  want_treerl, want_normalized, want_siblings = _slow_tree_advantages(gen, reward, k)
   for fn, want in ((advantages.treerl_advantages, want_treerl),
+                   (advantages.treerl_normalized_advantages, want_normalized),
                    (advantages.sibling_advantages, want_siblings)):
     got = np.asarray(fn(jnp.asarray(reward), jnp.asarray(group), jnp.asarray(gen.node),
                         jnp.asarray(gen.parent), jnp.asarray(gen.prefix_len), jnp.asarray(mask)))

@@ -50,7 +50,8 @@ def get_config() -> ml_collections.ConfigDict:
                                       # (APRIL / CoPRIS; sampling/partial.py)
   c.rollout.tree = ml_collections.ConfigDict()  # used when kind == "tree"
   c.rollout.tree.policy = "entropy"   # entropy (TreeRL) | segments (TreePO) | lookahead (LATR)
-  c.rollout.tree.advantage = "treerl"  # rl/advantages.py TREE_ADVANTAGES: treerl | siblings
+  c.rollout.tree.advantage = "treerl"  # rl/advantages.py TREE_ADVANTAGES: treerl (value gaps
+                                      # / sqrt(leaves)) | treerl_normalized (/ leaf std) | siblings
   c.rollout.tree.init_chains = 4      # chains grown from each prompt (M)
   c.rollout.tree.fork_points = 2      # entropy: forks per round at the N highest-entropy tokens
   c.rollout.tree.branches = 2         # entropy: branches per fork point (B); segments: b

@@ -1,0 +1,294 @@
+"""Rewards never run, hang on or crash with what the policy writes (rl.countdown, rl.scoring).
+
+The hostile completions are the issue's: code injection, `9**9**9`, `1e999999`,
+`10**10000000`, a megabyte of digits, non-ASCII text, nothing at all.
+"""
+
+import builtins
+import collections
+import os
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+import reasoning_gym
+import sympy.parsing.sympy_parser
+
+from models.config import get_preset
+from models.tokenizer import CharTokenizer
+from models import transformer
+from rl import advantages
+from rl import countdown
+from rl import loop
+from rl import rollout as rollout_lib
+from rl import scoring
+from rl import tasks
+from rl import train
+from sampling.sampler import SamplingConfig
+from tests import scoring_tasks
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GRPO = ml_collections.FrozenConfigDict(
+    dict(name="grpo", eps_low=0.2, eps_high=0.2, aggregation="seq_mean_token_mean"))
+
+
+def hostile_completions(canary) -> list[str]:
+  """What a policy with a subword tokenizer can write; `canary` is a path none may create."""
+  return [
+      f"__import__('os').system('echo PWNED > {canary}')",
+      f"__import__('pathlib').Path('{canary}').touch()",
+      f"1+__import__('os').system('touch {canary}')",
+      f"exec(\"open('{canary}', 'w')\")",
+      f"eval(\"__import__('os').system('touch {canary}')\")",
+      "9**9**9", "1e999999", "10**10000000", "(9**9)**(9**9)", "2**2**2**2**2**2",
+      "1" * 1_000_000, "9" * 5000, "1" + "+1" * 100_000, "(" * 10_000 + "1" + ")" * 10_000,
+      "-" * 100_000 + "1", "1/0", "0/0", "nan", "inf", "-inf",
+      "٣+٤", "²", "½", "\u200b1+1", "💥", "\x00", "\ud800",
+      "", " ", "\n", "((((", "1,000,000", "lambda: 0",
+  ]
+
+
+@pytest.mark.parametrize("name", tasks.TASK_NAMES)
+def test_hostile_completions_are_scored_safely_and_quickly(name, tmp_path):
+  canary = tmp_path / "PWNED"
+  task = tasks.make_task(name, eval_size=2)
+  examples = task.examples("eval", 2)
+  hostile = hostile_completions(canary)
+  rows = [(c, e) for e in examples for c in hostile + [e.answer]]
+  start = time.perf_counter()
+  scores = scoring.score(task, [c for c, _ in rows], [e for _, e in rows], timeout_s=2.0)
+  elapsed = time.perf_counter() - start
+  assert not canary.exists()
+  assert np.all((scores.rewards >= 0) & (scores.rewards <= 1))
+  # Built-in scorers need neither the time limit nor the error path on any of this ...
+  assert scores.timeouts == 0 and scores.errors == 0
+  # ... and the reference answers still score 1.
+  assert scores.rewards[len(hostile)] == 1.0 and scores.rewards[-1] == 1.0
+  assert scores.exact.tolist() == ([False] * len(hostile) + [True]) * 2
+  # Seconds, worker start-up included (each call is bounded by the 2 s limit anyway).
+  assert elapsed < 60, elapsed
+
+
+class _Recorder:
+  def __init__(self):
+    self.calls = []
+
+  def __call__(self, *args, **kwargs):
+    self.calls.append(args[:1])
+    raise RuntimeError("a scorer evaluated the completion")
+
+
+@pytest.mark.parametrize("name", tasks.TASK_NAMES)
+def test_no_builtin_scorer_evaluates_the_completion(name, tmp_path, monkeypatch):
+  # In-process, with eval, exec and sympy's parse_expr replaced by recorders: the built-in
+  # scorers must not call them at all (the worker is a second line of defence, not the first).
+  task = tasks.make_task(name, eval_size=1)
+  example = task.examples("eval", 1)[0]  # (basic_arithmetic's generator evals its own text)
+  recorder = _Recorder()
+  for module, attribute in [(builtins, "eval"), (builtins, "exec"),
+                            (sympy.parsing.sympy_parser, "parse_expr"),
+                            (reasoning_gym.games.countdown, "parse_expr")]:
+    monkeypatch.setattr(module, attribute, recorder)
+  for completion in hostile_completions(tmp_path / "PWNED") + [example.answer]:
+    assert 0.0 <= task.reward(completion, example) <= 1.0
+  monkeypatch.undo()
+  assert recorder.calls == []
+
+
+def test_countdown_grammar_and_exact_arithmetic():
+  value, used = countdown.evaluate(" (6 / 4) * 4 - -2 ")
+  assert value == 8 and used == [6, 4, 4, 2]
+  assert countdown.evaluate("1/3+1/3+1/3")[0] == 1  # exact: no 0.999...
+  for bad in ["", "1+", "(1", "1)", "1 2", "2**3", "1.5", "1e3", "0x10", "01", "a", "1//2",
+              "1/0", "1/(2-2)", "-" * 40 + "1", "(" * 40 + "1" + ")" * 40,
+              "1" * (countdown.MAX_DIGITS + 1), "1+" * 200 + "1",
+              "*".join(["999999999999"] * 30)]:
+    with pytest.raises(countdown.ExpressionError):
+      countdown.evaluate(bad)
+
+
+def test_countdown_reward_needs_every_number_once_and_the_target():
+  numbers, target = [67, 50, 20, 82], 119
+  assert countdown.score("82+20+67-50", numbers, target) == countdown.CORRECT
+  assert countdown.score(" (82 + 20) + (67 - 50) ", numbers, target) == countdown.CORRECT
+  assert countdown.score("82+20+67-50", numbers, target - 1) == countdown.WELL_FORMED  # value
+  assert countdown.score("82+20+67-50+0", numbers, target) == countdown.WELL_FORMED  # extra 0
+  assert countdown.score("82+20+17", numbers, target) == countdown.WELL_FORMED  # numbers
+  assert countdown.score("82+82-50+5", numbers, target) == countdown.WELL_FORMED  # 82 twice
+  assert countdown.score("82+20+67-50=119", numbers, target) == countdown.MALFORMED
+  assert countdown.score("", numbers, target) == countdown.MALFORMED
+  assert countdown.score("50*(82-67)/20*4", [50, 82, 67, 20, 4], 150) == countdown.CORRECT
+
+
+def test_countdown_reward_matches_reasoning_gym_on_ordinary_expressions():
+  # The scale is reasoning-gym's: on expressions sympy reads as arithmetic (no '**', '//',
+  # leading zeros; those it executes or reads differently), the two scorers agree.
+  task = tasks.make_task("countdown", eval_size=2)
+  reference = reasoning_gym.create_dataset("countdown", size=1, seed=0)
+  rng = random.Random(0)
+  compared = collections.Counter()
+  for example in task.examples("train", 40):
+    answer = example.answer
+    candidates = [answer, answer[::-1], answer.replace("+", "-", 1), f"({answer})",
+                  f"-{answer}", f"{answer}*1", f"{answer}/1", answer.replace("+", " + ")]
+    candidates += ["".join(rng.choice("0123456789+-*/() ") for _ in range(rng.randint(1, 12)))
+                   for _ in range(25)]
+    for text in candidates:
+      if re.search(r"\*\s*\*|/\s*/|\b0\d", text):
+        continue
+      ours = countdown.reward(text, example.entry)
+      assert ours == reference.score_answer(text, example.entry), text
+      compared[ours] += 1
+  assert set(compared) == {countdown.CORRECT, countdown.WELL_FORMED, countdown.MALFORMED}
+
+
+def test_misbehaving_scorers_give_zero_and_are_counted():
+  task = scoring_tasks.MisbehavingTask()
+  first, second = ("prompt", 1), ("prompt", 2)
+  rows = [("ab", first), ("SLEEP", first), ("abc", first), ("SPIN", first), ("POW", first),
+          ("RAISE", first), ("NAN", first), ("EXIT", first), ("TEXT", first),
+          ("abcd", second), ("SLEEP", first), ("SLEEP", second), ("a" * 20, second)]
+  start = time.perf_counter()
+  scores = scoring.score(task, [c for c, _ in rows], [e for _, e in rows], timeout_s=0.5)
+  elapsed = time.perf_counter() - start
+  np.testing.assert_allclose(scores.rewards, [0.2, 0, 0.3, 0, 0, 0, 0, 0, 0, 0.4, 0, 0, 1.0])
+  np.testing.assert_array_equal(scores.exact, [False] * 12 + [True])  # exact: reward >= 1
+  # SLEEP (twice for the same example: scored once), SLEEP for another example, SPIN, POW.
+  assert scores.timeouts == 5
+  assert scores.errors == 4  # RAISE, NAN, EXIT, TEXT
+  assert elapsed < 30, elapsed
+  # The worker that replaced the killed ones keeps scoring.
+  again = scoring.score(task, ["abcde"], [first], timeout_s=0.5)
+  assert again.rewards.tolist() == [0.5] and again.timeouts == again.errors == 0
+
+
+def test_tasks_use_their_exact_match_and_time_limit():
+  class Limit(scoring_tasks.MisbehavingTask):
+    pass
+
+  scorer = scoring.Scorer()
+  try:
+    with pytest.raises(ValueError, match="module level"):  # a local class does not pickle
+      scorer.score(Limit(), ["a"], [None])
+  finally:
+    scorer.close()
+  task = tasks.make_task("chain_sum", eval_size=2)
+  example = task.examples("eval", 1)[0]
+  scores = scoring.score(task, [example.answer, "+0" + example.answer], [example, example])
+  assert scores.exact.tolist() == [True, task.exact_match("+0" + example.answer, example)]
+
+
+def _registered_reward(answer, entry):
+  return 0.25 if answer == entry["answer"] else 0.0
+
+
+def _registered_key(entry):
+  return tuple(sorted(entry["metadata"]["numbers"]))
+
+
+def _registered_prompt(entry):
+  return "lcm(" + ",".join(map(str, entry["metadata"]["numbers"])) + ")="
+
+
+def test_registered_task_is_rebuilt_in_the_worker():
+  tasks.register_task("lcm", key=_registered_key, compact_prompt=_registered_prompt,
+                      compact_answer=tasks._reference_answer,  # pylint: disable=protected-access
+                      default_eval_size=4, reward=_registered_reward)
+  try:
+    task = tasks.make_task("lcm", max_value=20)
+    example = task.examples("eval", 1)[0]
+    scores = scoring.score(task, [example.answer, "1"], [example, example])
+    assert scores.rewards.tolist() == [0.25, 0.0] and scores.errors == 0
+  finally:
+    tasks._SPECS.pop("lcm")  # pylint: disable=protected-access
+
+
+def test_grpo_step_goes_on_when_a_completion_hangs_its_scorer(monkeypatch):
+  # The policy "writes" 9**9**9 in row 1 (decoded text replaced); the task's scorer would
+  # compute it forever. The step finishes, row 1 scores 0, and the timeout is counted.
+  tokenizer = CharTokenizer()
+  model_config = get_preset("tiny", vocab_size=tokenizer.vocab_size, max_seq_len=16)
+  optimizer = train.make_optimizer(1e-3)
+  ctx = loop.LoopContext(
+      task=scoring_tasks.DigitsUnlessTower(), tokenizer=tokenizer, model_config=model_config,
+      sampling_config=SamplingConfig(max_new_tokens=4, temperature=1.0,
+                                     stop_tokens=(tokenizer.eos_id,)),
+      prompt_len=3, prompts_per_step=2, group_size=4,
+      train_step=train.make_train_step(model_config, optimizer, GRPO),
+      advantage_fn=advantages.grpo_advantages)
+  decode, sample_and_score = rollout_lib.decode_completions, rollout_lib.sample_and_score
+  scored = []
+
+  def hostile_decode(*args):
+    texts = decode(*args)
+    texts[1] = scoring_tasks.HANG_MARKER
+    return texts
+
+  def recorded_sample_and_score(*args, **kwargs):
+    scored.append(sample_and_score(*args, **kwargs))
+    return scored[-1]
+
+  monkeypatch.setattr(rollout_lib, "decode_completions", hostile_decode)
+  monkeypatch.setattr(rollout_lib, "sample_and_score", recorded_sample_and_score)
+  params = transformer.init_params(model_config, jax.random.PRNGKey(0))
+  state = loop.LoopState(train=train.init_train_state(params, optimizer), rng=jax.random.PRNGKey(1))
+  state, metrics = loop.grpo_iteration(state, ctx)
+  assert metrics["reward_timeouts"] == 1 and metrics["reward_errors"] == 0
+  assert np.isfinite(metrics["loss"]) and int(state.train.step) == 1
+  (samples,) = scored
+  assert samples.completions[1] == scoring_tasks.HANG_MARKER
+  assert float(samples.rollout.reward[1]) == 0.0
+  assert samples.reward_timeouts == 1 and samples.reward_errors == 0
+
+
+def test_worker_started_by_a_thread_outlives_the_thread():
+  # The async loop's producer thread may score first and end; the worker (which the kernel
+  # kills when the thread that started it ends) must stay for the next caller.
+  scorer = scoring.Scorer()
+  task, first = scoring_tasks.MisbehavingTask(), ("prompt", 1)
+  try:
+    thread = threading.Thread(target=scorer.score, args=(task, ["ab"], [first]))
+    thread.start()
+    thread.join()
+    pid = scorer._process.pid  # pylint: disable=protected-access
+    time.sleep(0.5)
+    scores = scorer.score(task, ["abc"], [first])
+    assert scores.rewards.tolist() == [pytest.approx(0.3)] and scores.errors == 0
+    assert scorer._process.pid == pid  # pylint: disable=protected-access
+  finally:
+    scorer.close()
+
+
+_MAIN_MODULE = '''
+from rl import scoring
+
+class LengthTask:
+  name = "length"
+
+  def reward(self, completion, example):
+    return len(completion) / 10
+
+if __name__ == "__main__":
+  print(scoring.score(LengthTask(), ["abc", "abcdefghij"], [None, None]).rewards.tolist())
+'''
+
+
+def test_task_defined_in_the_main_module(tmp_path):
+  # `python -m module`: the worker imports the module by name. `python script.py`: a clear
+  # error before anything is sent, since the worker cannot import a script.
+  (tmp_path / "length_task.py").write_text(_MAIN_MODULE)
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([_REPO, str(tmp_path)]))
+  run = lambda *args: subprocess.run([sys.executable, *args], cwd=tmp_path, env=env,
+                                     capture_output=True, text=True, timeout=300)
+  result = run("-m", "length_task")
+  assert result.returncode == 0 and result.stdout.strip() == "[0.30000001192092896, 1.0]"
+  result = run("length_task.py")
+  assert result.returncode == 1
+  assert "LengthTask is defined in the main script" in result.stderr
