@@ -13,7 +13,8 @@ tokenizer are loaded from it instead of being initialised from scratch with the 
 tokenizer (docs/checkpoints.md).
 
 Resume is exact: a run of N steps equals a run killed at any moment (SIGKILL included)
-and rerun, bit for bit in parameters and in metrics.jsonl. The checkpoint meta stores the
+and rerun, bit for bit in parameters and in metrics.jsonl (except the wall-clock seconds in
+the time_* fields). The checkpoint meta stores the
 number of metrics records written, and a resumed run first cuts metrics.jsonl back to it.
 
     python -m experiments.train --config.mesh.data=2 --config.mesh.fsdp=2 --config.mesh.tensor=2
@@ -467,9 +468,9 @@ def run(config: ml_collections.ConfigDict) -> dict:
     bar.set_postfix({k: f"{record[k]:.3f}" for k in ("loss", "reward_mean") if k in record})
 
   def evaluate_now(label):
-    started = time.perf_counter()
+    eval_started = time.perf_counter()
     result = held_out(state.train.params)
-    meta["time_s"]["eval"] += time.perf_counter() - started
+    meta["time_s"]["eval"] += time.perf_counter() - eval_started
     record = {"step": done, "phase": meta["phase"], "event": label,
               "eval_accuracy": result.accuracy, "eval_accuracy_stderr": result.accuracy_stderr,
               "eval_reward": result.mean_reward, "eval_length": result.mean_length}
@@ -492,9 +493,9 @@ def run(config: ml_collections.ConfigDict) -> dict:
     bar.set_description(phase)
     while state.iteration < phase_steps[phase]:
       if phase == WARM_START:
-        started = time.perf_counter()
+        step_started = time.perf_counter()
         state, step_metrics = loop.sft_iteration(state, ctx, config.warm_start.length_window)
-        meta["time_s"]["warm_start"] += time.perf_counter() - started
+        meta["time_s"]["warm_start"] += time.perf_counter() - step_started
         record_step(phase, step_metrics)
       elif config.rollout.kind == "tree":
         state, step_metrics = loop.tree_iteration(state, ctx)

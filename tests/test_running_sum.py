@@ -167,3 +167,33 @@ def test_scored_in_the_isolated_worker_like_any_task():
   scores = scoring.score(task, completions, examples)
   assert list(scores.rewards) == [1.0, 0.0, 0.0, 0.0]
   assert scores.timeouts == 0 and scores.errors == 0
+
+
+def test_running_sum_config_runs_through_the_launcher(tmp_path):
+  """experiments/configs/running_sum.py, shrunk: the launcher trains on it and reports
+  per-size accuracy and rollout lengths in summary.json."""
+  from experiments import train as train_launcher  # pylint: disable=import-outside-toplevel
+  from experiments.configs import running_sum as running_sum_config  # pylint: disable=import-outside-toplevel
+  config = running_sum_config.get_config()
+  config.workdir = str(tmp_path / "run")
+  config.task.difficulty.max_steps = 3
+  config.task.difficulty.max_start = 99
+  config.task.eval_size = 32
+  config.rollout.max_new_tokens = 12
+  config.rollout.prompts_per_step = 2
+  config.rollout.group_size = 4
+  config.rollout.train_length_buckets = (8,)
+  config.warm_start.steps = 4
+  config.warm_start.batch_size = 8
+  config.warm_start.length_window = 2
+  config.rl.steps = 2
+  config.eval.every = 2
+  config.eval.batch_size = 32
+  summary = train_launcher.run(config)
+  assert summary["steps"] == 6 and summary["nonfinite_updates"] == 0
+  assert set(summary["accuracy_by_size"]) == {"2", "3"}
+  assert sum(row["examples"] for row in summary["accuracy_by_size"].values()) == 32
+  lengths = summary["rollout_completion_length"]
+  assert lengths["rows"] == 2 * 8 and 1 <= lengths["median"] <= lengths["max"] <= 12
+  assert set(summary["time_s"]) == {"warm_start", "rollout", "train", "eval"}
+  assert 0 < sum(summary["time_s"].values()) < summary["wall_time_s"]

@@ -58,7 +58,10 @@ def hostile_completions(canary) -> list[str]:
 @pytest.mark.parametrize("name", tasks.TASK_NAMES)
 def test_hostile_completions_are_scored_safely_and_quickly(name, tmp_path):
   canary = tmp_path / "PWNED"
-  task = tasks.make_task(name, eval_size=2)
+  # running_sum's answers are its warm-start teacher's; with a perfect teacher they are the
+  # reference solutions.
+  perfect_teacher = {"teacher_carry_slip": 0.0} if name == "running_sum" else {}
+  task = tasks.make_task(name, eval_size=2, **perfect_teacher)
   examples = task.examples("eval", 2)
   hostile = hostile_completions(canary)
   rows = [(c, e) for e in examples for c in hostile + [e.answer]]
