@@ -27,7 +27,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.rollout.max_new_tokens = 112     # the longest worked solution is 105 tokens with EOS
   c.rollout.prompts_per_step = 8
   c.rollout.train_length_buckets = (16, 32, 64)
-  c.warm_start.steps = 300
+  c.warm_start.steps = 400
   c.warm_start.batch_size = 32
   c.warm_start.learning_rate = 3e-3
   c.warm_start.length_window = 8
