@@ -99,3 +99,12 @@ def test_evaluate_sampled_counts_and_identities():
   assert single.num_correct.shape == (5,)
   with pytest.raises(ValueError, match="pass@9 needs"):
     evaluation.evaluate_sampled(params, examples, **dict(kwargs, ks=(9,)))
+
+
+def test_accuracy_stderr_and_by_size_by_hand():
+  exact = np.array([1, 0, 1, 1, 0, 0, 1, 1], bool)
+  sizes = np.array([2, 2, 3, 3, 3, 0, 5, 5])
+  assert evaluation.accuracy_stderr(exact) == pytest.approx(math.sqrt(0.625 * 0.375 / 8))
+  assert evaluation.accuracy_stderr(np.zeros(0, bool)) == 0.0
+  # size 0 means "unsized" and is left out.
+  assert evaluation.accuracy_by_size(sizes, exact) == {2: (2, 0.5), 3: (3, 2 / 3), 5: (2, 1.0)}

@@ -84,3 +84,24 @@ def test_tensorboard_can_be_switched_off(tmp_path):
 def test_plot_run_writes_a_png(tmp_path, records):
   metrics.plot_run(records, str(tmp_path / "plot.png"))
   assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_length_stats_against_the_sorted_lengths():
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  lengths = np.array([3, 3, 4, 7, 7, 7, 9, 20, 20, 50] * 3)
+  stats = metrics.length_stats(np.bincount(lengths))
+  ordered = np.sort(lengths)
+  assert stats["median"] == ordered[int(np.ceil(0.5 * len(ordered))) - 1] == 7
+  assert stats["p95"] == ordered[int(np.ceil(0.95 * len(ordered))) - 1] == 50
+  assert stats["max"] == 50 and stats["rows"] == 30
+  assert stats["mean"] == pytest.approx(lengths.mean())
+  assert metrics.length_stats([]) == {} and metrics.length_stats([0, 0]) == {}
+
+
+def test_plot_has_an_accuracy_by_size_panel_when_evals_carry_sizes():
+  records = [{"step": 1, "reward_mean": 0.5, "exact_match": 0.25},
+             {"step": 1, "event": "warm_start_end", "eval_accuracy": 0.3}]
+  sized = [dict(r, eval_accuracy_stderr=0.01, eval_accuracy_by_size={"2": 0.5, "3": 0.25})
+           if "eval_accuracy" in r else r for r in records]
+  assert len(metrics.run_figure(sized).axes) == 3
+  assert len(metrics.run_figure(records).axes) == 2
