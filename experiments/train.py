@@ -106,8 +106,8 @@ _RANGES = (
        ("warm_start.warmup_steps", 0, True, None), ("warm_start.learning_rate", 0, False, None),
        ("warm_start.length_window", 1, True, None)]
     + [(f"rl.{k}", 1, True, None) for k in ("num_microbatches", "num_minibatches", "ppo_epochs")]
-    + [(f"rl.{k}", 0, True, None) for k in ("steps", "staleness", "max_staleness",
-                                            "weight_decay", "max_grad_norm")]
+    + [(f"rl.{k}", 0, True, None) for k in ("steps", "warmup_steps", "staleness",
+                                            "max_staleness", "weight_decay", "max_grad_norm")]
     + [("rl.learning_rate", 0, False, None)]
     + [(f"loss.{k}", 0, True, None) for k in ("eps_low", "eps_high", "kl_coef", "is_floor")]
     + [(f"loss.{k}", 0, False, None) for k in ("norm_len", "is_cap", "m2_tau", "sat_bandwidth",
@@ -272,7 +272,8 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None):
         name="sft", aggregation="token_mean", norm_len=1.0))
     prompts = config.warm_start.batch_size
   else:
-    optimizer = train.make_optimizer(config.rl.learning_rate, weight_decay=config.rl.weight_decay,
+    optimizer = train.make_optimizer(config.rl.learning_rate, warmup_steps=config.rl.warmup_steps,
+                                      weight_decay=config.rl.weight_decay,
                                       max_grad_norm=config.rl.max_grad_norm)
     loss_config = ml_collections.FrozenConfigDict(config.loss)
     prompts = config.rollout.prompts_per_step

@@ -1,37 +1,38 @@
-"""running_sum: repeated addition written as running totals, Arbor's built-in RL testbed.
+"""running_sum: repeated addition written as a trace of states, Arbor's built-in RL testbed.
 
-A problem adds a digit to a start k times. The prompt writes k as a letter (a = 1, ...,
-z = 26): "37+5*d=" asks for 37 + 5 + 5 + 5 + 5. A worked solution tags the steps a, b, c,
-... and writes the running total after each tag, then stops after the prompt's letter:
-"a42b47c52d57". The reward is 1.0 when the number after the last tag equals 37 + 5 * 4 and
-0.0 otherwise; there is no partial credit (only the exact final total scores, so junk
-cannot farm reward). Every step is local: write the letter after the last tag, add the
-prompt's digit to the total just written (carry when the units wrap), and stop when the
-tag just written is the prompt's letter. So a small transformer learns the procedure
-quickly, and long problems are harder only through compounding.
+A problem adds `step` to an 8-digit start k times. The prompt gives the step and the initial
+state "count:total", where count is the number of additions still to do: "+5,3:12345678"
+asks for 12345678 + 5 + 5 + 5. A worked solution writes the state after each addition and
+ends at count 0: ",2:12345683,1:12345688,0:12345693". The reward is 1.0 when the total of
+the last state is the true total and 0.0 otherwise; there is no partial credit (only the
+exact final total scores, so junk cannot farm reward). Every step is local and the same:
+read the previous state 11 tokens back, write count - 1 and total + step (carrying when the
+units wrap), stop after count 0. So a small transformer learns the procedure from
+demonstrations, and long problems are harder only because errors compound.
 
 Why this task makes RL visible on a CPU:
 
-* Long tail by construction. k is drawn with P(k) proportional to (k - 1) ** -length_tail
-  on [min_terms, max_terms], and each step adds 3-4 tokens, so most completions are short
-  and a few are very long (defaults: median ~17 tokens, 95th percentile > 4x that,
-  longest ~100).
+* Long tail by construction. k follows a Zipf law on [min_steps, max_steps] (1-9 by
+  default; the law's tail beyond max_steps is folded into max_steps) and each step adds 11
+  tokens, so most completions are short and some are long (defaults: median 23 tokens, 95th
+  percentile 100 = 4.3x the median, longest 100).
 * Headroom by construction: an imperfect teacher. The warm start imitates demonstrations
   (`Example.answer`) in which, at each step that carries, the teacher forgets the carry
-  with probability `teacher_carry_slip` (writes 32 instead of 42 for 37+5) and then
-  continues correctly from what it wrote. Supervised learning converges to the teacher's
-  conditional distribution, so with a slip probability above 1/2 the warm-started policy's
-  greedy choice at a carry is the slip, and greedy decoding solves only problems without a
-  carry. Sampling still carries with probability ~1 - teacher_carry_slip, so GRPO sees
-  correct completions (short problems first) and can raise the carry probability past 1/2;
-  long problems follow as the per-step accuracy p rises (success ~ p ** carries). The
-  reward always checks the true total, never the teacher.
+  with probability `teacher_carry_slip` (0.6: writes 12345673 instead of 12345683 for
+  12345678 + 5) and then continues correctly from what it wrote. Supervised learning
+  converges to the teacher's conditional distribution, so with a slip probability above
+  1/2 the warm-started policy's greedy choice at a carry is the slip. Adding 5 carries at
+  every other step, so greedy decoding solves only one-step problems that do not carry
+  (about a quarter of them). Sampling still carries with probability ~0.4, so GRPO sees
+  correct completions (short problems first) and can raise the carry probability past one
+  half; longer problems follow as the per-step accuracy rises (success ~ p ** carries).
+  The reward always checks the true total, never the teacher.
 
 Items are index-addressable: item i of a split is drawn from NumPy generators seeded by
 (seed, split, i), so `examples(split, n, start)` is a pure function and a loop resumes from
 one integer cursor. The eval split is the first `eval_size` items of its stream; train
-position p redraws its start and digit (same k) until the question is not an eval
-question, so the splits are disjoint and the train size distribution is exactly P(k).
+position p redraws its start (same k) until the question is not an eval question, so the
+splits are disjoint and the train size distribution is exactly P(k).
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ from rl.tasks import Example
 NAME = "running_sum"
 PROMPT_STYLES = ("compact", "full")
 
-TAGS = "abcdefghijklmnopqrstuvwxyz"  # step j (1-based) is tagged TAGS[j - 1]
 _EVAL_STREAM, _TRAIN_STREAM, _TEACHER_STREAM = 1, 2, 3
 _MAX_TRAIN_DRAWS = 64
 _SIZE_DRAW = _MAX_TRAIN_DRAWS  # the draw index whose generator picks k
@@ -59,86 +59,106 @@ _STOP_STRINGS = ("\n", "<|endoftext|>", "<|im_end|>", "</s>")
 
 @dataclasses.dataclass(frozen=True)
 class Problem:
-  """start + digit * steps, solved by adding `digit` `steps` times."""
+  """start + step * steps, solved by adding `step` `steps` times."""
   start: int
-  digit: int
+  step: int
   steps: int
 
   @property
   def total(self) -> int:
-    return self.start + self.digit * self.steps
+    return self.start + self.step * self.steps
 
 
 @dataclasses.dataclass(frozen=True)
 class Difficulty:
   """The problem distribution and the warm-start teacher.
 
-  min_steps / max_steps: range of k, the number of additions (at most 26 tags).
-  length_tail: P(k) is proportional to k ** -length_tail; 0 = uniform k.
-  min_start / max_start: range of the start (uniform).
-  max_digit: the digit added is uniform on [1, max_digit] (1 = counting on).
+  min_steps / max_steps: range of k, the number of additions (1 to 9: the count is one
+    digit).
+  length_tail: k follows a Zipf law, P(k) proportional to k ** -length_tail, whose tail
+    beyond max_steps is folded into max_steps (so the longest problems keep a share that
+    a warm start can learn from); must be > 1.
+  digits: width of the running total; starts are uniform over the `digits`-digit numbers
+    that stay `digits` digits wide after max_steps additions.
+  step: the number added at every step (1 to 9; 5 carries at every other step).
   teacher_carry_slip: probability that a demonstration forgets the carry at a step that
     carries (0 = a perfect teacher).
   """
-  min_steps: int = 2
-  max_steps: int = 26
-  length_tail: float = 1.4
-  min_start: int = 10
-  max_start: int = 899
-  max_digit: int = 1
+  min_steps: int = 1
+  max_steps: int = 9
+  length_tail: float = 1.7
+  digits: int = 8
+  step: int = 5
   teacher_carry_slip: float = 0.6
 
   def __post_init__(self):
-    if not 1 <= self.min_steps <= self.max_steps <= len(TAGS):
-      raise ValueError(f"running_sum: need 1 <= min_steps <= max_steps <= {len(TAGS)}, got "
+    if not 1 <= self.min_steps <= self.max_steps <= 9:
+      raise ValueError(f"running_sum: need 1 <= min_steps <= max_steps <= 9, got "
                        f"min_steps={self.min_steps}, max_steps={self.max_steps}.")
-    if not 0 <= self.min_start <= self.max_start:
-      raise ValueError(f"running_sum: need 0 <= min_start <= max_start, got "
-                       f"min_start={self.min_start}, max_start={self.max_start}.")
-    if not 1 <= self.max_digit <= 9:
-      raise ValueError(f"running_sum: max_digit={self.max_digit} must be in [1, 9].")
-    if self.length_tail < 0:
-      raise ValueError(f"running_sum: length_tail={self.length_tail} must be >= 0.")
+    if not 2 <= self.digits <= 12:
+      raise ValueError(f"running_sum: digits={self.digits} must be in [2, 12].")
+    if not 1 <= self.step <= 9:
+      raise ValueError(f"running_sum: step={self.step} must be in [1, 9].")
+    if self.length_tail <= 1:
+      raise ValueError(f"running_sum: length_tail={self.length_tail} must be > 1 (a Zipf "
+                       "law with a finite tail).")
     if not 0.0 <= self.teacher_carry_slip <= 1.0:
       raise ValueError(f"running_sum: teacher_carry_slip={self.teacher_carry_slip} must be "
                        "a probability in [0, 1].")
 
+  @property
+  def start_range(self) -> tuple[int, int]:
+    """(lowest, highest) start: every running total has exactly `digits` digits."""
+    return 10 ** (self.digits - 1), 10 ** self.digits - 1 - self.step * self.max_steps
+
   def size_probabilities(self) -> tuple[np.ndarray, np.ndarray]:
-    """(k values, P(k))."""
+    """(k values, P(k)): Zipf weights k ** -length_tail, the last one the whole tail."""
     sizes = np.arange(self.min_steps, self.max_steps + 1)
     weights = sizes ** -float(self.length_tail)
+    weights[-1] = zipf_tail(self.max_steps, self.length_tail)
     return sizes, weights / weights.sum()
 
 
+def zipf_tail(first: int, exponent: float, terms: int = 10_000) -> float:
+  """sum over j >= first of j ** -exponent (exponent > 1): `terms` terms, then the
+  Euler-Maclaurin remainder (relative error < 1e-12 for the sizes used here)."""
+  j = np.arange(first, first + terms, dtype=np.float64)
+  end = float(first + terms)
+  return float((j ** -exponent).sum() + end ** (1 - exponent) / (exponent - 1)
+               + 0.5 * end ** -exponent)
+
+
 def question(problem: Problem) -> str:
-  """The compact question, e.g. Problem(37, 5, 4) -> "37+5*d=": the number of steps is
-  written as the letter that tags the last step (a = 1, ..., z = 26)."""
-  return f"{problem.start}+{problem.digit}*{TAGS[problem.steps - 1]}="
+  """The prompt: the step to add, then the initial state "count:total", e.g.
+  Problem(12345678, 5, 3) -> "+5,3:12345678" (add 5 three times to 12345678)."""
+  return f"+{problem.step},{problem.steps}:{problem.start}"
 
 
 def worked_solution(problem: Problem, slips=None) -> str:
-  """The tagged running totals, e.g. Problem(37, 5, 4) -> "a42b47c52d57": step j is tagged
-  with the j-th letter, so the solution ends after the prompt's letter.
+  """The states after each step, e.g. Problem(12345678, 5, 3) ->
+  ",2:12345683,1:12345688,0:12345693": the count of steps left, then the running total;
+  the solution ends at count 0.
 
   slips[j] (bool, one per step): at a step whose units digit wraps, forget the carry (write
   total - 10) and continue from the written total. None = no slips.
   """
   total, parts = problem.start, []
   for j in range(problem.steps):
-    carries = total % 10 + problem.digit >= 10
-    total += problem.digit - (10 if carries and slips is not None and slips[j] else 0)
-    parts.append(f"{TAGS[j]}{total}")
+    carries = total % 10 + problem.step >= 10
+    total += problem.step - (10 if carries and slips is not None and slips[j] else 0)
+    parts.append(f",{problem.steps - 1 - j}:{total}")
   return "".join(parts)
 
 
 def parse_final_answer(completion: str) -> int | None:
-  """The integer after the last tag of the scored text (the text up to the first newline or
-  end-of-sequence marker), or None when that is not 1-12 decimal digits. Linear in the
-  text's length; never evaluates the text."""
+  """The total of the last state: the integer after the last colon of the scored text (the
+  text up to the first newline or end-of-sequence marker; all of it when there is no
+  colon), or None when that is not 1-12 decimal digits. Linear in the text's length; never
+  evaluates the text."""
   text = completion.lstrip()
   for stop in _STOP_STRINGS:
     text = text.split(stop, 1)[0]
-  final = re.split(f"[{TAGS}]", text)[-1].strip()
+  final = text.rsplit(":", 1)[-1].strip()
   return int(final) if _FINAL_TOTAL.fullmatch(final) else None
 
 
@@ -193,16 +213,16 @@ class RunningSumTask:
   def _problem(self, stream: int, index: int, steps: int, draw: int) -> Problem:
     rng = self._rng(stream, index, draw)
     d = self._difficulty
-    return Problem(start=int(rng.integers(d.min_start, d.max_start + 1)),
-                   digit=int(rng.integers(1, d.max_digit + 1)), steps=steps)
+    low, high = d.start_range
+    return Problem(start=int(rng.integers(low, high + 1)), step=d.step, steps=steps)
 
   def _example(self, stream: int, index: int, problem: Problem) -> Example:
     slips = self._rng(_TEACHER_STREAM, index, stream).random(problem.steps)
     slips = slips < self._difficulty.teacher_carry_slip
     prompt = (question(problem) if self.prompt_style == "compact" else
-              f"Add {problem.digit} to {problem.start}, {problem.steps} times: "
-              f"{question(problem)} Before each running total write the step's letter "
-              f"(a, b, c, ...) and stop after {TAGS[problem.steps - 1]}.\n")
+              f"Add {problem.step} to {problem.start}, {problem.steps} times. After each "
+              f"addition write a comma, the number of additions left, a colon and the "
+              f"running total; stop when none are left. Start: {question(problem)}\n")
     entry = {"problem": problem, "total": problem.total, "solution": worked_solution(problem)}
     return Example(prompt=prompt, answer=worked_solution(problem, slips), entry=entry,
                    size=problem.steps)
@@ -241,7 +261,7 @@ class RunningSumTask:
     raise ValueError(f"Task {NAME!r}: unknown split {split!r}; use 'train' or 'eval'.")
 
   def reward(self, completion: str, example: Example) -> float:
-    """1.0 when the final total (`parse_final_answer`) is start + digit * steps, else 0.0."""
+    """1.0 when the final total (`parse_final_answer`) is start + step * steps, else 0.0."""
     return float(parse_final_answer(completion) == example.entry["total"])
 
   def exact_match(self, completion: str, example: Example) -> bool:

@@ -11,24 +11,27 @@ from rl.tasks import make_task
 
 
 def test_hand_cases():
-  problem = Problem(start=37, digit=5, steps=4)
+  problem = Problem(start=37, step=5, steps=4)
   assert problem.total == 57
-  assert running_sum.question(problem) == "37+5*d="
-  assert running_sum.question(Problem(899, 1, 26)) == "899+1*z="
-  assert running_sum.worked_solution(problem) == "a42b47c52d57"
+  assert running_sum.question(problem) == "+5,4:37"
+  assert running_sum.question(Problem(12345678, 1, 9)) == "+1,9:12345678"
+  assert running_sum.worked_solution(problem) == ",3:42,2:47,1:52,0:57"
   # 37+5 carries: a slip writes 32 and the teacher goes on from what it wrote.
-  assert running_sum.worked_solution(problem, [True, False, False, False]) == "a32b37c42d47"
+  assert running_sum.worked_solution(problem, [True, False, False, False]) == (
+      ",3:32,2:37,1:42,0:47")
   # A slip only acts where the units wrap: 42+5 does not carry, 47+5 does.
-  assert running_sum.worked_solution(problem, [False, True, True, False]) == "a42b47c42d47"
-  assert running_sum.worked_solution(Problem(98, 1, 3)) == "a99b100c101"
-  assert running_sum.worked_solution(Problem(98, 1, 3), [False, True, True]) == "a99b90c91"
+  assert running_sum.worked_solution(problem, [False, True, True, False]) == (
+      ",3:42,2:47,1:42,0:47")
+  assert running_sum.worked_solution(Problem(98, 1, 3)) == ",2:99,1:100,0:101"
+  assert running_sum.worked_solution(Problem(98, 1, 3), [False, True, True]) == (
+      ",2:99,1:90,0:91")
 
 
 @pytest.mark.parametrize("completion, expected", [
-    ("a42b47c52d57", 57), ("57", 57), (" a42b47c52d57\nmore", 57),
-    ("a42b47c52d57<|im_end|>", 57), ("a42 d 0057", 57), ("", None), ("a42b", None),
-    ("a42b5x", None), ("d-57", None), ("d5.7", None), ("d" + "9" * 13, None),
-    ("9" * 10**6, None), ("__import__('os')", None), ("d١٢", None),
+    (",3:42,2:47,1:52,0:57", 57), ("57", 57), (" ,1:52,0:57\nmore", 57),
+    (",0:57<|im_end|>", 57), (",0: 0057", 57), ("", None), (",1:52,0:", None),
+    (",0:5x", None), (",0:-57", None), (",0:5.7", None), (",0:" + "9" * 13, None),
+    ("9" * 10**6, None), ("__import__('os')", None), (",0:\u0661\u0662", None),
 ])
 def test_parse_final_answer(completion, expected):
   assert running_sum.parse_final_answer(completion) == expected
@@ -38,32 +41,38 @@ def _brute_force_totals(problem, slips):
   """Independent teacher: the written totals, from explicit units/tens digit arithmetic."""
   written, totals = problem.start, []
   for slip in slips:
-    units_sum = written % 10 + problem.digit
+    units_sum = written % 10 + problem.step
     carry = 0 if slip else units_sum // 10
     written = (written // 10 + carry) * 10 + units_sum % 10
     totals.append(written)
   return totals
 
 
-def _totals(solution):
-  return [int(x) for x in re.split("[a-z]", solution)[1:]]
+def _states(solution):
+  """[(count, total)] of a worked solution, parsed independently of the task's parser."""
+  return [(int(count), int(total)) for count, total in re.findall(r",(\d):(\d+)", solution)]
 
 
 def test_generator_and_verifier_against_brute_force():
   task = make_task("running_sum", seed=3, eval_size=50)
+  low, high = running_sum.Difficulty().start_range
+  assert (low, high) == (10_000_000, 99_999_954)
   for example in task.examples("train", 400):
     problem = example.entry["problem"]
-    assert example.size == problem.steps and 2 <= problem.steps <= 26
-    assert 10 <= problem.start <= 899 and problem.digit == 1  # the default: counting on
+    assert example.size == problem.steps and 1 <= problem.steps <= 9
+    assert low <= problem.start <= high and problem.step == 5  # the default: count by fives
     assert example.prompt == running_sum.question(problem)
-    assert example.entry["total"] == problem.start + sum([problem.digit] * problem.steps)
-    correct = _totals(example.entry["solution"])
-    assert correct == [problem.start + problem.digit * j for j in range(1, problem.steps + 1)]
+    assert example.entry["total"] == problem.start + sum([problem.step] * problem.steps)
+    states = _states(example.entry["solution"])
+    assert states == [(problem.steps - j, problem.start + problem.step * j)
+                      for j in range(1, problem.steps + 1)]
+    assert all(len(str(total)) == 8 for _, total in states)  # fixed width
+    assert example.entry["solution"] == "".join(f",{c}:{t}" for c, t in states)
     assert task.reward(example.entry["solution"], example) == 1.0
-    teacher = _totals(example.answer)
+    teacher = [total for _, total in _states(example.answer)]
     steps_taken = np.diff([problem.start] + teacher)
-    slips = list(steps_taken != problem.digit)  # where the teacher deviated
-    assert set(steps_taken[slips]) <= {problem.digit - 10}
+    slips = list(steps_taken != problem.step)  # where the teacher deviated
+    assert set(steps_taken[slips]) <= {problem.step - 10}
     assert teacher == _brute_force_totals(problem, slips)
     assert task.reward(example.answer, example) == float(teacher[-1] == problem.total)
     assert task.reward(example.entry["solution"] + "1", example) == 0.0
@@ -71,17 +80,17 @@ def test_generator_and_verifier_against_brute_force():
 
 
 def test_teacher_slips_at_the_configured_rate():
-  task = make_task("running_sum", eval_size=10, teacher_carry_slip=0.6, max_digit=9)
+  task = make_task("running_sum", eval_size=10, teacher_carry_slip=0.6, step=9)
   carries = slips = 0
   for example in task.examples("train", 1000):
     problem = example.entry["problem"]
     written = problem.start
-    for total in _totals(example.answer):
-      if written % 10 + problem.digit >= 10:
+    for _, total in _states(example.answer):
+      if written % 10 + problem.step >= 10:
         carries += 1
-        slips += total == written + problem.digit - 10
+        slips += total == written + problem.step - 10
       written = total
-  assert carries > 3000
+  assert carries > 2000
   assert abs(slips / carries - 0.6) < 0.03
   perfect = make_task("running_sum", eval_size=10, teacher_carry_slip=0.0)
   assert all(e.answer == e.entry["solution"] for e in perfect.examples("train", 200))
@@ -97,15 +106,29 @@ def test_examples_are_index_addressable_and_deterministic():
 
 
 def test_splits_are_disjoint_even_when_questions_are_few():
-  # 90 distinct questions: an eval set of 60 covers half of them.
-  task = make_task("running_sum", eval_size=60, min_steps=2, max_steps=2, max_start=99)
+  # Two-digit totals, one step of 1: the 89 starts 10..98 are all the questions there are,
+  # and an eval set of 60 covers two thirds of them.
+  few = dict(min_steps=1, max_steps=1, digits=2, step=1)
+  task = make_task("running_sum", eval_size=60, **few)
   eval_questions = {e.prompt for e in task.examples("eval", 60)}
   train = task.examples("train", 500)
   assert not eval_questions & {e.prompt for e in train}
-  assert all(e.size == 2 for e in train)
+  assert all(e.size == 1 for e in train)
   with pytest.raises(ValueError, match="collided with the eval set"):
-    make_task("running_sum", eval_size=200, min_steps=1, max_steps=1,
-              max_start=19).examples("train", 50)
+    make_task("running_sum", eval_size=2000, **few).examples("train", 50)
+
+
+def test_size_law_is_zipf_with_the_tail_folded_into_the_largest_size():
+  sizes, probs = running_sum.Difficulty(length_tail=2.0).size_probabilities()
+  assert list(sizes) == list(range(1, 10))
+  # zeta(2) = pi^2 / 6: P(k) = k^-2 / zeta(2) below 9, and P(9) = the rest of the law.
+  np.testing.assert_allclose(probs[:-1], sizes[:-1] ** -2.0 / (np.pi ** 2 / 6), rtol=1e-9)
+  np.testing.assert_allclose(probs[-1], 1 - (sizes[:-1] ** -2.0).sum() / (np.pi ** 2 / 6),
+                             rtol=1e-9)
+  assert running_sum.zipf_tail(9, 1.7) == pytest.approx(
+      sum(j ** -1.7 for j in range(9, 2_000_000)) + 2_000_000 ** -0.7 / 0.7, rel=1e-9)
+  sizes, probs = running_sum.Difficulty(min_steps=3, max_steps=5).size_probabilities()
+  assert list(sizes) == [3, 4, 5] and probs.sum() == pytest.approx(1)
 
 
 def test_default_length_distribution_has_a_long_tail():
@@ -118,9 +141,6 @@ def test_default_length_distribution_has_a_long_tail():
     assert median >= 16, split
     assert np.percentile(lengths, 95) >= 4 * median, split
     assert lengths.max() >= 96, split
-  sizes, probs = running_sum.Difficulty().size_probabilities()
-  assert sizes[0] == 2 and sizes[-1] == 26 and probs[0] > probs[-1]
-  assert probs.sum() == pytest.approx(1)
 
 
 def test_bad_difficulty_and_splits_are_named():
@@ -129,11 +149,13 @@ def test_bad_difficulty_and_splits_are_named():
   with pytest.raises(ValueError, match="min_steps"):
     make_task("running_sum", min_steps=5, max_steps=3)
   with pytest.raises(ValueError, match="max_steps"):
-    make_task("running_sum", max_steps=27)
-  with pytest.raises(ValueError, match="max_digit"):
-    make_task("running_sum", max_digit=10)
-  with pytest.raises(ValueError, match="min_start"):
-    make_task("running_sum", min_start=50, max_start=20)
+    make_task("running_sum", max_steps=10)
+  with pytest.raises(ValueError, match="step=10"):
+    make_task("running_sum", step=10)
+  with pytest.raises(ValueError, match="digits=1"):
+    make_task("running_sum", digits=1)
+  with pytest.raises(ValueError, match="length_tail"):
+    make_task("running_sum", length_tail=1.0)
   with pytest.raises(ValueError, match="teacher_carry_slip"):
     make_task("running_sum", teacher_carry_slip=1.5)
   with pytest.raises(ValueError, match="prompt_style"):
@@ -169,17 +191,19 @@ def test_scored_in_the_isolated_worker_like_any_task():
   assert scores.timeouts == 0 and scores.errors == 0
 
 
-def test_running_sum_config_runs_through_the_launcher(tmp_path):
-  """experiments/configs/running_sum.py, shrunk: the launcher trains on it and reports
+def test_default_config_runs_through_the_launcher(tmp_path):
+  """The embedded default (running_sum), shrunk: the launcher trains on it and reports
   per-size accuracy and rollout lengths in summary.json."""
   from experiments import train as train_launcher  # pylint: disable=import-outside-toplevel
-  from experiments.configs import running_sum as running_sum_config  # pylint: disable=import-outside-toplevel
-  config = running_sum_config.get_config()
+  from experiments.configs import default  # pylint: disable=import-outside-toplevel
+  config = default.get_config()
+  assert config.task.name == "running_sum"
   config.workdir = str(tmp_path / "run")
+  config.task.difficulty.min_steps = 2
   config.task.difficulty.max_steps = 3
-  config.task.difficulty.max_start = 99
+  config.task.difficulty.digits = 3
   config.task.eval_size = 32
-  config.rollout.max_new_tokens = 12
+  config.rollout.max_new_tokens = 20
   config.rollout.prompts_per_step = 2
   config.rollout.group_size = 4
   config.rollout.train_length_buckets = (8,)
@@ -194,6 +218,7 @@ def test_running_sum_config_runs_through_the_launcher(tmp_path):
   assert set(summary["accuracy_by_size"]) == {"2", "3"}
   assert sum(row["examples"] for row in summary["accuracy_by_size"].values()) == 32
   lengths = summary["rollout_completion_length"]
-  assert lengths["rows"] == 2 * 8 and 1 <= lengths["median"] <= lengths["max"] <= 12
+  assert lengths["rows"] == 2 * 8 and 1 <= lengths["median"] <= lengths["max"] <= 20
   assert set(summary["time_s"]) == {"warm_start", "rollout", "train", "eval"}
   assert 0 < sum(summary["time_s"].values()) < summary["wall_time_s"]
+
