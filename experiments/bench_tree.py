@@ -3,20 +3,20 @@
     python -m experiments.bench_tree --workdir=runs/bench_tree            # B3 + training
     python -m experiments.bench_tree --workdir=runs/bench_tree --train_seeds=0  # B3 only
 
-Part 1 (B3). A policy is warm-started on the compact chain_sum task (the supervised phase of
-configs/chain_sum_compact.py), then the same prompts are rolled out by independent sampling
-with G = 2..8 completions per prompt and by each tree fork policy. For each: leaves per
-prompt, decoded tokens (sampled tokens; a tree's shared prefixes are decoded once), decoded
-tokens per leaf, distinct final answers per prompt, fraction of groups with non-zero reward
-variance, reward signal per 1k decoded tokens (sum over leaves of |reward - group mean
-reward|, the mass GRPO-style advantages are built from), coverage (prompts with an exact leaf)
-and the sample + score wall time (best of N after compilation, interleaved, relative to
-independent G = 8; the machine is shared, so only the ratio is meaningful). The B3 part is
-cached in --workdir/b3.json (delete it to measure again). The independent sweep over G gives
-the equal-decoded-token-budget comparison: a tree row is compared with the independent row
-whose decoded tokens are closest.
+Part 1 (B3). A policy is warm-started on the default task (the default config's supervised
+phase), then the same prompts are rolled out by independent sampling with G = 2..8
+completions per prompt and by each tree fork policy. For each: leaves per prompt, decoded
+tokens (sampled tokens; a tree's shared prefixes are decoded once), decoded tokens per
+leaf, distinct final answers per prompt, fraction of groups with non-zero reward variance,
+reward signal per 1k decoded tokens (sum over leaves of |reward - group mean reward|, the
+mass GRPO-style advantages are built from), coverage (prompts with an exact leaf) and the
+sample + score wall time (best of N after compilation, interleaved, relative to
+independent G = 8; the machine is shared, so only the ratio is meaningful). The B3 part
+is cached in --workdir/b3.json (delete it to measure again). The independent sweep over G gives
+the equal-decoded-token-budget comparison: a tree row is compared with the independent
+row whose decoded tokens are closest.
 
-Part 2. `experiments.train` is run with that config both ways (independent
+Part 2. `experiments.train` is run with the default config both ways (independent
 G = 8, and config.rollout.kind='tree' with the default fork policy, 8 leaves per prompt),
 one workdir per (kind, seed) (a finished workdir is reused), and held-out accuracy is
 plotted against cumulative decoded rollout tokens.
@@ -43,7 +43,7 @@ import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 import numpy as np
 
 from experiments import train as train_lib
-from experiments.configs import chain_sum_compact
+from experiments.configs import default
 from models import transformer
 from models.tokenizer import CharTokenizer
 from rl import advantages
@@ -88,7 +88,7 @@ GROUP_SIZES = (2, 3, 4, 5, 6, 8)
 
 def _base_config():
   """The default config with this benchmark's overrides (flags left unset keep it)."""
-  config = chain_sum_compact.get_config()
+  config = default.get_config()
   for value, (section, field) in ((_WARM_STEPS.value, ("warm_start", "steps")),
                                   (_WARM_LR.value, ("warm_start", "learning_rate")),
                                   (_RL_STEPS.value, ("rl", "steps")),

@@ -191,13 +191,12 @@ def test_scored_in_the_isolated_worker_like_any_task():
   assert scores.timeouts == 0 and scores.errors == 0
 
 
-def test_default_config_runs_through_the_launcher(tmp_path):
-  """The embedded default (running_sum), shrunk: the launcher trains on it and reports
+def test_running_sum_config_runs_through_the_launcher(tmp_path):
+  """experiments/configs/running_sum.py, shrunk: the launcher trains on it and reports
   per-size accuracy and rollout lengths in summary.json."""
   from experiments import train as train_launcher  # pylint: disable=import-outside-toplevel
-  from experiments.configs import default  # pylint: disable=import-outside-toplevel
-  config = default.get_config()
-  assert config.task.name == "running_sum"
+  from experiments.configs import running_sum as running_sum_config  # pylint: disable=import-outside-toplevel
+  config = running_sum_config.get_config()
   config.workdir = str(tmp_path / "run")
   config.task.difficulty.min_steps = 2
   config.task.difficulty.max_steps = 3

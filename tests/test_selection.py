@@ -13,7 +13,6 @@ import ml_collections
 import numpy as np
 import pytest
 
-from experiments.configs import chain_sum_compact
 from experiments.configs import default
 from rl import advantages
 from rl import checkpoint
@@ -314,7 +313,7 @@ def _tiny_loop(kind, pool, **overrides):
   from rl import tasks  # pylint: disable=import-outside-toplevel
   from rl import train  # pylint: disable=import-outside-toplevel
 
-  config = chain_sum_compact.get_config()
+  config = default.get_config()
   config.rollout.prompts_per_step, config.rollout.group_size = 2, 2
   config.task.train_pool = pool
   config.selection = _config(kind, **overrides).as_configdict()

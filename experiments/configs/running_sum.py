@@ -1,0 +1,40 @@
+"""The running_sum testbed (rl/running_sum.py, docs/testbed.md): long-tailed worked solutions
+and a warm-start teacher that forgets most carries, so GRPO has a skill to learn.
+
+    python -m experiments.train --config=experiments/configs/running_sum.py
+
+A two-layer decoder from scratch warm-starts on demonstrations (add 5 to an 8-digit number
+k = 1..9 times, writing the state "count:total" after each addition) from a teacher that
+forgets 60% of the carries, then GRPO learns to carry. Measured on two CPU cores: ~9 minutes,
++34 and +55 points of held-out accuracy in two of three seeds; the third seed's warm start
+did not learn the procedure (docs/testbed.md). Not yet the embedded default for that reason.
+Every field not set here is the default's (experiments/configs/default.py).
+"""
+
+import ml_collections
+
+from experiments.configs import default
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = default.get_config()
+  c.workdir = "runs/running_sum"
+  c.task.name = "running_sum"
+  c.task.eval_size = 500
+  c.task.difficulty = ml_collections.ConfigDict(dict(
+      min_steps=1, max_steps=9, length_tail=1.7, digits=8, step=5, teacher_carry_slip=0.6))
+  c.model.preset = "tiny2"            # two layers: the same procedure in fewer seconds
+  c.rollout.prompt_len = 16           # BOS + "+5,9:12345678"
+  c.rollout.max_new_tokens = 100      # the longest worked solution, EOS included
+  c.rollout.prompts_per_step = 8
+  c.rollout.train_length_buckets = (12, 24, 48)  # one, two and up to four states
+  c.warm_start.steps = 900
+  c.warm_start.batch_size = 32
+  c.warm_start.learning_rate = 3e-3
+  c.warm_start.length_window = 8
+  c.rl.steps = 120
+  c.rl.learning_rate = 5e-4
+  c.rl.warmup_steps = 40
+  c.loss.norm_len = 100.0
+  c.eval.every = 30
+  return c
