@@ -95,3 +95,26 @@ def test_scoring_counters_reach_metrics_and_resume_is_announced(tmp_path, capsys
   summary = train_launcher.run(config)  # nothing left to do: restores and says so
   assert f"Resumed from step 2 (rl phase) in {tmp_path}." in capsys.readouterr().out
   assert summary["steps"] == 2
+
+
+def test_rl_warmup_steps_reach_the_rl_optimizer():
+  """--config.rl.warmup_steps=W: the RL learning rate rises linearly from 0 over W
+  optimiser updates, then stays at rl.learning_rate (with a constant gradient every Adam
+  update has the size of its step's learning rate)."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from models.tokenizer import CharTokenizer  # pylint: disable=import-outside-toplevel
+  from rl.tasks import make_task  # pylint: disable=import-outside-toplevel
+  config = default.get_config()
+  config.rl.learning_rate, config.rl.warmup_steps, config.rl.max_grad_norm = 1e-2, 4, 0.0
+  tokenizer = CharTokenizer()
+  task = make_task(config.task.name, eval_size=4, **config.task.difficulty)
+  model_config = train_launcher.build_model_config(config, tokenizer)
+  _, optimizer = train_launcher.make_context(config, task, tokenizer, model_config,
+                                             train_launcher.RL)
+  params = {"w": jnp.zeros(3)}
+  state = optimizer.init(params)
+  sizes = []
+  for _ in range(6):
+    updates, state = optimizer.update({"w": jnp.ones(3)}, state, params)
+    sizes.append(float(jnp.abs(updates["w"][0])))
+  assert sizes == pytest.approx([0.0, 2.5e-3, 5e-3, 7.5e-3, 1e-2, 1e-2], rel=1e-4)
