@@ -82,7 +82,7 @@ def test_generator_and_verifier_against_brute_force():
 def test_teacher_slips_at_the_configured_rate():
   task = make_task("running_sum", eval_size=10, teacher_carry_slip=0.6, step=9)
   carries = slips = 0
-  for example in task.examples("train", 1000):
+  for example in task.examples("train", 1200):
     problem = example.entry["problem"]
     written = problem.start
     for _, total in _states(example.answer):
@@ -90,7 +90,7 @@ def test_teacher_slips_at_the_configured_rate():
         carries += 1
         slips += total == written + problem.step - 10
       written = total
-  assert carries > 2000
+  assert carries > 3000
   assert abs(slips / carries - 0.6) < 0.03
   perfect = make_task("running_sum", eval_size=10, teacher_carry_slip=0.0)
   assert all(e.answer == e.entry["solution"] for e in perfect.examples("train", 200))
@@ -107,7 +107,7 @@ def test_examples_are_index_addressable_and_deterministic():
 
 def test_splits_are_disjoint_even_when_questions_are_few():
   # Two-digit totals, one step of 1: the 89 starts 10..98 are all the questions there are,
-  # and an eval set of 60 covers two thirds of them.
+  # and an eval set of 60 draws covers about half of them.
   few = dict(min_steps=1, max_steps=1, digits=2, step=1)
   task = make_task("running_sum", eval_size=60, **few)
   eval_questions = {e.prompt for e in task.examples("eval", 60)}
