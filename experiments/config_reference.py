@@ -136,7 +136,45 @@ def render(source: str | None = None) -> str:
       out += ["| field | default | meaning |", "|---|---|---|"]
       in_table = True
     out.append(f"| `{entry.name}` | {_format_value(_lookup(config, entry.name))} | {description} |")
-  return "\n".join(out) + "\n"
+  return "\n".join(out + composition_table()) + "\n"
+
+
+# (column title, config overrides) of the composition table, after rollout and selection.
+_COMPOSITION_COLUMNS = (
+    ("sync", {}), ("sync, `rl.staleness=2`", {"rl.staleness": 2}),
+    ("`rl.async_`", {"rl.async_": True}),
+    ("`rl.async_`, `rl.staleness=2`", {"rl.async_": True, "rl.staleness": 2}),
+    ("`mesh.data=2`", {"mesh.data": 2}))
+
+
+def composition_table() -> list[str]:
+  """The section saying which combinations of the RL phase's switches run, each cell
+  computed by the launcher's own check (`experiments.train.check_composition`)."""
+  from experiments import train  # pylint: disable=import-outside-toplevel  (imports JAX)
+  out = ["", "## Which switches compose", "",
+         "Every combination of `rollout.kind`, `selection.kind`, `rl.async_`, `rl.staleness`",
+         "and the mesh either runs, with each switch doing what it says (tests/",
+         "test_feature_matrix.py runs them all through the launcher and checks each effect in",
+         "metrics.jsonl), or is refused by `validate` before any training, with an error",
+         "naming the fields. Cells: `runs`, or the field the refusal names.", "",
+         "| `rollout.kind` | `selection.kind` | " + " | ".join(t for t, _ in _COMPOSITION_COLUMNS)
+         + " |", "|---|---|" + "---|" * len(_COMPOSITION_COLUMNS)]
+  for kind in ("independent", "tree", "partial"):
+    for selection in ("uniform", "dynamic", "greso", "adaptive"):
+      cells = []
+      for _, overrides in _COMPOSITION_COLUMNS:
+        config = default.get_config()
+        config.rollout.kind, config.selection.kind = kind, selection
+        for path, value in overrides.items():
+          section, field = path.split(".")
+          config[section][field] = value
+        try:
+          train.check_composition(config)
+          cells.append("runs")
+        except ValueError as error:
+          cells.append("refused: `" + str(error).split(" ")[0] + "`")
+      out.append(f"| `{kind}` | `{selection}` | " + " | ".join(cells) + " |")
+  return out
 
 
 def undocumented(source: str | None = None) -> list[str]:

@@ -161,6 +161,30 @@ def check_names(config: ml_collections.ConfigDict) -> None:
                      "'reprefill'.")
 
 
+def check_composition(config: ml_collections.ConfigDict) -> None:
+  """Refuses the switch combinations that do not compose (docs/configuration.md has the
+  whole matrix): every other combination of rollout.kind, selection.kind, rl.async_,
+  rl.staleness and the mesh runs, each switch with its effect."""
+  r, kind = config.rollout, config.selection.kind
+  if r.kind != "independent" and kind != "uniform":
+    raise ValueError(f"config.selection.kind = {kind!r} chooses prompts and rollout counts for "
+                     f"independent samples; config.rollout.kind = {r.kind!r} cannot skip or "
+                     "re-weight groups (a tree shares one root per prompt; a partial pool has "
+                     "started them already). Use selection.kind='uniform' or "
+                     "rollout.kind='independent'.")
+  if config.rl.async_ and config.rl.staleness:
+    raise ValueError(f"config.rl.async_ has real staleness (bounded by rl.max_staleness); "
+                     f"config.rl.staleness = {config.rl.staleness} simulates it in the sync "
+                     "loop. Set one of them: rl.staleness = 0 or rl.async_ = False.")
+  m = config.mesh
+  single_device = mesh_lib.MeshConfig(data=m.data, fsdp=m.fsdp, tensor=m.tensor).is_single_device
+  if r.kind != "independent" and not single_device:
+    raise ValueError(f"config.rollout.kind = {r.kind!r} decodes on one device; the sharded "
+                     f"sampler (mesh data={m.data}, fsdp={m.fsdp}, tensor={m.tensor}) decodes "
+                     "independent samples only. Use rollout.kind='independent' or mesh.data = "
+                     "mesh.fsdp = mesh.tensor = 1.")
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the inconsistent fields and how to fix them. `run` calls it
   before anything else, so a bad config fails before the first training step."""
@@ -197,10 +221,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if any(b < 1 for b in r.train_length_buckets):
     raise ValueError(f"config.rollout.train_length_buckets = {r.train_length_buckets}: every "
                      "bucket must be a positive number of completion slots.")
-  if config.rl.async_ and (r.kind == "tree" or config.rl.staleness):
-    raise ValueError("config.rl.async_ runs independent or partial rollouts with real "
-                     "staleness; set config.rollout.kind to 'independent' or 'partial' and "
-                     "config.rl.staleness = 0 (simulated staleness is for the sync loop).")
+  check_composition(config)
   selection.check_config(config.selection, prompts_per_step=r.prompts_per_step,
                          group_size=r.group_size, pool_size=config.task.train_pool)
 
@@ -312,11 +333,12 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None):
 
 
 def make_rl_producer(config, ctx, store):
-  """The RL phase's batch producer (rl.loop.Producer) and its partial-rollout pool (None
-  for sync sampling). With config.rollout.replay_size, every produced batch is also kept
-  in the trajectory store's replay ring, keyed by the train step it is trained at."""
+  """The RL phase's batch producer (rl.loop.Producer; the one strategy-specific piece of
+  the RL phase) and its partial-rollout pool (None unless rollout.kind='partial'). With
+  config.rollout.replay_size, every produced batch is also kept in the trajectory store's
+  replay ring, keyed by the train step it is trained at."""
   rollouts = None
-  produce = loop.plain_producer(ctx)
+  produce = loop.make_producer(ctx)
   r = config.rollout
   if r.kind == "partial":
     slots = r.num_slots or 2 * r.prompts_per_step * r.group_size
@@ -328,13 +350,13 @@ def make_rl_producer(config, ctx, store):
   if not r.replay_size:
     return produce, rollouts
 
-  def produce_and_keep(params, version, train_step, rng, cursor):
-    samples, extra, cursor = produce(params, version, train_step, rng, cursor)
-    b = samples.rollout
+  def produce_and_keep(params, version, train_step, rng, cursor, selection):
+    produced = produce(params, version, train_step, rng, cursor, selection)
+    b = produced.rollout
     store.append_replay(train_step, jax.device_get(dict(
         tokens=b.tokens, prompt_mask=b.prompt_mask, completion_mask=b.completion_mask,
         behavior_logp=b.behavior_logp, version=b.version, group=b.group, reward=b.reward)))
-    return samples, extra, cursor
+    return produced
   return produce_and_keep, rollouts
 
 
@@ -400,10 +422,12 @@ def run(config: ml_collections.ConfigDict) -> dict:
   state = loop.LoopState(train=train_state, rng=loop_rng, history=history(train_state.params),
                          selection=selection.init_state(config.task.train_pool, config.selection))
   # Run-level records kept in the checkpoint meta, so a resumed run reports the whole run:
-  # held-out evaluations, the histogram of RL rollout completion lengths, and the wall time
-  # spent in each part (seconds; compilation counts where it happens).
+  # held-out evaluations, the histogram of RL rollout completion lengths, the prompts
+  # selection skipped, and the wall time spent in each part (seconds; compilation counts
+  # where it happens).
   meta = {"phase": WARM_START, "data_cursor": 0, "iteration": 0, "evals": [],
-          "completion_length_counts": [], "time_s": dict.fromkeys(TIME_PARTS, 0.0)}
+          "completion_length_counts": [], "time_s": dict.fromkeys(TIME_PARTS, 0.0),
+          "prompts_skipped": 0}
 
   manager = checkpoint.make_manager(os.path.join(config.workdir, "checkpoints"),
                                     config.checkpoint.max_to_keep, remove_unfinished=True)
@@ -460,6 +484,8 @@ def run(config: ml_collections.ConfigDict) -> dict:
     counts = step_metrics.pop("completion_length_counts", None)
     if counts is not None:
       meta["completion_length_counts"] = add_counts(meta["completion_length_counts"], counts)
+    meta["prompts_skipped"] = meta.get("prompts_skipped", 0) + int(
+        step_metrics.get("prompts_skipped", 0))
     for part in ("rollout", "train"):
       meta["time_s"][part] += float(step_metrics.get(f"time_{part}_s", 0.0))
     record = {"step": done, "phase": phase, **{k: float(v) for k, v in step_metrics.items()}}
@@ -497,9 +523,6 @@ def run(config: ml_collections.ConfigDict) -> dict:
         step_started = time.perf_counter()
         state, step_metrics = loop.sft_iteration(state, ctx, config.warm_start.length_window)
         meta["time_s"]["warm_start"] += time.perf_counter() - step_started
-        record_step(phase, step_metrics)
-      elif config.rollout.kind == "tree":
-        state, step_metrics = loop.tree_iteration(state, ctx)
         record_step(phase, step_metrics)
       elif config.rl.async_:
         # Run up to the next evaluation / checkpoint / end; nothing is in flight after it.
@@ -542,6 +565,7 @@ def run(config: ml_collections.ConfigDict) -> dict:
              "steps": done, "wall_time_s": time.time() - started,
              "time_s": dict(meta["time_s"]),
              "rollout_completion_length": metrics.length_stats(meta["completion_length_counts"]),
+             "prompts_skipped": meta.get("prompts_skipped", 0),
              "nonfinite_updates": int(multihost.fetch(state.train.nonfinite_updates))}
   if "eval_accuracy_by_size" in final:
     summary["accuracy_by_size"] = accuracy_by_size_table(warm, final)

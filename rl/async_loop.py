@@ -70,9 +70,9 @@ def run_async(state: LoopState, ctx: LoopContext, produce: Producer, num_steps: 
   """Runs `num_steps` train steps with a concurrent producer; returns the state and metrics.
 
   The producer makes exactly `num_steps` batches, so when this returns nothing is in
-  flight: the returned state's RNG and data cursor are where the producer stopped, and a
-  checkpoint of it resumes exactly. `on_step(state, metrics)` is called after each step
-  (logging, progress) from the trainer thread.
+  flight: the returned state's RNG, data cursor and selection history are where the
+  producer stopped, and a checkpoint of it resumes exactly. `on_step(state, metrics)` is
+  called after each step (logging, progress) from the trainer thread.
   """
   if max_staleness < 0:
     raise ValueError(f"max_staleness={max_staleness} must be >= 0 (config.rl.max_staleness).")
@@ -82,16 +82,18 @@ def run_async(state: LoopState, ctx: LoopContext, produce: Producer, num_steps: 
   batches: queue.Queue = queue.Queue()
 
   def producer():
-    rng, cursor = state.rng, state.data_cursor
+    rng, cursor, selection = state.rng, state.data_cursor, state.selection
     try:
       for i in range(num_steps):
         started = time.perf_counter()
         params, version = channel.wait_for(base + i - max_staleness)
         waited = time.perf_counter() - started
         rng, sample_rng = jax.random.split(rng)
-        samples, extra, cursor = produce(params, version, base + i, sample_rng, cursor)
-        batches.put((samples, dict(extra, sampled_version=version, producer_wait_s=waited)))
-      batches.put((rng, cursor))
+        produced = produce(params, version, base + i, sample_rng, cursor, selection)
+        cursor, selection = produced.cursor, produced.selection
+        produced.metrics.update(sampled_version=version, producer_wait_s=waited)
+        batches.put(produced)
+      batches.put((rng, cursor, selection))
     except BaseException as error:  # handed to the trainer thread, which re-raises it
       batches.put(error)
 
@@ -103,15 +105,13 @@ def run_async(state: LoopState, ctx: LoopContext, produce: Producer, num_steps: 
       item = batches.get()
       if isinstance(item, BaseException):
         raise item
-      samples, extra = item
       step = base + i
-      stale = loop.staleness(samples, step)
+      stale = loop.staleness(item.rollout, step)
       if stale > max_staleness:
         raise RuntimeError(f"Batch for trainer step {step} has staleness {stale} > "
                            f"max_staleness={max_staleness}; the producer broke the bound.")
-      train, metrics = loop.train_on(state.train, samples, ctx, step)
+      train, metrics = loop.train_on(state.train, item, ctx, step)
       channel.publish(_detached(publish(train.params), train.params), step + 1)
-      metrics.update(extra)
       state = state.replace(train=train, iteration=state.iteration + 1)
       history.append(metrics)
       if on_step is not None:
@@ -119,8 +119,8 @@ def run_async(state: LoopState, ctx: LoopContext, produce: Producer, num_steps: 
     item = batches.get()
     if isinstance(item, BaseException):
       raise item
-    rng, cursor = item
+    rng, cursor, selection = item
   finally:
     channel.close()
     thread.join()
-  return state.replace(rng=rng, data_cursor=cursor), history
+  return state.replace(rng=rng, data_cursor=cursor, selection=selection), history

@@ -1,7 +1,10 @@
 """The synchronous rollout -> score -> train loop (supervised warm start, then GRPO).
 
-The asynchronous loop (rl/async_loop.py) runs the same producers and `train_on` from two
-threads; partial rollouts (rl/partial_rollout.py) are a producer.
+Every way of making a GRPO batch is a producer (`Producer`): independent samples of the
+prompts `rl.selection` picks (uniform = plain GRPO), trees (`tree_producer`), or partial
+rollouts (rl/partial_rollout.py). `grpo_iteration` runs any of them with simulated
+staleness and sharded publishing around it, and the asynchronous loop (rl/async_loop.py)
+runs the same producers and `train_on` from two threads.
 
 Each iteration is a plain function of explicit state, so a launcher (experiments/train.py)
 can checkpoint between any two of them and resume exactly: the data cursor, RNG,
@@ -181,25 +184,28 @@ def _length_sorted_window(task: Task, start: int, span: int) -> tuple:
   return tuple(sorted(examples, key=lambda e: len(e.answer)))
 
 
-# A producer makes one scored batch: (params, version, train_step, rng, cursor) ->
-# (samples, extra metrics, new cursor). `version` is recorded on the generated tokens;
-# `train_step` is the trainer step the batch will be trained at; `cursor` is the next
-# train-split position. The sync loop calls it inline, the async loop from a thread.
-Producer = Callable[..., tuple[rollout_lib.ScoredSamples, dict, int]]
+@dataclasses.dataclass
+class Produced:
+  """One scored GRPO batch and where the producer left the data stream.
+
+  rollout: the batch to train on; metrics: its statistics (reward_mean, exact_match,
+  informative_groups, completion_len, decoded_tokens, completion_length_counts, ... and the
+  strategy's own counters); cursor: the next data cursor; selection: the updated
+  prompt-selection history (None without a finite train pool).
+  """
+  rollout: Rollout
+  metrics: dict
+  cursor: int
+  selection: Optional[selection_lib.SelectionState] = None
 
 
-def plain_producer(ctx: LoopContext) -> Producer:
-  """G fresh completions for each of the next `prompts_per_step` prompts (sync sampling)."""
-  def produce(params, version, train_step, rng, cursor):
-    del train_step
-    examples = ctx.task.examples("train", ctx.prompts_per_step, cursor)
-    samples = rollout_lib.sample_and_score(
-        params, examples, task=ctx.task, tokenizer=ctx.tokenizer, rng=rng,
-        group_size=ctx.group_size, prompt_len=ctx.prompt_len, model_config=ctx.model_config,
-        sampling_config=ctx.sampling_config, advantage_fn=ctx.advantage_fn, version=version,
-        generate_fn=ctx.generate_fn)
-    return samples, {}, cursor + len(examples)
-  return produce
+# A producer makes one scored batch, whatever the rollout strategy:
+# produce(params, version, train_step, rng, cursor, selection) -> Produced. `version` is
+# recorded on the generated tokens; `train_step` is the trainer step the batch will be
+# trained at; `cursor` is the next data cursor and `selection` the selection history. The
+# sync loop (`grpo_iteration`) calls it inline, the async loop (rl/async_loop.py) from a
+# thread; simulated staleness and sharded publishing happen around it, in the loop.
+Producer = Callable[..., Produced]
 
 
 def completion_length_counts(completion_mask) -> np.ndarray:
@@ -207,42 +213,129 @@ def completion_length_counts(completion_mask) -> np.ndarray:
   return np.bincount(np.asarray(completion_mask).sum(axis=1))
 
 
-def staleness(samples: rollout_lib.ScoredSamples, train_step: int) -> int:
+def group_batch_metrics(samples: rollout_lib.ScoredSamples, group_size: int) -> dict:
+  """Statistics of a batch of whole groups of `group_size` rows (uniform sampling, partial
+  rollouts)."""
+  rewards = np.asarray(samples.rollout.reward).reshape(-1, group_size)
+  completion_mask = np.asarray(samples.rollout.completion_mask)
+  return dict(reward_mean=float(rewards.mean()), exact_match=float(samples.exact.mean()),
+              informative_groups=float(np.mean(rewards.std(axis=1) > 0)),
+              completion_len=float(completion_mask.sum(axis=1).mean()),
+              decoded_tokens=float(completion_mask.sum()), decode_steps=samples.decode_steps,
+              completion_length_counts=completion_length_counts(completion_mask),
+              reward_timeouts=samples.reward_timeouts, reward_errors=samples.reward_errors)
+
+
+def selection_producer(ctx: LoopContext) -> Producer:
+  """Independent samples of the prompts `ctx.selection` picks (rl/selection.py): uniform
+  is plain GRPO (G completions for each of the next prompts); dynamic, greso and adaptive
+  choose prompts and rollout counts from rewards."""
+  config = ctx.selection or _UNIFORM
+
+  def produce(params, version, train_step, rng, cursor, selection):
+    del train_step
+    examples = {}
+
+    def sample(row_positions, key):
+      for p in set(row_positions.tolist()) - set(examples):
+        examples[p] = ctx.task.examples("train", 1, p)[0]
+      return rollout_lib.sample_and_score(
+          params, [examples[p] for p in row_positions.tolist()], task=ctx.task,
+          tokenizer=ctx.tokenizer, rng=key, group_size=1, prompt_len=ctx.prompt_len,
+          model_config=ctx.model_config, sampling_config=ctx.sampling_config,
+          advantage_fn=ctx.advantage_fn, version=version, generate_fn=ctx.generate_fn)
+
+    collected = selection_lib.collect(
+        selection, cursor, rng, sample, config=config, prompts_per_step=ctx.prompts_per_step,
+        group_size=ctx.group_size, pool_size=ctx.train_pool, advantage_fn=ctx.advantage_fn)
+    metrics = dict(collected.metrics,
+                   completion_len=collected.metrics["decoded_tokens"] / collected.metrics["rollouts"],
+                   completion_length_counts=completion_length_counts(
+                       collected.rollout.completion_mask))
+    return Produced(collected.rollout, metrics, collected.cursor, collected.selection)
+  return produce
+
+
+def tree_producer(ctx: LoopContext) -> Producer:
+  """One tree per prompt (ctx.tree_policy) for each of the next prompts, its leaves scored,
+  tree advantages computed (each shared-prefix token is trained once, in the row that
+  decoded it)."""
+  if ctx.tree_policy is None or ctx.tree_advantage_fn is None:
+    raise ValueError("tree_producer needs LoopContext.tree_policy and tree_advantage_fn "
+                     "(set config.rollout.kind='tree').")
+
+  def produce(params, version, train_step, rng, cursor, selection):
+    del train_step
+    positions = selection_lib.train_position(
+        np.arange(cursor, cursor + ctx.prompts_per_step), ctx.train_pool)
+    examples = [ctx.task.examples("train", 1, int(p))[0] for p in positions]
+    samples = rollout_lib.tree_sample_and_score(
+        params, examples, task=ctx.task, tokenizer=ctx.tokenizer, rng=rng,
+        prompt_len=ctx.prompt_len, model_config=ctx.model_config,
+        sampling_config=ctx.sampling_config, policy=ctx.tree_policy,
+        advantage_fn=ctx.tree_advantage_fn, version=version)
+    return Produced(samples.rollout, tree_batch_metrics(samples, len(examples), ctx.prompt_len),
+                    cursor + len(examples), selection)
+  return produce
+
+
+def tree_batch_metrics(samples: rollout_lib.ScoredTree, prompts: int, prompt_len: int) -> dict:
+  """Statistics of a batch of `prompts` trees, over their leaves (a leaf's completion is
+  its whole root-to-leaf path, shared prefix included)."""
+  leaf = samples.leaf.reshape(prompts, -1)
+  rewards = np.asarray(samples.rollout.reward).reshape(leaf.shape)
+  count = np.maximum(leaf.sum(axis=1), 1)
+  mean = (rewards * leaf).sum(axis=1) / count
+  var = (((rewards - mean[:, None]) ** 2) * leaf).sum(axis=1) / count
+  prompt_mask = np.asarray(samples.rollout.prompt_mask)
+  full_len = (np.asarray(samples.rollout.completion_mask) | prompt_mask)[:, prompt_len:].sum(axis=1)
+  return dict(
+      reward_mean=float(rewards[leaf].mean()), exact_match=float(samples.exact[samples.leaf].mean()),
+      informative_groups=float(np.mean(var > 0)), leaves=float(leaf.sum()),
+      completion_len=float(full_len[samples.leaf].mean()),
+      decoded_tokens=float(samples.decoded_tokens), refed_tokens=float(samples.refed_tokens),
+      pruned_tokens=float(samples.pruned_tokens),
+      decoded_tokens_per_leaf=samples.decoded_tokens / max(int(leaf.sum()), 1),
+      completion_length_counts=np.bincount(full_len[samples.leaf]),
+      reward_timeouts=samples.reward_timeouts, reward_errors=samples.reward_errors)
+
+
+def make_producer(ctx: LoopContext) -> Producer:
+  """The producer of ctx's sampling strategy: trees when ctx.tree_policy is set, else
+  independent samples of the prompts ctx.selection picks. (Partial rollouts keep a pool
+  across steps and are built by `rl.partial_rollout.producer`.)"""
+  return tree_producer(ctx) if ctx.tree_policy is not None else selection_producer(ctx)
+
+
+def staleness(rollout: Rollout, train_step: int) -> int:
   """train_step - the oldest parameter version among the batch's generated tokens."""
-  version = np.asarray(samples.rollout.version)
-  generated = version[np.asarray(samples.rollout.completion_mask)]
+  version = np.asarray(rollout.version)
+  generated = version[np.asarray(rollout.completion_mask)]
   return int(train_step - generated.min()) if generated.size else 0
 
 
-def train_on(train: TrainState, samples: rollout_lib.ScoredSamples, ctx: LoopContext,
+def train_on(train: TrainState, produced: Produced, ctx: LoopContext,
              train_step: int) -> tuple[TrainState, dict]:
-  """One train step on a scored batch, with the batch's reward and staleness metrics."""
+  """One train step on a produced batch; the train metrics, the batch's statistics and its
+  staleness."""
   started = time.perf_counter()
-  new_train, metrics = ctx.train_step(train, samples.rollout)
+  new_train, metrics = ctx.train_step(train, produced.rollout)
   metrics = jax.device_get(metrics)
   metrics["time_train_s"] = time.perf_counter() - started
-  metrics["completion_length_counts"] = completion_length_counts(samples.rollout.completion_mask)
-  rewards = np.asarray(samples.rollout.reward).reshape(-1, ctx.group_size)
-  metrics.update(
-      reward_mean=float(rewards.mean()), exact_match=float(samples.exact.mean()),
-      informative_groups=float(np.mean(rewards.std(axis=1) > 0)),
-      completion_len=float(np.asarray(samples.rollout.completion_mask).sum(axis=1).mean()),
-      decode_steps=samples.decode_steps, staleness=float(staleness(samples, train_step)),
-      decoded_tokens=float(np.asarray(samples.rollout.completion_mask).sum()),
-      reward_timeouts=samples.reward_timeouts, reward_errors=samples.reward_errors)
+  metrics.update(produced.metrics, staleness=float(staleness(produced.rollout, train_step)))
   return new_train, metrics
 
 
 def grpo_iteration(state: LoopState, ctx: LoopContext,
                    produce: Producer | None = None) -> tuple[LoopState, dict]:
-  """Rolls out a batch, scores it, takes one train step.
+  """Produces a scored batch and takes one train step on it.
 
-  By default the prompts and rollout counts are `ctx.selection`'s choice (uniform: G
-  completions for each of the next prompts, plain GRPO). `produce` swaps in another
-  sampling strategy (partial rollouts, the async producer). With ctx.staleness = k > 0 the
-  samples come from the parameters of iteration max(t - k, 0) (state.history) and carry
-  that version.
+  `produce` is the sampling strategy (default `make_producer(ctx)`: uniform or selected
+  independent samples, or trees). With ctx.staleness = k > 0 the producer samples with the
+  parameters of iteration max(t - k, 0) (state.history) and the tokens carry that version;
+  with ctx.publish the parameters are handed over in the sampler's layout.
   """
+  produce = produce or make_producer(ctx)
   rng, sample_rng = jax.random.split(state.rng)
   params, version, history = state.train.params, state.train.step, state.history
   if ctx.staleness:
@@ -252,82 +345,13 @@ def grpo_iteration(state: LoopState, ctx: LoopContext,
     params, version, history = stale_params(history, state.iteration, params, version)
   if ctx.publish is not None:
     params = ctx.publish(params)
-  if produce is not None:
-    train_step = int(state.train.step)
-    started = time.perf_counter()
-    samples, extra, cursor = produce(params, int(version), train_step, sample_rng,
-                                     state.data_cursor)
-    rollout_s = time.perf_counter() - started
-    train, metrics = train_on(state.train, samples, ctx, train_step)
-    metrics.update(extra, time_rollout_s=rollout_s)
-    new_state = state.replace(train=train, rng=rng, history=history, data_cursor=cursor,
-                              iteration=state.iteration + 1)
-    return new_state, metrics
-  examples = {}
-
-  def sample(row_positions, key):
-    for p in set(row_positions.tolist()) - set(examples):
-      examples[p] = ctx.task.examples("train", 1, p)[0]
-    return rollout_lib.sample_and_score(
-        params, [examples[p] for p in row_positions.tolist()], task=ctx.task,
-        tokenizer=ctx.tokenizer, rng=key, group_size=1, prompt_len=ctx.prompt_len,
-        model_config=ctx.model_config, sampling_config=ctx.sampling_config,
-        advantage_fn=ctx.advantage_fn, version=version, generate_fn=ctx.generate_fn)
-
+  train_step = int(state.train.step)
   started = time.perf_counter()
-  collected = selection_lib.collect(
-      state.selection, state.data_cursor, sample_rng, sample, config=ctx.selection or _UNIFORM,
-      prompts_per_step=ctx.prompts_per_step, group_size=ctx.group_size,
-      pool_size=ctx.train_pool, advantage_fn=ctx.advantage_fn)
+  produced = produce(params, int(version), train_step, sample_rng, state.data_cursor,
+                     state.selection)
   rollout_s = time.perf_counter() - started
-  behind = int(state.train.step) - int(version)
-  train, metrics = ctx.train_step(state.train, collected.rollout)
-  metrics = dict(jax.device_get(metrics), **collected.metrics, staleness=float(behind),
-                 completion_len=collected.metrics["decoded_tokens"] / collected.metrics["rollouts"],
-                 completion_length_counts=completion_length_counts(
-                     collected.rollout.completion_mask),
-                 time_rollout_s=rollout_s, time_train_s=time.perf_counter() - started - rollout_s)
-  new_state = state.replace(train=train, rng=rng, history=history, selection=collected.selection,
-                            data_cursor=collected.cursor, iteration=state.iteration + 1)
-  return new_state, metrics
-
-
-def tree_iteration(state: LoopState, ctx: LoopContext) -> tuple[LoopState, dict]:
-  """Sample one tree per prompt (ctx.tree_policy), score its leaves, take one train step
-  with tree advantages (each shared-prefix token trained once)."""
-  if ctx.tree_policy is None or ctx.tree_advantage_fn is None:
-    raise ValueError("tree_iteration needs LoopContext.tree_policy and tree_advantage_fn "
-                     "(set config.rollout.kind='tree').")
-  rng, sample_rng = jax.random.split(state.rng)
-  started = time.perf_counter()
-  examples = ctx.task.examples("train", ctx.prompts_per_step, state.data_cursor)
-  samples = rollout_lib.tree_sample_and_score(
-      state.train.params, examples, task=ctx.task, tokenizer=ctx.tokenizer, rng=sample_rng,
-      prompt_len=ctx.prompt_len, model_config=ctx.model_config,
-      sampling_config=ctx.sampling_config, policy=ctx.tree_policy,
-      advantage_fn=ctx.tree_advantage_fn, version=int(state.train.step))
-  rollout_s = time.perf_counter() - started
-  train, metrics = ctx.train_step(state.train, samples.rollout)
-  metrics = jax.device_get(metrics)
-  train_s = time.perf_counter() - started - rollout_s
-  leaf = samples.leaf.reshape(len(examples), -1)
-  rewards = np.asarray(samples.rollout.reward).reshape(leaf.shape)
-  count = np.maximum(leaf.sum(axis=1), 1)
-  mean = (rewards * leaf).sum(axis=1) / count
-  var = (((rewards - mean[:, None]) ** 2) * leaf).sum(axis=1) / count
-  prompt_mask = np.asarray(samples.rollout.prompt_mask)
-  full_len = (np.asarray(samples.rollout.completion_mask) | prompt_mask)[:, ctx.prompt_len:].sum(axis=1)
-  metrics.update(
-      reward_mean=float(rewards[leaf].mean()), exact_match=float(samples.exact[samples.leaf].mean()),
-      informative_groups=float(np.mean(var > 0)), leaves=float(leaf.sum()),
-      completion_len=float(full_len[samples.leaf].mean()),
-      decoded_tokens=float(samples.decoded_tokens), refed_tokens=float(samples.refed_tokens),
-      pruned_tokens=float(samples.pruned_tokens),
-      decoded_tokens_per_leaf=samples.decoded_tokens / max(int(leaf.sum()), 1),
-      completion_length_counts=np.bincount(full_len[samples.leaf]),
-      time_rollout_s=rollout_s, time_train_s=train_s,
-      reward_timeouts=samples.reward_timeouts, reward_errors=samples.reward_errors)
-  new_state = state.replace(train=train, rng=rng,
-                            data_cursor=state.data_cursor + len(examples),
-                            iteration=state.iteration + 1)
+  train, metrics = train_on(state.train, produced, ctx, train_step)
+  metrics["time_rollout_s"] = rollout_s
+  new_state = state.replace(train=train, rng=rng, history=history, selection=produced.selection,
+                            data_cursor=produced.cursor, iteration=state.iteration + 1)
   return new_state, metrics

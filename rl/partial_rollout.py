@@ -26,7 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
+from rl import loop
 from rl import rollout as rollout_lib
+from rl import selection as selection_lib
 from sampling import partial
 from sampling.sampler import Generation, SamplingConfig
 
@@ -224,30 +226,40 @@ class PartialRollouts:
 def for_task(ctx, partial_config: partial.PartialConfig, *,
              max_staleness: int | None = None) -> PartialRollouts:
   """A pool for the loop context `ctx` (rl.loop.LoopContext): its task's train split is the
-  data stream (group id = data position) and a batch is `ctx.prompts_per_step` groups."""
+  data stream (group id = data cursor, which reads train position cursor mod
+  ctx.train_pool with a finite pool) and a batch is `ctx.prompts_per_step` groups."""
   if partial_config.group_size != ctx.group_size:
     raise ValueError(f"PartialConfig.group_size={partial_config.group_size} differs from the "
                      f"loop's group_size={ctx.group_size}; use config.rollout.group_size.")
 
   def prompt_fn(ids):
-    texts = [ctx.task.examples("train", 1, int(i))[0].prompt for i in ids]
+    texts = [_example(ctx, i).prompt for i in ids]
     return rollout_lib.encode_prompts(ctx.tokenizer, texts, ctx.prompt_len)
 
   return PartialRollouts(partial_config, ctx.model_config, ctx.sampling_config, ctx.prompt_len,
                          ctx.prompts_per_step, prompt_fn, max_staleness=max_staleness)
 
 
+def _example(ctx, group_id):
+  """The train example of the group started at data cursor `group_id`."""
+  position = selection_lib.train_position(int(group_id), ctx.train_pool)
+  return ctx.task.examples("train", 1, position)[0]
+
+
 def producer(ctx, rollouts: PartialRollouts):
-  """An rl.loop producer that takes each batch from the partial-rollout pool."""
-  def produce(params, version, train_step, rng, cursor):
+  """An rl.loop producer that takes each batch from the partial-rollout pool. Prompts are
+  read in data order (uniform selection): a pool cannot skip or re-weight groups it has
+  already started."""
+  def produce(params, version, train_step, rng, cursor, selection):
     generation, ids, cursor, stats = rollouts.next_batch(params, version, rng, cursor, train_step)
-    examples = [ctx.task.examples("train", 1, int(i))[0] for i in ids]
+    examples = [_example(ctx, i) for i in ids]
     samples = rollout_lib.score_generation(generation, examples, ctx.group_size, task=ctx.task,
                                            tokenizer=ctx.tokenizer, advantage_fn=ctx.advantage_fn)
     ledger = rollouts.ledger
-    extra = dict(idle_slot_steps=stats.idle_slot_steps, generated_tokens=stats.generated_tokens,
-                 groups_started=ledger.started, groups_finished=ledger.finished,
-                 groups_discarded=ledger.discarded,
-                 groups_in_flight=ledger.started - ledger.finished - ledger.discarded)
-    return samples, extra, cursor
+    metrics = dict(loop.group_batch_metrics(samples, ctx.group_size),
+                   idle_slot_steps=stats.idle_slot_steps, generated_tokens=stats.generated_tokens,
+                   groups_started=ledger.started, groups_finished=ledger.finished,
+                   groups_discarded=ledger.discarded,
+                   groups_in_flight=ledger.started - ledger.finished - ledger.discarded)
+    return loop.Produced(samples.rollout, metrics, cursor, selection)
   return produce

@@ -41,8 +41,11 @@ def _fake_batch(version, rows=4, width=6):
                     version=jnp.asarray(np.where(completion, version, -1).astype(np.int32)),
                     group=jnp.zeros((rows,), jnp.int32), reward=jnp.zeros((rows,)),
                     advantages=jnp.zeros((rows, width)))
-  return rollout_lib.ScoredSamples(rollout=rollout, completions=[""] * rows,
-                                   exact=np.zeros(rows, bool), decode_steps=3)
+  return rollout
+
+
+def _fake_produced(version, cursor):
+  return loop.Produced(_fake_batch(version), {}, cursor + 1)
 
 
 def _fake_context(train_seconds):
@@ -65,11 +68,11 @@ def _fake_state():
 def test_producer_waits_so_max_staleness_is_never_exceeded(max_staleness):
   sampled = []
 
-  def produce(params, version, train_step, rng, cursor):
+  def produce(params, version, train_step, rng, cursor, selection):
     # The published parameters are the version they claim to be (w counts train steps).
     assert float(params["w"]) == version
     sampled.append((train_step, version))
-    return _fake_batch(version), {}, cursor + 1
+    return _fake_produced(version, cursor)
 
   state, history = async_loop.run_async(_fake_state(), _fake_context(0.05), produce, 8,
                                         max_staleness=max_staleness)
@@ -80,15 +83,15 @@ def test_producer_waits_so_max_staleness_is_never_exceeded(max_staleness):
 
 
 def test_trainer_refuses_a_batch_beyond_the_bound():
-  def produce(params, version, train_step, rng, cursor):
-    return _fake_batch(0), {}, cursor + 1  # always labels its tokens version 0
+  def produce(params, version, train_step, rng, cursor, selection):
+    return _fake_produced(0, cursor)  # always labels its tokens version 0
 
   with pytest.raises(RuntimeError, match="max_staleness=1"):
     async_loop.run_async(_fake_state(), _fake_context(0.0), produce, 4, max_staleness=1)
 
 
 def test_producer_errors_reach_the_trainer():
-  def produce(params, version, train_step, rng, cursor):
+  def produce(params, version, train_step, rng, cursor, selection):
     raise ValueError("broken producer")
 
   with pytest.raises(ValueError, match="broken producer"):
@@ -145,13 +148,13 @@ def _copy(state):
   return jax.tree.map(jnp.copy, state)  # the train step donates its input
 
 
-@pytest.mark.parametrize("kind", ["plain", "partial"])
+@pytest.mark.parametrize("kind", ["independent", "partial"])
 def test_async_with_zero_staleness_reproduces_the_sync_loop_exactly(kind):
   ctx, start = _context(_LengthTask())
 
   def producer():
-    if kind == "plain":
-      return loop.plain_producer(ctx)
+    if kind == "independent":
+      return loop.make_producer(ctx)
     rollouts = partial_rollout.for_task(ctx, PartialConfig(num_slots=32, group_size=4),
                                         max_staleness=0)
     return partial_rollout.producer(ctx, rollouts)
@@ -221,7 +224,7 @@ def test_async_training_with_stale_batches_improves_the_default_tasks_reward():
     return float(np.asarray(samples.rollout.reward).mean())
 
   before = expected_reward(state.train.params)
-  state, history = async_loop.run_async(state, ctx, loop.plain_producer(ctx), 12,
+  state, history = async_loop.run_async(state, ctx, loop.make_producer(ctx), 12,
                                         max_staleness=2)
   after = expected_reward(state.train.params)
   assert max(h["staleness"] for h in history) <= 2

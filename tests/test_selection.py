@@ -374,3 +374,20 @@ def test_loop_resumes_selection_state_exactly_from_a_checkpoint(tmp_path):
   resumed, _ = loop.grpo_iteration(restored, ctx)
   jax.tree.map(np.testing.assert_array_equal, resumed.selection, uninterrupted.selection)
   jax.tree.map(np.testing.assert_array_equal, resumed.train.params, uninterrupted.train.params)
+
+
+def test_greso_through_the_launcher_skips_prompts_on_the_default_task(tmp_path):
+  """`--config.selection.kind=greso --config.task.train_pool=...` on the default task: the
+  barely warm-started policy fails every prompt (all-equal groups), so the second pass over
+  the pool of 2 skips them, counted in metrics.jsonl and summary.json."""
+  import json  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  from experiments import train as launcher  # pylint: disable=import-outside-toplevel
+  from tests.launcher_config import tiny_run_config  # pylint: disable=import-outside-toplevel
+  config = tiny_run_config(tmp_path, {"selection.kind": "greso", "task.train_pool": 2})
+  config.selection.greso.update(explore_prob=0.05, adapt_step=0.0, refill=False)
+  summary = launcher.run(config)
+  with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
+    steps = [json.loads(line) for line in f if '"phase": "rl"' in line and '"loss"' in line]
+  assert [s["prompts_skipped"] > 0 for s in steps] == [False, True]
+  assert summary["prompts_skipped"] == sum(s["prompts_skipped"] for s in steps) > 0

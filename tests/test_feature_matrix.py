@@ -1,0 +1,137 @@
+"""Every combination of the RL phase's switches, through the launcher (experiments.train.run):
+
+    rollout.kind x selection.kind x rl.async_ x rl.staleness x mesh.data
+    {independent, tree, partial} x {uniform, dynamic, greso, adaptive} x {False, True}
+    x {0, 2} x {one device, data=2 x fsdp=4 on the 8 virtual CPU devices}
+
+either runs two GRPO steps with its effect visible in metrics.jsonl, or is refused before
+any training by `validate` with an error naming the fields. The table in
+docs/configuration.md is this test's expectation.
+
+The policy is untrained (no warm start), so the task is one a random policy sometimes
+solves: the reasoning-gym gcd questions, rewarded 1 when the question's first number is
+even and the answer's first character has an even code point (a coin flip for a random
+policy). Questions with an odd first number always score 0: all-equal groups for GRESO to
+skip and for adaptive allocation to starve; the others give dynamic sampling mixed groups.
+"""
+
+import itertools
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+from experiments import train as launcher
+from rl import tasks
+from tests.launcher_config import tiny_run_config
+
+KINDS = ("independent", "tree", "partial")
+SELECTIONS = ("uniform", "dynamic", "greso", "adaptive")
+STALENESS = 2
+COMBOS = list(itertools.product(KINDS, SELECTIONS, (False, True), (0, STALENESS)))
+
+
+def coin_reward(answer, entry):
+  """A coin flip for a random policy on questions with an even first number, else 0."""
+  return float(entry["metadata"]["numbers"][0] % 2 == 0 and answer != ""
+               and ord(answer[0]) % 2 == 0)
+
+
+def _gcd_key(entry):
+  return tuple(entry["metadata"]["numbers"])
+
+
+def _gcd_prompt(entry):
+  return "gcd(" + ",".join(map(str, entry["metadata"]["numbers"])) + ")="
+
+
+@pytest.fixture(scope="module", autouse=True)
+def coin_task():
+  tasks.register_task("gcd", key=_gcd_key, compact_prompt=_gcd_prompt,
+                      compact_answer=tasks._reference_answer,  # pylint: disable=protected-access
+                      default_eval_size=4, reward=coin_reward)
+  yield
+  tasks._SPECS.pop("gcd")  # pylint: disable=protected-access
+
+
+def refusal(kind, selection, async_, staleness, data) -> str | None:
+  """What the launcher's error names for a combination it refuses; None when it runs."""
+  if kind != "independent" and selection != "uniform":
+    return "config.selection.kind"
+  if async_ and staleness:
+    return "config.rl.staleness"
+  if kind != "independent" and data > 1:
+    return "decodes on one device"
+  return None
+
+
+def _config(workdir, kind, selection, async_, staleness, data):
+  c = tiny_run_config(workdir, {
+      "task.name": "gcd", "task.eval_size": 2, "eval.batch_size": 8, "warm_start.steps": 0,
+      "warm_start.batch_size": 8, "rollout.prompt_len": 16, "rollout.max_new_tokens": 3,
+      "rollout.kind": kind, "selection.kind": selection, "rl.async_": async_,
+      "rl.staleness": staleness, "rollout.group_size": 4,
+      "mesh.data": data, "mesh.fsdp": 1 if data == 1 else -1})  # data=2 x fsdp=4: 8 devices
+  c.task.difficulty = {"max_value": 100}
+  c.rollout.tree.update(init_chains=2, fork_points=1, branches=2, rounds=1)  # 4 leaves
+  c.selection.max_attempts = 30
+  if selection == "greso":  # a pool of 2 prompts seen every step; all-equal ones are skipped
+    c.task.train_pool = 2
+    c.selection.greso.update(explore_prob=0.05, min_keep_prob=0.05, adapt_step=0.0)
+  if selection == "adaptive":
+    c.selection.adaptive.update(initial_rollouts=2, max_rollouts=6)
+  return c
+
+
+def _rl_records(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    records = [json.loads(line) for line in f]
+  return [r for r in records if r.get("phase") == "rl" and "loss" in r]
+
+
+def _check_effect(records, kind, selection, async_, staleness):
+  """The switches' effects in the two RL steps' metrics."""
+  assert len(records) == 2 and all(np.isfinite(r["loss"]) for r in records)
+  if kind == "tree":
+    assert all(r["leaves"] >= 2 * 2 and r["decoded_tokens_per_leaf"] > 0 for r in records)
+  if kind == "partial":
+    assert all(r["groups_finished"] >= 2 and "groups_in_flight" in r for r in records)
+  if selection == "uniform":
+    assert all(r.get("prompts_skipped", 0) == 0 for r in records)
+  if selection == "dynamic":  # only informative groups are trained on
+    assert all(r["batch_informative_groups"] == 1.0 for r in records)
+  if selection == "greso":  # the all-equal prompts of step 1 are skipped in step 2
+    assert sum(r["prompts_skipped"] for r in records) > 0
+  if selection == "adaptive":  # the budget goes unevenly: a mixed prompt gets more than 4 rows
+    assert all(r["rollouts"] == 2 * 4 for r in records)
+    assert max(r["max_group_size"] for r in records) > 4
+  simulated = [min(t, staleness) for t in range(2)]  # iteration t samples max(t - k, 0)
+  if async_:
+    assert all("sampled_version" in r and r["staleness"] <= 4 for r in records)
+  elif kind == "partial":  # rows carried over from step 1 add their own staleness
+    assert all(simulated[t] <= r["staleness"] <= 4 for t, r in enumerate(records))
+  else:
+    assert [r["staleness"] for r in records] == simulated
+
+
+@pytest.mark.parametrize("kind,selection,async_,staleness", COMBOS)
+def test_switches_compose_or_are_refused(tmp_path, kind, selection, async_, staleness):
+  if jax.device_count() != 8:
+    pytest.fail("Needs the 8 virtual CPU devices tests/conftest.py configures.")
+  first_loss = {}
+  for data in (1, 2):
+    workdir = str(tmp_path / f"data{data}")
+    config = _config(workdir, kind, selection, async_, staleness, data)
+    refused = refusal(kind, selection, async_, staleness, data)
+    if refused is not None:
+      with pytest.raises(ValueError, match=refused):
+        launcher.validate(config)
+      continue
+    launcher.run(config)
+    records = _rl_records(workdir)
+    _check_effect(records, kind, selection, async_, staleness)
+    first_loss[data] = records[0]["loss"]
+  if len(first_loss) == 2:  # the sharded run trains on the same first batch
+    np.testing.assert_allclose(first_loss[2], first_loss[1], rtol=0, atol=1e-5)
