@@ -14,19 +14,20 @@ Why this task makes RL visible on a CPU:
 
 * Long tail by construction. k follows a Zipf law on [min_steps, max_steps] (1-9 by
   default; the law's tail beyond max_steps is folded into max_steps) and each step adds 11
-  tokens, so most completions are short and some are long (defaults: median 23 tokens, 95th
-  percentile 100 = 4.3x the median, longest 100).
+  tokens, so most completions are short and some are long (defaults: P(k=1) = 0.44, median
+  23 tokens, 95th percentile 100 = 4.3x the median, longest 100).
 * Headroom by construction: an imperfect teacher. The warm start imitates demonstrations
   (`Example.answer`) in which, at each step that carries, the teacher forgets the carry
-  with probability `teacher_carry_slip` (0.6: writes 12345673 instead of 12345683 for
-  12345678 + 5) and then continues correctly from what it wrote. Supervised learning
-  converges to the teacher's conditional distribution, so with a slip probability above
-  1/2 the warm-started policy's greedy choice at a carry is the slip. Adding 5 carries at
-  every other step, so greedy decoding solves only one-step problems that do not carry
-  (about a quarter of them). Sampling still carries with probability ~0.4, so GRPO sees
-  correct completions (short problems first) and can raise the carry probability past one
-  half; longer problems follow as the per-step accuracy rises (success ~ p ** carries).
-  The reward always checks the true total, never the teacher.
+  (writes 12345673 instead of 12345683 for 12345678 + 5) and then continues correctly from
+  what it wrote. How often depends on the units digit being added to:
+  `teacher_carry_slip` = (0.55, 0.9) by default, from 55% at 5 to 90% at 9. Supervised
+  learning converges to the teacher's conditional distribution, so with every slip rate
+  above 1/2 the warm-started policy's greedy choice at a carry is the slip. Adding 5
+  carries at every other step, so greedy decoding solves only one-step problems that do
+  not carry (about a fifth of them). Sampling still carries with probability 0.1-0.45, so
+  GRPO sees correct completions (short problems first) and raises the carry probability
+  past one half; longer problems follow as the per-step accuracy rises (success ~ p **
+  carries). The reward always checks the true total, never the teacher.
 
 Items are index-addressable: item i of a split is drawn from NumPy generators seeded by
 (seed, split, i), so `examples(split, n, start)` is a pure function and a loop resumes from
@@ -81,17 +82,27 @@ class Difficulty:
   digits: width of the running total; starts are uniform over the `digits`-digit numbers
     that stay `digits` digits wide after max_steps additions.
   step: the number added at every step (1 to 9; 5 carries at every other step).
-  teacher_carry_slip: probability that a demonstration forgets the carry at a step that
-    carries (0 = a perfect teacher).
+  teacher_carry_slip: (first, last): probability that a demonstration forgets the carry
+    at a step that carries, when the units digit being added to is the smallest one that
+    carries (10 - step) and when it is 9; linear in the units digit in between. The spread
+    gives each carry context its own starting point, so GRPO flips them one after another
+    (a learning curve rather than one jump). A single number p means (p, p); 0 = a perfect
+    teacher.
   """
   min_steps: int = 1
   max_steps: int = 9
-  length_tail: float = 1.7
+  length_tail: float = 1.6
   digits: int = 8
   step: int = 5
-  teacher_carry_slip: float = 0.6
+  teacher_carry_slip: tuple[float, float] = (0.55, 0.9)
 
   def __post_init__(self):
+    slip = self.teacher_carry_slip
+    slip = (slip, slip) if isinstance(slip, (int, float)) else tuple(slip)
+    if len(slip) != 2 or not all(0.0 <= p <= 1.0 for p in slip):
+      raise ValueError(f"running_sum: teacher_carry_slip={self.teacher_carry_slip} must be a "
+                       "probability in [0, 1] or a pair of them (first, last).")
+    object.__setattr__(self, "teacher_carry_slip", tuple(float(p) for p in slip))
     if not 1 <= self.min_steps <= self.max_steps <= 9:
       raise ValueError(f"running_sum: need 1 <= min_steps <= max_steps <= 9, got "
                        f"min_steps={self.min_steps}, max_steps={self.max_steps}.")
@@ -102,9 +113,15 @@ class Difficulty:
     if self.length_tail <= 1:
       raise ValueError(f"running_sum: length_tail={self.length_tail} must be > 1 (a Zipf "
                        "law with a finite tail).")
-    if not 0.0 <= self.teacher_carry_slip <= 1.0:
-      raise ValueError(f"running_sum: teacher_carry_slip={self.teacher_carry_slip} must be "
-                       "a probability in [0, 1].")
+
+  def carry_slip(self, units: int) -> float:
+    """The teacher's slip probability when adding `step` to a total whose units digit is
+    `units` (0.0 where that addition does not carry)."""
+    lowest = 10 - self.step
+    if units < lowest:
+      return 0.0
+    first, last = self.teacher_carry_slip
+    return first + (last - first) * (units - lowest) / max(9 - lowest, 1)
 
   @property
   def start_range(self) -> tuple[int, int]:
@@ -218,8 +235,10 @@ class RunningSumTask:
     return Problem(start=int(rng.integers(low, high + 1)), step=d.step, steps=steps)
 
   def _example(self, stream: int, index: int, problem: Problem) -> Example:
-    slips = self._rng(_TEACHER_STREAM, index, stream).random(problem.steps)
-    slips = slips < self._difficulty.teacher_carry_slip
+    draws = self._rng(_TEACHER_STREAM, index, stream).random(problem.steps)
+    # A slip keeps the units digit, so step j adds to units digit (start + j * step) % 10.
+    units = (problem.start + problem.step * np.arange(problem.steps)) % 10
+    slips = draws < [self._difficulty.carry_slip(int(u)) for u in units]
     prompt = (question(problem) if self.prompt_style == "compact" else
               f"Add {problem.step} to {problem.start}, {problem.steps} times. After each "
               f"addition write a comma, the number of additions left, a colon and the "

@@ -96,6 +96,30 @@ def test_teacher_slips_at_the_configured_rate():
   assert all(e.answer == e.entry["solution"] for e in perfect.examples("train", 200))
 
 
+def test_teacher_slip_rate_is_linear_in_the_units_digit():
+  """teacher_carry_slip=(first, last): at step 5 the carrying units digits are 5..9, with
+  slip rates 0.2, 0.35, 0.5, 0.65, 0.8 (hand-computed), counted over 1200 demonstrations
+  (over 300 carries per digit, so 0.08 is about 3 standard errors)."""
+  task = make_task("running_sum", eval_size=10, teacher_carry_slip=(0.2, 0.8), step=5)
+  carries, slips = np.zeros(10), np.zeros(10)
+  for example in task.examples("train", 1200):
+    problem = example.entry["problem"]
+    written = problem.start
+    for _, total in _states(example.answer):
+      units = written % 10
+      if units + problem.step >= 10:
+        carries[units] += 1
+        slips[units] += total == written + problem.step - 10
+      else:
+        assert total == written + problem.step
+      written = total
+  assert carries[:5].sum() == 0 and carries[5:].min() > 300
+  np.testing.assert_allclose(slips[5:] / carries[5:], [0.2, 0.35, 0.5, 0.65, 0.8], atol=0.08)
+  difficulty = running_sum.Difficulty(step=3, teacher_carry_slip=(0.5, 0.9))
+  assert [difficulty.carry_slip(u) for u in range(10)] == pytest.approx([0.0] * 7 + [0.5, 0.7, 0.9])
+  assert running_sum.Difficulty(step=1, teacher_carry_slip=(0.4, 0.9)).carry_slip(9) == 0.4
+
+
 def test_examples_are_index_addressable_and_deterministic():
   task = make_task("running_sum", seed=1, eval_size=20)
   again = make_task("running_sum", seed=1, eval_size=20)
@@ -133,11 +157,15 @@ def test_size_law_is_zipf_with_the_tail_folded_into_the_largest_size():
 
 def test_default_length_distribution_has_a_long_tail():
   """The default config's bars: median >= 16 tokens, p95 >= 4 x median, max >= 96
-  (completion tokens of the correct worked solution, EOS included)."""
-  task = make_task("running_sum", eval_size=500)
+  (completion tokens of the correct worked solution, EOS included). One-step problems
+  (12 tokens) stay well under half, so a run's ~1000 rollout prompts keep the median."""
+  from experiments.configs import running_sum as running_sum_config  # pylint: disable=import-outside-toplevel
+  config = running_sum_config.get_config()
+  task = make_task("running_sum", eval_size=500, **config.task.difficulty)
   for split, n in (("train", 4000), ("eval", 500)):
     lengths = np.array([len(e.entry["solution"]) + 1 for e in task.examples(split, n)])
     median = np.median(lengths)
+    assert np.mean(lengths == 12) < 0.47, split
     assert median >= 16, split
     assert np.percentile(lengths, 95) >= 4 * median, split
     assert lengths.max() >= 96, split
@@ -158,6 +186,8 @@ def test_bad_difficulty_and_splits_are_named():
     make_task("running_sum", length_tail=1.0)
   with pytest.raises(ValueError, match="teacher_carry_slip"):
     make_task("running_sum", teacher_carry_slip=1.5)
+  with pytest.raises(ValueError, match="teacher_carry_slip"):
+    make_task("running_sum", teacher_carry_slip=(0.5, 0.6, 0.7))
   with pytest.raises(ValueError, match="prompt_style"):
     make_task("running_sum", "verbose")
   task = make_task("running_sum", eval_size=5)
@@ -233,6 +263,7 @@ def test_short_run_improves_held_out_accuracy(tmp_path):
   config.workdir = str(tmp_path / "run")
   config.task.difficulty.max_steps = 2
   config.task.difficulty.digits = 2
+  config.task.difficulty.teacher_carry_slip = (0.6, 0.6)  # one carry context, as measured
   config.task.eval_size = 128
   config.rollout.prompt_len = 8
   config.rollout.max_new_tokens = 12

@@ -5,10 +5,11 @@ and a warm-start teacher that forgets most carries, so GRPO has a skill to learn
 
 A two-layer decoder from scratch warm-starts on demonstrations (add 5 to an 8-digit number
 k = 1..9 times, writing the state "count:total" after each addition) from a teacher that
-forgets 60% of the carries, then GRPO learns to carry. Measured on two CPU cores: ~9 minutes,
-+34 and +55 points of held-out accuracy in two of three seeds; the third seed's warm start
-did not learn the procedure (docs/testbed.md). Not yet the embedded default for that reason.
-Every field not set here is the default's (experiments/configs/default.py).
+forgets 55-90% of the carries, then GRPO learns to carry. Measured on two CPU cores: under
+ten minutes; +52 and +67 points of held-out accuracy in seeds 0 and 1, but +9 in seed 2,
+whose policy learned to carry in the wrong places (docs/testbed.md). Not yet the embedded
+default for that reason. Every field not set here is the default's
+(experiments/configs/default.py).
 """
 
 import ml_collections
@@ -22,8 +23,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.task.name = "running_sum"
   c.task.eval_size = 500
   c.task.difficulty = ml_collections.ConfigDict(dict(
-      min_steps=1, max_steps=9, length_tail=1.7, digits=8, step=5, teacher_carry_slip=0.6))
-  c.model.preset = "tiny2"            # two layers: the same procedure in fewer seconds
+      min_steps=1, max_steps=9, length_tail=1.6, digits=8, step=5,
+      teacher_carry_slip=(0.55, 0.9)))
+  c.model.preset = "tiny2"            # two layers, RoPE base 100: the procedure in fewer seconds
   c.rollout.prompt_len = 16           # BOS + "+5,9:12345678"
   c.rollout.max_new_tokens = 100      # the longest worked solution, EOS included
   c.rollout.prompts_per_step = 8
@@ -33,8 +35,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.warm_start.learning_rate = 3e-3
   c.warm_start.length_window = 8
   c.rl.steps = 120
-  c.rl.learning_rate = 5e-4
-  c.rl.warmup_steps = 40
+  c.rl.learning_rate = 2.5e-4
+  c.rl.warmup_steps = 20
   c.loss.norm_len = 100.0
   c.eval.every = 30
   return c
