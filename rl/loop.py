@@ -214,8 +214,8 @@ def completion_length_counts(completion_mask) -> np.ndarray:
 
 
 def group_batch_metrics(samples: rollout_lib.ScoredSamples, group_size: int) -> dict:
-  """Statistics of a batch of whole groups of `group_size` rows (uniform sampling, partial
-  rollouts)."""
+  """Statistics of a batch of whole groups of `group_size` rows (partial rollouts; the
+  selection producer has `rl.selection.collect`'s, over every round it rolled out)."""
   rewards = np.asarray(samples.rollout.reward).reshape(-1, group_size)
   completion_mask = np.asarray(samples.rollout.completion_mask)
   return dict(reward_mean=float(rewards.mean()), exact_match=float(samples.exact.mean()),
