@@ -445,6 +445,7 @@ def run(config: ml_collections.ConfigDict) -> dict:
   restored = checkpoint.restore_latest(manager, state) if config.resume else None
   if restored is not None:
     step, state, meta = restored
+    meta.setdefault("prompts_skipped", 0)  # checkpoints written before it was recorded
     state = state.replace(data_cursor=meta["data_cursor"], iteration=meta["iteration"])
     if primary:
       log.truncate_to(meta["log_records"], step)
@@ -484,8 +485,7 @@ def run(config: ml_collections.ConfigDict) -> dict:
     counts = step_metrics.pop("completion_length_counts", None)
     if counts is not None:
       meta["completion_length_counts"] = add_counts(meta["completion_length_counts"], counts)
-    meta["prompts_skipped"] = meta.get("prompts_skipped", 0) + int(
-        step_metrics.get("prompts_skipped", 0))
+    meta["prompts_skipped"] += int(step_metrics.get("prompts_skipped", 0))
     for part in ("rollout", "train"):
       meta["time_s"][part] += float(step_metrics.get(f"time_{part}_s", 0.0))
     record = {"step": done, "phase": phase, **{k: float(v) for k, v in step_metrics.items()}}
@@ -565,7 +565,7 @@ def run(config: ml_collections.ConfigDict) -> dict:
              "steps": done, "wall_time_s": time.time() - started,
              "time_s": dict(meta["time_s"]),
              "rollout_completion_length": metrics.length_stats(meta["completion_length_counts"]),
-             "prompts_skipped": meta.get("prompts_skipped", 0),
+             "prompts_skipped": meta["prompts_skipped"],
              "nonfinite_updates": int(multihost.fetch(state.train.nonfinite_updates))}
   if "eval_accuracy_by_size" in final:
     summary["accuracy_by_size"] = accuracy_by_size_table(warm, final)

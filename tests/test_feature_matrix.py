@@ -96,8 +96,8 @@ def _check_effect(records, kind, selection, async_, staleness):
   assert len(records) == 2 and all(np.isfinite(r["loss"]) for r in records)
   if kind == "tree":
     assert all(r["leaves"] >= 2 * 2 and r["decoded_tokens_per_leaf"] > 0 for r in records)
-  if kind == "partial":
-    assert all(r["groups_finished"] >= 2 and "groups_in_flight" in r for r in records)
+  if kind == "partial":  # the pool holds 4 groups, a batch takes 2: 2 carry over each step
+    assert all(r["groups_finished"] >= 2 and r["groups_in_flight"] > 0 for r in records)
   if selection == "uniform":
     assert all(r.get("prompts_skipped", 0) == 0 for r in records)
   if selection == "dynamic":  # only informative groups are trained on

@@ -391,3 +391,34 @@ def test_greso_through_the_launcher_skips_prompts_on_the_default_task(tmp_path):
     steps = [json.loads(line) for line in f if '"phase": "rl"' in line and '"loss"' in line]
   assert [s["prompts_skipped"] > 0 for s in steps] == [False, True]
   assert summary["prompts_skipped"] == sum(s["prompts_skipped"] for s in steps) > 0
+
+
+def test_tree_and_partial_rollouts_cycle_over_the_train_pool(monkeypatch):
+  """task.train_pool reaches every producer: the tree and partial producers read train
+  position cursor mod pool, like selection does."""
+  import types  # pylint: disable=import-outside-toplevel
+  from rl import loop  # pylint: disable=import-outside-toplevel
+  from rl import partial_rollout  # pylint: disable=import-outside-toplevel
+  from rl import rollout as rollout_lib  # pylint: disable=import-outside-toplevel
+  from rl import tasks  # pylint: disable=import-outside-toplevel
+
+  task = tasks.make_task("chain_sum", seed=0, eval_size=10)
+  pool = [task.examples("train", 1, p)[0] for p in range(3)]
+  read = []
+
+  class Stop(Exception):
+    pass
+
+  def fake_tree_sample_and_score(params, examples, **kwargs):
+    del params, kwargs
+    read.extend(examples)
+    raise Stop
+
+  monkeypatch.setattr(rollout_lib, "tree_sample_and_score", fake_tree_sample_and_score)
+  ctx = types.SimpleNamespace(task=task, train_pool=3, prompts_per_step=4, tree_policy=object(),
+                              tree_advantage_fn=object(), tokenizer=None, prompt_len=8,
+                              model_config=None, sampling_config=None)
+  with pytest.raises(Stop):
+    loop.tree_producer(ctx)(None, 0, 0, jax.random.PRNGKey(0), 2, None)  # cursor 2..5
+  assert read == [pool[2], pool[0], pool[1], pool[2]]
+  assert [partial_rollout._example(ctx, i) for i in (3, 7)] == [pool[0], pool[1]]  # pylint: disable=protected-access
