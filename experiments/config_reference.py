@@ -151,6 +151,7 @@ def composition_table() -> list[str]:
   """The section saying which combinations of the RL phase's switches run, each cell
   computed by the launcher's own check (`experiments.train.check_composition`)."""
   from experiments import train  # pylint: disable=import-outside-toplevel  (imports JAX)
+  from rl import selection as selection_lib  # pylint: disable=import-outside-toplevel
   out = ["", "## Which switches compose", "",
          "Every combination of `rollout.kind`, `selection.kind`, `rl.async_`, `rl.staleness`",
          "and the mesh either runs, with each switch doing what it says (tests/",
@@ -160,7 +161,7 @@ def composition_table() -> list[str]:
          "| `rollout.kind` | `selection.kind` | " + " | ".join(t for t, _ in _COMPOSITION_COLUMNS)
          + " |", "|---|---|" + "---|" * len(_COMPOSITION_COLUMNS)]
   for kind in ("independent", "tree", "partial"):
-    for selection in ("uniform", "dynamic", "greso", "adaptive"):
+    for selection in selection_lib.KINDS:
       cells = []
       for _, overrides in _COMPOSITION_COLUMNS:
         config = default.get_config()
