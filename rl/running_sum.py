@@ -88,6 +88,11 @@ class Difficulty:
     gives each carry context its own starting point, so GRPO flips them one after another
     (a learning curve rather than one jump). A single number p means (p, p); 0 = a perfect
     teacher.
+  state_credit: partial credit for a wrong final total, in [0, 1): the reward is
+    state_credit * (leading states equal to the true running states) / k, so a completion
+    that goes wrong later scores more than one that goes wrong sooner (a process reward
+    that only the true states earn; `correct_leading_states`). A correct final total
+    always scores 1.0. 0 = exact match only.
   """
   min_steps: int = 1
   max_steps: int = 9
@@ -95,6 +100,7 @@ class Difficulty:
   digits: int = 8
   step: int = 5
   teacher_carry_slip: tuple[float, float] = (0.55, 0.9)
+  state_credit: float = 0.0
 
   def __post_init__(self):
     slip = self.teacher_carry_slip
@@ -110,6 +116,9 @@ class Difficulty:
       raise ValueError(f"running_sum: digits={self.digits} must be in [2, 12].")
     if not 1 <= self.step <= 9:
       raise ValueError(f"running_sum: step={self.step} must be in [1, 9].")
+    if not 0.0 <= self.state_credit < 1.0:
+      raise ValueError(f"running_sum: state_credit={self.state_credit} must be in [0, 1) (a "
+                       "wrong answer scores less than a right one).")
     if self.length_tail <= 1:
       raise ValueError(f"running_sum: length_tail={self.length_tail} must be > 1 (a Zipf "
                        "law with a finite tail).")
@@ -168,16 +177,38 @@ def worked_solution(problem: Problem, slips=None) -> str:
   return "".join(parts)
 
 
-def parse_final_answer(completion: str) -> int | None:
-  """The total of the last state: the integer after the last colon of the scored text (the
-  text up to the first newline or end-of-sequence marker; all of it when there is no
-  colon), or None when that is not 1-12 decimal digits. Linear in the text's length; never
-  evaluates the text."""
+def scored_text(completion: str) -> str:
+  """The part of a completion that is scored: up to the first newline or end-of-sequence
+  marker, leading whitespace removed."""
   text = completion.lstrip()
   for stop in _STOP_STRINGS:
     text = text.split(stop, 1)[0]
-  final = text.rsplit(":", 1)[-1].strip()
+  return text
+
+
+def parse_final_answer(completion: str) -> int | None:
+  """The total of the last state: the integer after the last colon of the scored text
+  (`scored_text`; all of it when there is no colon), or None when that is not 1-12 decimal
+  digits. Linear in the text's length; never evaluates the text."""
+  final = scored_text(completion).rsplit(":", 1)[-1].strip()
   return int(final) if _FINAL_TOTAL.fullmatch(final) else None
+
+
+def correct_leading_states(completion: str, problem: Problem) -> int:
+  """How many of the completion's first states are exactly the true states, in order (0 to
+  k): ",2:42,1:52,0:57" for Problem(37, 5, 3) has 1 (",2:42"). A state counts only when
+  the text after it is the next state's comma or the end of the scored text, so
+  ",2:423" does not count as ",2:42". Linear in the text's length; never evaluates it."""
+  text, position, count = scored_text(completion), 0, 0
+  total = problem.start
+  for left in range(problem.steps - 1, -1, -1):
+    total += problem.step
+    state = f",{left}:{total}"
+    end = position + len(state)
+    if not text.startswith(state, position) or (end < len(text) and text[end] != ","):
+      break
+    position, count = end, count + 1
+  return count
 
 
 class RunningSumTask:
@@ -281,8 +312,16 @@ class RunningSumTask:
     raise ValueError(f"Task {NAME!r}: unknown split {split!r}; use 'train' or 'eval'.")
 
   def reward(self, completion: str, example: Example) -> float:
-    """1.0 when the final total (`parse_final_answer`) is start + step * steps, else 0.0."""
-    return float(parse_final_answer(completion) == example.entry["total"])
+    """1.0 when the final total (`parse_final_answer`) is start + step * steps; otherwise
+    the difficulty's state_credit times the share of leading states that are right (0.0
+    by default)."""
+    if self.exact_match(completion, example):
+      return 1.0
+    credit = self._difficulty.state_credit
+    if not credit:
+      return 0.0
+    problem = example.entry["problem"]
+    return credit * correct_leading_states(completion, problem) / problem.steps
 
   def exact_match(self, completion: str, example: Example) -> bool:
-    return self.reward(completion, example) == 1.0
+    return parse_final_answer(completion) == example.entry["total"]

@@ -37,6 +37,31 @@ def test_parse_final_answer(completion, expected):
   assert running_sum.parse_final_answer(completion) == expected
 
 
+@pytest.mark.parametrize("completion, expected", [
+    (",3:42,2:47,1:52,0:57", 4), (",3:42,2:47,1:52,0:58", 3), (",3:42,2:37,1:52,0:57", 1),
+    (",3:42,2:47", 2), (",3:42,2:47\n,1:52,0:57", 2), (",3:423,2:47", 0), (",3:42,2:47,", 2),
+    (" ,3:42x", 0), ("", 0), ("57", 0), (",3:42,3:42,2:47", 1), (",3:42" * 10**5, 1),
+])
+def test_correct_leading_states(completion, expected):
+  assert running_sum.correct_leading_states(completion, Problem(37, 5, 4)) == expected
+
+
+def test_state_credit_rewards_leading_true_states_and_never_reaches_one():
+  plain = make_task("running_sum", eval_size=10)
+  shaped = make_task("running_sum", eval_size=10, state_credit=0.5)
+  example = next(e for e in shaped.examples("train", 50) if e.size == 4)
+  states = re.findall(r",\d:\d+", example.entry["solution"])
+  assert len(states) == 4
+  wrong_last = "".join(states[:3]) + ",0:1"
+  for completion, credit in [("".join(states), 1.0), (wrong_last, 0.5 * 3 / 4),
+                             (states[0] + ",9:9", 0.5 / 4), ("junk" * 100, 0.0)]:
+    assert shaped.reward(completion, example) == pytest.approx(credit)
+    assert shaped.exact_match(completion, example) == (credit == 1.0)
+    assert plain.reward(completion, example) == float(credit == 1.0)
+  with pytest.raises(ValueError, match="state_credit"):
+    make_task("running_sum", state_credit=1.0)
+
+
 def _brute_force_totals(problem, slips):
   """Independent teacher: the written totals, from explicit units/tens digit arithmetic."""
   written, totals = problem.start, []

@@ -24,7 +24,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.task.eval_size = 500
   c.task.difficulty = ml_collections.ConfigDict(dict(
       min_steps=1, max_steps=9, length_tail=1.6, digits=8, step=5,
-      teacher_carry_slip=(0.55, 0.9)))
+      teacher_carry_slip=(0.55, 0.9), state_credit=0.0))
   c.model.preset = "tiny2"            # two layers, RoPE base 100: the procedure in fewer seconds
   c.rollout.prompt_len = 16           # BOS + "+5,9:12345678"
   c.rollout.max_new_tokens = 100      # the longest worked solution, EOS included
