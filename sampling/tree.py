@@ -52,6 +52,14 @@ from sampling.sampler import (Generation, SamplerState, SamplingConfig, draw, ma
                               prefill, write_token)
 
 
+def _require_positive(policy) -> None:
+  """Raises unless every field of the policy (all counts) is positive."""
+  for field in dataclasses.fields(policy):
+    value = getattr(policy, field.name)
+    if value <= 0:
+      raise ValueError(f"{type(policy).__name__}.{field.name} must be positive, got {value}.")
+
+
 @dataclasses.dataclass(frozen=True)
 class EntropyFork:
   """Entropy-guided forking (TreeRL, EPTree): M chains, then `rounds` x (N points x B branches).
@@ -67,9 +75,7 @@ class EntropyFork:
   rounds: int = 1
 
   def __post_init__(self):
-    for name in ("init_chains", "fork_points", "branches", "rounds"):
-      if getattr(self, name) <= 0:
-        raise ValueError(f"EntropyFork.{name} must be positive, got {getattr(self, name)}.")
+    _require_positive(self)
 
   @property
   def leaves(self) -> int:
@@ -90,9 +96,7 @@ class FixedSegments:
   max_depth: int = 3
 
   def __post_init__(self):
-    for name in ("init_chains", "segment_len", "branches", "max_depth"):
-      if getattr(self, name) <= 0:
-        raise ValueError(f"FixedSegments.{name} must be positive, got {getattr(self, name)}.")
+    _require_positive(self)
     if self.branches < 2:
       raise ValueError(f"FixedSegments.branches must be >= 2 to branch, got {self.branches}.")
 
