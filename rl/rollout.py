@@ -18,7 +18,7 @@ from rl.tasks import Example, Task
 from rl.types import Rollout
 from sampling import sampler
 from sampling.sampler import Generation, SamplingConfig, generate
-from sampling.tree import ForkPolicy, TreeGeneration, tree_generate
+from sampling.tree import ForkPolicy, tree_generate
 from sharding import multihost
 from sharding import reshard
 from sharding import rules as sharding_rules
@@ -101,8 +101,9 @@ def make_generate(model_config: ModelConfig, sampling_config: SamplingConfig,
       lambda: transformer.init_params(model_config, jax.random.PRNGKey(0)))
   param_shardings = sharding_rules.tree_shardings(abstract_params, mesh, rules)
   rows, replicated = sharding_rules.batch_sharding(mesh), sharding_rules.replicated(mesh)
-  out_shardings = sharding_rules.tree_shardings(
-      Generation(*[0] * len(dataclasses.fields(Generation))), mesh, sharding_rules.BATCH_RULES)
+  plain = {f.name: 0 for f in dataclasses.fields(Generation) if f.default is dataclasses.MISSING}
+  out_shardings = sharding_rules.tree_shardings(  # the tree fields stay None: no leaves
+      Generation(**plain), mesh, sharding_rules.BATCH_RULES)
 
   def constrain(state: sampler.SamplerState) -> sampler.SamplerState:
     shardings = sharding_rules.tree_shardings(state, mesh, sharding_rules.SAMPLER_STATE_RULES)
@@ -226,7 +227,7 @@ class ScoredTree:
   reward_errors: int = 0
 
 
-def tree_rollout(generation: TreeGeneration, reward: jax.Array, group: jax.Array,
+def tree_rollout(generation: Generation, reward: jax.Array, group: jax.Array,
                  advantage_fn: Callable[..., jax.Array]) -> Rollout:
   """The training batch of a tree: every shared-prefix token is trained once.
 

@@ -45,7 +45,8 @@ import numpy as np
 
 from models import transformer
 from models.config import ModelConfig
-from sampling.sampler import Generation, SamplerState, SamplingConfig, decode
+from sampling.sampler import (Generation, SamplerState, SamplingConfig, decode, make_generation,
+                              stop_mask)
 
 RESUME_MODES = ("reprefill", "kept_kv")
 
@@ -262,12 +263,8 @@ def take(pool: RolloutPool, group_slots, sampling_config: SamplingConfig) -> Gen
   gather = lambda buf, empty: jnp.where(inside, jnp.take_along_axis(buf[rows], index, axis=1),
                                         empty)
   tokens, token_mask = gather(s.tokens, sampling_config.pad_id), gather(s.token_mask, False)
-  is_completion = jnp.arange(p + n)[None, :] >= p
-  completion_mask = token_mask & is_completion
-  stop_ids = jnp.asarray(sampling_config.stop_tokens or (-1,), jnp.int32)
-  stopped = (completion_mask & jnp.isin(tokens, stop_ids)).any(axis=1)
-  return Generation(tokens=tokens, prompt_mask=token_mask & ~is_completion,
-                    completion_mask=completion_mask, behavior_logp=gather(s.behavior_logp, 0.0),
-                    version=gather(s.version, -1),
-                    completion_len=completion_mask.sum(axis=1).astype(jnp.int32),
-                    stopped=stopped, decode_steps=s.step)
+  completion = token_mask & (jnp.arange(p + n)[None, :] >= p)
+  return make_generation(tokens, token_mask, gather(s.behavior_logp, 0.0),
+                         gather(s.version, -1), prompt_len=p,
+                         stopped=stop_mask(tokens, completion, sampling_config).any(axis=1),
+                         decode_steps=s.step)

@@ -6,13 +6,19 @@ scalar; per-row RoPE positions count real tokens, so left padding does not shift
 
 The state is a pytree (`SamplerState`): a loop can stop mid-sequence and resume later
 (partial rollouts), and rows can be gathered/copied (tree rollouts fork KV rows).
+
+This module is also the decode core that every sampling policy shares: `write_token` (the
+token step: write a sampled token, its behaviour log-prob and version, detect stops, run the
+model on it) and `make_generation` (the one trajectory type, `Generation`). Plain sampling
+(`decode`), tree rollouts (sampling/tree.py) and partial rollouts (sampling/partial.py)
+differ only in how they pick rows, keys and slots around them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Callable, Optional
 
 import chex
 import flax.struct
@@ -85,6 +91,12 @@ class Generation:
   tokens [B, S]; prompt_mask / completion_mask [B, S]; behavior_logp [B, S];
   version [B, S]; completion_len [B]; stopped [B] (emitted a stop token, as opposed to
   running out of slots); decode_steps: loop iterations run (scalar).
+  Tree fields are None for independent samples. For tree rollouts (sampling/tree.py) each
+  row is a root-to-leaf path: entropy [B, N] sampling entropy at each completion position;
+  leaf [B] row holds a tree path (unused rows have empty completions); node [B] row index
+  within its prompt's tree (-1: unused row); parent, depth, prefix_len [B] (see
+  `tree.TreeState`); row_key [B, 2] the row's key; decoded_tokens, refed_tokens,
+  pruned_tokens (scalars, see sampling/tree.py).
   """
   tokens: jax.Array
   prompt_mask: jax.Array
@@ -94,11 +106,26 @@ class Generation:
   completion_len: jax.Array
   stopped: jax.Array
   decode_steps: jax.Array
+  entropy: Optional[jax.Array] = None
+  leaf: Optional[jax.Array] = None
+  node: Optional[jax.Array] = None
+  parent: Optional[jax.Array] = None
+  depth: Optional[jax.Array] = None
+  prefix_len: Optional[jax.Array] = None
+  row_key: Optional[jax.Array] = None
+  decoded_tokens: Optional[jax.Array] = None
+  refed_tokens: Optional[jax.Array] = None
+  pruned_tokens: Optional[jax.Array] = None
 
 
 def prefill(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng: jax.Array,
-            model_config: ModelConfig, sampling_config: SamplingConfig) -> SamplerState:
-  """Runs the prompts [B, P] (left-padded) through the model and returns a fresh state."""
+            model_config: ModelConfig, sampling_config: SamplingConfig,
+            scratch_slots: int = 0) -> SamplerState:
+  """Runs the prompts [B, P] (left-padded) through the model and returns a fresh state.
+
+  The KV cache gets `scratch_slots` more slots after the S token slots, never attended to
+  (tree rollouts park the writes of rows that are not decoding there).
+  """
   chex.assert_rank([prompt_tokens, prompt_mask], 2)
   batch, prompt_len = prompt_tokens.shape
   slots = prompt_len + sampling_config.max_new_tokens
@@ -106,8 +133,9 @@ def prefill(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng: jax.A
   tokens = jnp.pad(prompt_tokens.astype(jnp.int32), pad, constant_values=sampling_config.pad_id)
   token_mask = jnp.pad(prompt_mask.astype(bool), pad)
   positions = transformer.positions_from_mask(prompt_mask)
-  cache = transformer.init_cache(model_config, batch, slots)
-  logits, cache = transformer.forward(params, prompt_tokens, positions, token_mask, model_config,
+  cache = transformer.init_cache(model_config, batch, slots + scratch_slots)
+  kv_mask = jnp.pad(token_mask, ((0, 0), (0, scratch_slots)))
+  logits, cache = transformer.forward(params, prompt_tokens, positions, kv_mask, model_config,
                                       cache=cache, cache_index=0)
   return SamplerState(
       tokens=tokens, token_mask=token_mask,
@@ -118,31 +146,62 @@ def prefill(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng: jax.A
       cache=cache, rng=rng, prompt_len=prompt_len)
 
 
-def _advance(state: SamplerState, version: jax.Array, sampling_config: SamplingConfig,
-             forward) -> SamplerState:
-  """One decode step; forward(token [B,1], position [B,1], kv_mask [B,S], cache, slot)."""
-  rng, key = jax.random.split(state.rng)
-  token, logp = sample_tokens(key, state.next_logits, sampling_config.temperature,
-                              sampling_config.top_k, sampling_config.top_p)
-  live = ~state.done
+def draw(key: jax.Array, logits: jax.Array, sampling_config: SamplingConfig):
+  """One token per row of logits [B, V] under the config, all from `key`: (tokens [B],
+  behaviour log-probs [B])."""
+  return sample_tokens(key, logits, sampling_config.temperature, sampling_config.top_k,
+                       sampling_config.top_p)
+
+
+def stop_mask(tokens: jax.Array, live: jax.Array, sampling_config: SamplingConfig) -> jax.Array:
+  """Where a live token (any shape, with `live` alike) is one of the config's stop tokens."""
+  if not sampling_config.stop_tokens:
+    return jnp.zeros_like(live)
+  return live & jnp.isin(tokens, jnp.asarray(sampling_config.stop_tokens, jnp.int32))
+
+
+def write_at(buf: jax.Array, value: jax.Array, slot: jax.Array) -> jax.Array:
+  """buf [B, S] with value [B] at `slot`: one slot for every row (a scalar: an in-place
+  update) or each row's own (slot [B]; a row whose slot is past S writes nothing)."""
+  if jnp.ndim(slot) == 0:
+    return jax.lax.dynamic_update_index_in_dim(buf, value, slot, axis=1)
+  return jnp.where(jnp.arange(buf.shape[1])[None, :] == slot[:, None], value[:, None], buf)
+
+
+def write_token(state, live: jax.Array, token: jax.Array, logp: jax.Array, version: jax.Array,
+                slot: jax.Array, sampling_config: SamplingConfig, forward):
+  """The token step of every policy: writes each live row's sampled token (pad in other
+  rows), its behaviour log-prob and version at `slot` (see `write_at`), marks rows that
+  emitted a stop token, and runs the model on the token.
+
+  state: a `SamplerState` (or its per-row subclass `tree.TreeState`); advancing its step and
+  rng is the caller's. forward(token [B, 1], position [B, 1], kv_mask [B, S], cache, slot) ->
+  (logits [B, 1, V], cache), the model's one-token call.
+  """
   token = jnp.where(live, token, sampling_config.pad_id)
-  slot = state.prompt_len + state.step
-  write = lambda buf, val: jax.lax.dynamic_update_index_in_dim(buf, val, slot, axis=1)
-  token_mask = write(state.token_mask, live)
-  stop_ids = jnp.asarray(sampling_config.stop_tokens, jnp.int32)
-  stopped = live & jnp.isin(token, stop_ids) if sampling_config.stop_tokens else jnp.zeros_like(live)
+  token_mask = write_at(state.token_mask, live, slot)
   logits, cache = forward(token[:, None], state.next_position[:, None], token_mask, state.cache,
                           slot)
   return state.replace(
-      tokens=write(state.tokens, token),
+      tokens=write_at(state.tokens, token, slot),
       token_mask=token_mask,
-      behavior_logp=write(state.behavior_logp, jnp.where(live, logp, 0.0)),
-      version=write(state.version, jnp.where(live, version, -1).astype(jnp.int32)),
-      done=state.done | stopped,
-      step=state.step + 1,
+      behavior_logp=write_at(state.behavior_logp, jnp.where(live, logp, 0.0), slot),
+      version=write_at(state.version, jnp.where(live, version, -1).astype(jnp.int32), slot),
+      done=state.done | stop_mask(token, live, sampling_config),
       next_logits=logits[:, 0],
       next_position=state.next_position + live.astype(jnp.int32),
-      cache=cache, rng=rng)
+      cache=cache)
+
+
+def _advance(state: SamplerState, version: jax.Array, sampling_config: SamplingConfig,
+             forward) -> SamplerState:
+  """One lockstep decode step: every row draws from one split of the state's key and
+  writes at the shared slot P + step."""
+  rng, key = jax.random.split(state.rng)
+  token, logp = draw(key, state.next_logits, sampling_config)
+  state = write_token(state, ~state.done, token, logp, version, state.prompt_len + state.step,
+                      sampling_config, forward)
+  return state.replace(step=state.step + 1, rng=rng)
 
 
 def decode_step(params, state: SamplerState, version: jax.Array, model_config: ModelConfig,
@@ -193,16 +252,25 @@ def decode(params, state: SamplerState, version: jax.Array, model_config: ModelC
   return state.replace(cache=transformer.from_decode_cache(state.cache))
 
 
+def make_generation(tokens: jax.Array, token_mask: jax.Array, behavior_logp: jax.Array,
+                    version: jax.Array, *, prompt_len: int, stopped: jax.Array,
+                    decode_steps: jax.Array, **tree_fields) -> Generation:
+  """The one place a `Generation` is assembled: slots [0, prompt_len) of the rows [B, S]
+  are the prompt, the rest the completion. `tree_fields`: Generation's tree fields."""
+  is_completion = jnp.arange(tokens.shape[1])[None, :] >= prompt_len
+  completion_mask = token_mask & is_completion
+  return Generation(
+      tokens=tokens, prompt_mask=token_mask & ~is_completion, completion_mask=completion_mask,
+      behavior_logp=behavior_logp, version=version,
+      completion_len=completion_mask.sum(axis=1).astype(jnp.int32), stopped=stopped,
+      decode_steps=decode_steps, **tree_fields)
+
+
 def to_generation(state: SamplerState) -> Generation:
   """The state's sequences as a `Generation` (rows still running count as unstopped)."""
-  slots = jnp.arange(state.tokens.shape[1])
-  is_completion = slots[None, :] >= state.prompt_len
-  completion_mask = state.token_mask & is_completion
-  return Generation(
-      tokens=state.tokens, prompt_mask=state.token_mask & ~is_completion,
-      completion_mask=completion_mask, behavior_logp=state.behavior_logp,
-      version=state.version, completion_len=completion_mask.sum(axis=1).astype(jnp.int32),
-      stopped=state.done, decode_steps=state.step)
+  return make_generation(state.tokens, state.token_mask, state.behavior_logp, state.version,
+                         prompt_len=state.prompt_len, stopped=state.done,
+                         decode_steps=state.step)
 
 
 def sample(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng: jax.Array,

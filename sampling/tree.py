@@ -20,10 +20,10 @@ cache rows, ...) into an unused row, so the shared prefix is never recomputed; t
 then decodes its own tokens from completion position `prefix_len` on. Rows keep their own
 decode position (`step`), so the KV cache write slot is per row. Unused rows are masked.
 
-Randomness. The token at completion position j of row r is drawn with
-`fold_in(row_key[r], j)`, so a child's continuation is exactly what plain decoding of the
-same prefix with the same key would produce (tests/test_tree.py checks this against an
-uncached forward pass).
+Randomness. The token at completion position j of row r is drawn with `fold_in(rng[r], j)`
+(the row's own key), so a child's continuation is exactly what plain decoding of the same
+prefix with the same key would produce (tests/test_tree.py checks this against an uncached
+forward pass).
 
 Accounting. `decoded_tokens` counts sampled tokens (one per live row per step): with no
 pruning it equals the number of distinct tree-node tokens. An entropy fork happens at a
@@ -48,8 +48,16 @@ import jax.numpy as jnp
 
 from models import transformer
 from models.config import ModelConfig
-from sampling.logits import sample_tokens
-from sampling.sampler import SamplingConfig
+from sampling.sampler import (Generation, SamplerState, SamplingConfig, draw, make_generation,
+                              prefill, write_token)
+
+
+def _require_positive(policy) -> None:
+  """Raises unless every field of the policy (all counts) is positive."""
+  for field in dataclasses.fields(policy):
+    value = getattr(policy, field.name)
+    if value <= 0:
+      raise ValueError(f"{type(policy).__name__}.{field.name} must be positive, got {value}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +75,7 @@ class EntropyFork:
   rounds: int = 1
 
   def __post_init__(self):
-    for name in ("init_chains", "fork_points", "branches", "rounds"):
-      if getattr(self, name) <= 0:
-        raise ValueError(f"EntropyFork.{name} must be positive, got {getattr(self, name)}.")
+    _require_positive(self)
 
   @property
   def leaves(self) -> int:
@@ -90,9 +96,7 @@ class FixedSegments:
   max_depth: int = 3
 
   def __post_init__(self):
-    for name in ("init_chains", "segment_len", "branches", "max_depth"):
-      if getattr(self, name) <= 0:
-        raise ValueError(f"FixedSegments.{name} must be positive, got {getattr(self, name)}.")
+    _require_positive(self)
     if self.branches < 2:
       raise ValueError(f"FixedSegments.branches must be >= 2 to branch, got {self.branches}.")
 
@@ -137,33 +141,24 @@ ForkPolicy = Union[EntropyFork, FixedSegments, Lookahead]
 
 
 @flax.struct.dataclass
-class TreeState:
+class TreeState(SamplerState):
   """The rows of all trees. R = prompts * leaves rows, S = P + N slots, cache S + 1 slots.
 
-  Sampler fields as in `sampling.sampler.SamplerState`, but per row: step [R] (next
-  completion position), done [R]; plus born [R] (row holds a tree path), entropy [R, N]
-  (sampling entropy at each completion position), branched [R, N] (position already used
-  as a branch point), row_key [R, 2], parent [R] (row within the prompt it forked from,
-  -1 for a chain from the prompt), depth [R] (fork generations: 0 for a chain, parent's
-  + 1), prefix_len [R] (completion tokens shared with the parent), birth_step [R] (step at which the row forked;
-  -1 for chains), window_open [R] (lookahead child not yet checked for pruning), last_fork
-  [R] (step of the row's latest fork, as child or parent; lookahead cool-down); counters
-  decoded_tokens, refed_tokens, pruned_tokens. The last cache slot is a scratch slot that
-  rows which are not decoding write to.
+  `SamplerState`'s fields, but per row: step [R] (next completion position), rng [R, 2]
+  (the row's own key); plus entropy [R, N] (sampling entropy at each completion position),
+  branched [R, N] (position already used as a branch point), born [R] (row holds a tree
+  path), parent [R] (row within the prompt it forked from, -1 for a chain from the
+  prompt), depth [R] (fork generations: 0 for a chain, parent's + 1), prefix_len [R]
+  (completion tokens shared with the parent), birth_step [R] (step at which the row
+  forked; -1 for chains), window_open [R] (lookahead child not yet checked for pruning),
+  last_fork [R] (step of the row's latest fork, as child or parent; lookahead cool-down);
+  counters decoded_tokens, refed_tokens, pruned_tokens, decode_steps (decode loop
+  iterations). The last cache slot is a scratch slot that rows which are not decoding
+  write to.
   """
-  tokens: jax.Array
-  token_mask: jax.Array
-  behavior_logp: jax.Array
-  version: jax.Array
   entropy: jax.Array
   branched: jax.Array
   born: jax.Array
-  done: jax.Array
-  step: jax.Array
-  next_logits: jax.Array
-  next_position: jax.Array
-  cache: dict
-  row_key: jax.Array
   parent: jax.Array
   depth: jax.Array
   prefix_len: jax.Array
@@ -173,37 +168,8 @@ class TreeState:
   decoded_tokens: jax.Array
   refed_tokens: jax.Array
   pruned_tokens: jax.Array
-  prompt_len: int = flax.struct.field(pytree_node=False)
+  decode_steps: jax.Array
   leaves: int = flax.struct.field(pytree_node=False)
-
-
-@flax.struct.dataclass
-class TreeGeneration:
-  """All trees' rows, ready to be scored. R = prompts * leaves, S = P + N.
-
-  tokens, prompt_mask, completion_mask (the whole root-to-leaf completion), behavior_logp,
-  version: [R, S] as in `Generation`; entropy [R, N]; completion_len [R]; stopped [R];
-  leaf [R] (row holds a tree path; unused rows have empty completions); node [R] (row index
-  within its prompt's tree, -1 for unused rows); parent, depth, prefix_len [R] (see
-  `TreeState`); row_key [R, 2]; decoded_tokens, refed_tokens, pruned_tokens (scalars).
-  """
-  tokens: jax.Array
-  prompt_mask: jax.Array
-  completion_mask: jax.Array
-  behavior_logp: jax.Array
-  version: jax.Array
-  entropy: jax.Array
-  completion_len: jax.Array
-  stopped: jax.Array
-  leaf: jax.Array
-  node: jax.Array
-  parent: jax.Array
-  depth: jax.Array
-  prefix_len: jax.Array
-  row_key: jax.Array
-  decoded_tokens: jax.Array
-  refed_tokens: jax.Array
-  pruned_tokens: jax.Array
 
 
 def sampling_entropy(logits: jax.Array, temperature: float) -> jax.Array:
@@ -216,8 +182,7 @@ def sampling_entropy(logits: jax.Array, temperature: float) -> jax.Array:
 def _sample_rows(keys: jax.Array, logits: jax.Array, sampling_config: SamplingConfig):
   """One token per row, each row with its own key: (tokens [R], logp [R])."""
   def one(key, row_logits):
-    token, logp = sample_tokens(key, row_logits[None], sampling_config.temperature,
-                                sampling_config.top_k, sampling_config.top_p)
+    token, logp = draw(key, row_logits[None], sampling_config)
     return token[0], logp[0]
   return jax.vmap(one)(keys, logits)
 
@@ -239,33 +204,26 @@ def _forward_rows(params, tokens, positions, kv_mask, cache, slots, model_config
 
 def _write_and_forward(params, st: TreeState, live, token, logp, entropy, version,
                        model_config: ModelConfig, sampling_config: SamplingConfig) -> TreeState:
-  """Writes each live row's token at its own slot P + step, advances the row, and runs the
-  model on it. Rows that are not live write to the scratch slot and keep their state."""
-  slots_total = st.tokens.shape[1]
-  completion_len = slots_total - st.prompt_len
-  token = jnp.where(live, token, sampling_config.pad_id)
-  slot = jnp.where(live, st.prompt_len + st.step, slots_total)
-  at_slot = (jnp.arange(slots_total)[None, :] == slot[:, None])
-  at_pos = (jnp.arange(completion_len)[None, :] == st.step[:, None]) & live[:, None]
-  token_mask = st.token_mask | at_slot
-  kv_mask = jnp.pad(token_mask, ((0, 0), (0, 1))) | (slot == slots_total)[:, None] & (
-      jnp.arange(slots_total + 1)[None, :] == slots_total)
-  logits, cache = _forward_rows(params, token, st.next_position, kv_mask, st.cache, slot,
-                                model_config)
-  stop_ids = jnp.asarray(sampling_config.stop_tokens, jnp.int32)
-  stopped = (live & jnp.isin(token, stop_ids)) if sampling_config.stop_tokens else jnp.zeros_like(live)
-  return st.replace(
-      tokens=jnp.where(at_slot, token[:, None], st.tokens),
-      token_mask=token_mask,
-      behavior_logp=jnp.where(at_slot, logp[:, None], st.behavior_logp),
-      version=jnp.where(at_slot, version, st.version),
+  """The shared token step (`sampler.write_token`) with each live row at its own slot
+  P + step; rows that are not live write to the scratch slot and keep their state."""
+  scratch = st.tokens.shape[1]
+
+  def forward(token, position, token_mask, cache, slot):
+    kv_mask = jnp.pad(token_mask, ((0, 0), (0, 1))) | (slot == scratch)[:, None] & (
+        jnp.arange(scratch + 1)[None, :] == scratch)
+    logits, cache = _forward_rows(params, token[:, 0], position[:, 0], kv_mask, cache, slot,
+                                  model_config)
+    return logits[:, None], cache
+
+  slot = jnp.where(live, st.prompt_len + st.step, scratch)
+  new = write_token(st, live, token, logp, version, slot, sampling_config, forward)
+  at_pos = (jnp.arange(st.entropy.shape[1])[None, :] == st.step[:, None]) & live[:, None]
+  return new.replace(
       entropy=jnp.where(at_pos, entropy[:, None], st.entropy),
-      done=st.done | stopped,
       step=st.step + live.astype(jnp.int32),
-      next_logits=jnp.where(live[:, None], logits, st.next_logits),
-      next_position=st.next_position + live.astype(jnp.int32),
-      cache=cache,
-      decoded_tokens=st.decoded_tokens + live.sum(dtype=jnp.int32))
+      next_logits=jnp.where(live[:, None], new.next_logits, st.next_logits),
+      decoded_tokens=st.decoded_tokens + live.sum(dtype=jnp.int32),
+      decode_steps=st.decode_steps + 1)
 
 
 def _live(st: TreeState) -> jax.Array:
@@ -273,7 +231,7 @@ def _live(st: TreeState) -> jax.Array:
 
 
 def _sample_live(st: TreeState, sampling_config: SamplingConfig):
-  keys = jax.vmap(jax.random.fold_in)(st.row_key, st.step)
+  keys = jax.vmap(jax.random.fold_in)(st.rng, st.step)
   token, logp = _sample_rows(keys, st.next_logits, sampling_config)
   return token, logp, sampling_entropy(st.next_logits, sampling_config.temperature)
 
@@ -296,7 +254,8 @@ def _decode(params, st: TreeState, version, model_config, sampling_config, stop_
 
 # --- Row bookkeeping. Rows are [prompts * leaves]; the cache keeps rows on axis 1. ---
 
-_NOT_PER_ROW = ("prompt_len", "leaves", "decoded_tokens", "refed_tokens", "pruned_tokens")
+_COUNTERS = ("decoded_tokens", "refed_tokens", "pruned_tokens", "decode_steps")
+_NOT_PER_ROW = ("prompt_len", "leaves") + _COUNTERS
 
 
 def _row_fields(st: TreeState) -> list[tuple[str, int]]:
@@ -343,8 +302,7 @@ def _put_block(st: TreeState, block: TreeState, start: int) -> TreeState:
   fields = {name: jax.tree.map(lambda x, y, a=axis: put(x, a, y), getattr(st, name),
                                getattr(block, name))
             for name, axis in _row_fields(st)}
-  return st.replace(**fields, decoded_tokens=block.decoded_tokens,
-                    refed_tokens=block.refed_tokens, pruned_tokens=block.pruned_tokens)
+  return st.replace(**fields, **{name: getattr(block, name) for name in _COUNTERS})
 
 
 def _gather_rows(st: TreeState, rows: jax.Array) -> TreeState:
@@ -387,37 +345,26 @@ def _init_state(params, prompt_tokens, prompt_mask, rng, model_config, sampling_
                 leaves: int, init_chains: int) -> TreeState:
   """Prefills each prompt once and copies it into its `leaves` rows; the first
   `init_chains` rows of each prompt are born (chains from the prompt)."""
-  prompts, prompt_len = prompt_tokens.shape
-  completion_len = sampling_config.max_new_tokens
-  slots = prompt_len + completion_len
-  positions = transformer.positions_from_mask(prompt_mask)
-  cache = transformer.init_cache(model_config, prompts, slots + 1)
-  kv_mask = jnp.pad(prompt_mask.astype(bool), ((0, 0), (0, completion_len + 1)))
-  logits, cache = transformer.forward(params, prompt_tokens, positions, kv_mask, model_config,
-                                      cache=cache, cache_index=0)
-  rows = prompts * leaves
+  first = prefill(params, prompt_tokens, prompt_mask, rng, model_config, sampling_config,
+                  scratch_slots=1)
+  rows, completion_len = prompt_tokens.shape[0] * leaves, sampling_config.max_new_tokens
   repeat = lambda x, axis=0: jnp.repeat(x, leaves, axis=axis)
-  pad = ((0, 0), (0, completion_len))
   index = jnp.arange(rows) % leaves
   return TreeState(
-      tokens=repeat(jnp.pad(prompt_tokens.astype(jnp.int32), pad,
-                            constant_values=sampling_config.pad_id)),
-      token_mask=repeat(jnp.pad(prompt_mask.astype(bool), pad)),
-      behavior_logp=jnp.zeros((rows, slots), jnp.float32),
-      version=jnp.full((rows, slots), -1, jnp.int32),
+      tokens=repeat(first.tokens), token_mask=repeat(first.token_mask),
+      behavior_logp=repeat(first.behavior_logp), version=repeat(first.version),
+      done=repeat(first.done), step=jnp.zeros((rows,), jnp.int32),
+      next_logits=repeat(first.next_logits), next_position=repeat(first.next_position),
+      cache=jax.tree.map(lambda c: repeat(c, axis=1), first.cache),
+      rng=jax.vmap(lambda r: jax.random.fold_in(rng, r))(jnp.arange(rows)),
       entropy=jnp.zeros((rows, completion_len), jnp.float32),
-      branched=jnp.zeros((rows, completion_len), bool),
-      born=index < init_chains, done=jnp.zeros((rows,), bool),
-      step=jnp.zeros((rows,), jnp.int32), next_logits=repeat(logits[:, -1]),
-      next_position=repeat(positions[:, -1] + 1),
-      cache=jax.tree.map(lambda c: repeat(c, axis=1), cache),
-      row_key=jax.vmap(lambda r: jax.random.fold_in(rng, r))(jnp.arange(rows)),
+      branched=jnp.zeros((rows, completion_len), bool), born=index < init_chains,
       parent=jnp.full((rows,), -1, jnp.int32), depth=jnp.zeros((rows,), jnp.int32),
       prefix_len=jnp.zeros((rows,), jnp.int32), birth_step=jnp.full((rows,), -1, jnp.int32),
       window_open=jnp.zeros((rows,), bool),
       last_fork=jnp.full((rows,), -(2 ** 20), jnp.int32), decoded_tokens=jnp.zeros((), jnp.int32),
       refed_tokens=jnp.zeros((), jnp.int32), pruned_tokens=jnp.zeros((), jnp.int32),
-      prompt_len=prompt_len, leaves=leaves)
+      decode_steps=jnp.zeros((), jnp.int32), prompt_len=first.prompt_len, leaves=leaves)
 
 
 def _adopt(child: TreeState, born, parent_local, prefix_len, depth, birth_step, keys) -> TreeState:
@@ -425,7 +372,7 @@ def _adopt(child: TreeState, born, parent_local, prefix_len, depth, birth_step, 
   return child.replace(born=born, parent=jnp.where(born, parent_local, -1),
                        depth=jnp.where(born, depth, 0),
                        prefix_len=jnp.where(born, prefix_len, 0),
-                       birth_step=jnp.where(born, birth_step, -1), row_key=keys)
+                       birth_step=jnp.where(born, birth_step, -1), rng=keys)
 
 
 # --- Fork policies. ---
@@ -462,7 +409,7 @@ def _entropy_fork(params, st: TreeState, version, policy: EntropyFork, model_con
     child = child.replace(branched=child.branched | (pos == child_pos[:, None]))
     child_rows = (jnp.arange(prompts)[:, None] * st.leaves + grown
                   + jnp.arange(n * b)[None, :]).reshape(-1)
-    fresh_keys = jax.vmap(jax.random.fold_in)(st.row_key[child_rows], jnp.full_like(child_rows, 1))
+    fresh_keys = jax.vmap(jax.random.fold_in)(st.rng[child_rows], jnp.full_like(child_rows, 1))
     child = _adopt(child, child_born, rep(local_row), child_pos, child.depth + 1,
                    child_pos, fresh_keys)
     child = _refeed(params, child, child_born, model_config)
@@ -488,7 +435,7 @@ def _fixed_segments(params, st: TreeState, version, policy: FixedSegments, model
     child_born = _live(child)
     child_rows = (jnp.arange(prompts)[:, None] * st.leaves + width
                   + jnp.arange(width * (policy.branches - 1))[None, :]).reshape(-1)
-    keys = jax.vmap(jax.random.fold_in)(st.row_key[child_rows], jnp.full_like(child_rows, 1))
+    keys = jax.vmap(jax.random.fold_in)(st.rng[child_rows], jnp.full_like(child_rows, 1))
     child = _adopt(child, child_born, parents % st.leaves, child.step, child.depth + 1,
                    child.step, keys)
     st = _put_block(st, child, width)
@@ -522,7 +469,7 @@ def _lookahead(params, st: TreeState, version, policy: Lookahead, model_config,
     served = jnp.argmax(match, axis=1)                                 # [prompts, leaves]
     src_row = prompt_base + served.reshape(-1) // kids
     forced = jnp.take_along_axis(others.reshape(prompts, leaves * kids), served, axis=1).reshape(-1)
-    keys = jax.vmap(jax.random.fold_in)(s.row_key, s.step + 1)
+    keys = jax.vmap(jax.random.fold_in)(s.rng, s.step + 1)
     child = _gather_rows(s, jnp.where(gets_child, src_row, jnp.arange(src_row.shape[0])))
     child = _adopt(child, gets_child, src_row % leaves, child.step, child.depth + 1, child.step,
                    keys).replace(window_open=gets_child, last_fork=child.step)
@@ -561,21 +508,18 @@ def _lookahead(params, st: TreeState, version, policy: Lookahead, model_config,
   return jax.lax.while_loop(lambda s: jnp.any(_live(s)), body, st)
 
 
-def _to_generation(st: TreeState) -> TreeGeneration:
-  slots = jnp.arange(st.tokens.shape[1])
-  is_completion = slots[None, :] >= st.prompt_len
+def _to_generation(st: TreeState) -> Generation:
+  """The trees' rows as a `Generation` with its tree fields; unused rows are emptied."""
   born = st.born[:, None]
-  completion_mask = st.token_mask & is_completion & born
-  return TreeGeneration(
-      tokens=jnp.where(is_completion & ~born, 0, st.tokens),
-      prompt_mask=st.token_mask & ~is_completion, completion_mask=completion_mask,
-      behavior_logp=jnp.where(born, st.behavior_logp, 0.0),
-      version=jnp.where(born, st.version, -1), entropy=jnp.where(born, st.entropy, 0.0),
-      completion_len=completion_mask.sum(axis=1).astype(jnp.int32),
-      stopped=st.done & st.born, leaf=st.born,
+  unused = (jnp.arange(st.tokens.shape[1])[None, :] >= st.prompt_len) & ~born
+  return make_generation(
+      jnp.where(unused, 0, st.tokens), st.token_mask & ~unused,
+      jnp.where(born, st.behavior_logp, 0.0), jnp.where(born, st.version, -1),
+      prompt_len=st.prompt_len, stopped=st.done & st.born, decode_steps=st.decode_steps,
+      entropy=jnp.where(born, st.entropy, 0.0), leaf=st.born,
       node=jnp.where(st.born, jnp.arange(st.born.shape[0]) % st.leaves, -1),
       parent=jnp.where(st.born, st.parent, -1), depth=jnp.where(st.born, st.depth, 0),
-      prefix_len=jnp.where(st.born, st.prefix_len, 0), row_key=st.row_key,
+      prefix_len=jnp.where(st.born, st.prefix_len, 0), row_key=st.rng,
       decoded_tokens=st.decoded_tokens, refed_tokens=st.refed_tokens,
       pruned_tokens=st.pruned_tokens)
 
@@ -583,11 +527,12 @@ def _to_generation(st: TreeState) -> TreeGeneration:
 @functools.partial(jax.jit, static_argnames=("model_config", "sampling_config", "policy"))
 def tree_generate(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng: jax.Array,
                   model_config: ModelConfig, sampling_config: SamplingConfig,
-                  policy: ForkPolicy, version: jax.Array | int = 0) -> TreeGeneration:
+                  policy: ForkPolicy, version: jax.Array | int = 0) -> Generation:
   """Samples one tree per left-padded prompt [prompts, P]; rows [prompts * policy.leaves].
 
-  Rows of prompt i are [i * leaves, (i + 1) * leaves). `version` is recorded on every
-  generated token (traced, so it never recompiles).
+  Rows of prompt i are [i * leaves, (i + 1) * leaves); the `Generation` has its tree
+  fields set. `version` is recorded on every generated token (traced, so it never
+  recompiles).
   """
   chex.assert_rank([prompt_tokens, prompt_mask], 2)
   version = jnp.asarray(version, jnp.int32)
