@@ -7,8 +7,9 @@ A two-layer decoder from scratch warm-starts on demonstrations (add 5 to an 8-di
 k = 1..9 times, writing the state "count:total" after each addition) from a teacher that
 forgets 55-90% of the carries, then GRPO learns to carry. Measured on two CPU cores: under
 ten minutes; +52 to +77 points of held-out accuracy in seeds 0, 1, 3 and 4, but +9 in
-seed 2, whose policy learned to carry in the wrong places (docs/testbed.md). Not yet the
-embedded default for that reason. Every field not set here is the default's
+seed 2, whose policy does not learn the first step's carry (+18 with partial credit,
+task.difficulty.state_credit=0.5; docs/testbed.md). Not yet the embedded default for that
+reason. Every field not set here is the default's
 (experiments/configs/default.py).
 """
 
