@@ -109,8 +109,9 @@ _RANGES = (
     + [(f"rl.{k}", 0, True, None) for k in ("steps", "warmup_steps", "staleness",
                                             "max_staleness", "weight_decay", "max_grad_norm")]
     + [("rl.learning_rate", 0, False, None)]
-    + [(f"loss.{k}", 0, True, None) for k in ("eps_low", "eps_high", "kl_coef", "is_floor")]
-    + [(f"loss.{k}", 0, False, None) for k in ("norm_len", "is_cap", "m2_tau", "sat_bandwidth",
+    + [(f"loss.{k}", 0, True, None) for k in ("eps_low", "eps_high", "kl_coef", "is_floor",
+                                              "norm_len")]
+    + [(f"loss.{k}", 0, False, None) for k in ("is_cap", "m2_tau", "sat_bandwidth",
                                                "vcpo_rho_ref", "vcpo_is_cap")]
     + [("loss.sat_quantile", 0, False, 1.0)]
     + [("eval.every", 1, True, None), ("eval.batch_size", 1, True, None),
@@ -282,6 +283,14 @@ def length_buckets(config) -> tuple[int, ...]:
   return tuple(sorted(r.prompt_len + b for b in r.train_length_buckets if b < r.max_new_tokens))
 
 
+def rl_loss_config(config) -> ml_collections.FrozenConfigDict:
+  """config.loss as the GRPO train step reads it: norm_len 0 becomes the generation budget
+  (rollout.max_new_tokens; `losses.resolve_norm_len`)."""
+  return ml_collections.FrozenConfigDict(dict(
+      config.loss, norm_len=losses.resolve_norm_len(config.loss.norm_len,
+                                                    config.rollout.max_new_tokens)))
+
+
 def make_context(config, task, tokenizer, model_config, phase, mesh=None):
   """The LoopContext (and optimizer) of one phase of the run (sharded over `mesh`, if any)."""
   if phase == WARM_START:
@@ -296,7 +305,7 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None):
     optimizer = train.make_optimizer(config.rl.learning_rate, warmup_steps=config.rl.warmup_steps,
                                       weight_decay=config.rl.weight_decay,
                                       max_grad_norm=config.rl.max_grad_norm)
-    loss_config = ml_collections.FrozenConfigDict(config.loss)
+    loss_config = rl_loss_config(config)
     prompts = config.rollout.prompts_per_step
   sampling_config = SamplingConfig(
       max_new_tokens=config.rollout.max_new_tokens, temperature=config.rollout.temperature,

@@ -35,7 +35,9 @@ PROX_ESTIMATES = ("recompute", "loglinear")
 
 # Defaults of the config.loss fields (experiments/configs/default.py documents each).
 LOSS_DEFAULTS = dict(
-    eps_low=0.2, eps_high=0.2, aggregation="seq_mean_token_mean", norm_len=1.0, kl_coef=0.0,
+    eps_low=0.2, eps_high=0.2, aggregation="seq_mean_token_mean", kl_coef=0.0,
+    # Dr.GRPO's constant normaliser; 0 = the completion budget (`resolve_norm_len`).
+    norm_len=0.0,
     corrections=(), prox_estimate="recompute",
     is_cap=5.0, is_floor=0.0,            # TIS truncation / MIS window (decoupled PPO cap 5)
     # M2PO bound on the kept tokens' mean d^2: 0.04 = (0.2)^2, a typical |log-ratio| of 0.2,
@@ -62,6 +64,12 @@ def get_loss(name: str) -> LossFn:
   return LOSSES[name]
 
 
+def resolve_norm_len(norm_len: float, max_new_tokens: int) -> float:
+  """config.loss.norm_len, with 0 meaning the completion budget (rollout.max_new_tokens):
+  Dr.GRPO divides every sequence's token sum by one constant, the generation budget."""
+  return float(norm_len) if norm_len else float(max_new_tokens)
+
+
 def aggregate(per_token: jax.Array, mask: jax.Array, mode: str, norm_len: float = 1.0) -> jax.Array:
   """Reduces a per-token loss [B, T] over valid tokens to a scalar.
 
@@ -80,6 +88,10 @@ def aggregate(per_token: jax.Array, mask: jax.Array, mode: str, norm_len: float 
     seq_means = per_token.sum(axis=1) / jnp.maximum(lengths, 1.0)
     return (seq_means * has_tokens).sum() / jnp.maximum(has_tokens.sum(), 1.0)
   if mode == "seq_mean_token_sum_norm":
+    if isinstance(norm_len, (int, float)) and norm_len <= 0:
+      raise ValueError(f"seq_mean_token_sum_norm needs norm_len > 0, got {norm_len} (the "
+                       "launcher turns config.loss.norm_len=0 into rollout.max_new_tokens; "
+                       "resolve_norm_len).")
     return (per_token.sum(axis=1) / norm_len).mean()
   raise ValueError(f"Unknown aggregation {mode!r} (config.loss.aggregation); known: {AGGREGATIONS}.")
 

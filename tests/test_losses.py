@@ -109,3 +109,22 @@ def test_kl_penalty_requires_reference_logprobs():
   k3 = np.mean([2 - np.log(2) - 1, 0.0])
   np.testing.assert_allclose(metrics["kl_ref"], k3, rtol=1e-5)
   np.testing.assert_allclose(loss, 0.1 * k3, rtol=1e-5)
+
+
+def test_sum_norm_refuses_a_zero_normaliser():
+  per_token, mask = jnp.ones((2, 3)), jnp.ones((2, 3))
+  with pytest.raises(ValueError, match="norm_len > 0"):
+    losses.aggregate(per_token, mask, "seq_mean_token_sum_norm", norm_len=0.0)
+
+
+def test_config_loss_fields_have_one_default():
+  """experiments/configs/default.py's loss section is LOSS_DEFAULTS (plus the objective's
+  name), so a field means the same whether it comes from the launcher or the library; the
+  launcher turns norm_len 0 into the generation budget (Dr.GRPO's constant)."""
+  from experiments import train as launcher  # pylint: disable=import-outside-toplevel
+  from experiments.configs import default  # pylint: disable=import-outside-toplevel
+  config = default.get_config()
+  assert {k: v for k, v in config.loss.items() if k != "name"} == losses.LOSS_DEFAULTS
+  assert launcher.rl_loss_config(config).norm_len == config.rollout.max_new_tokens
+  config.loss.norm_len = 24.0
+  assert launcher.rl_loss_config(config).norm_len == 24.0

@@ -97,7 +97,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.loss.eps_low = 0.2                # PPO clip: ratio >= 1 - eps_low where A < 0
   c.loss.eps_high = 0.2               # PPO clip: ratio <= 1 + eps_high where A > 0
   c.loss.aggregation = "seq_mean_token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
-  c.loss.norm_len = 6.0               # constant normaliser of seq_mean_token_sum_norm
+  c.loss.norm_len = 0.0               # constant normaliser of seq_mean_token_sum_norm (Dr.GRPO)
+                                      # (0 = rollout.max_new_tokens, the generation budget)
   c.loss.kl_coef = 0.0                # k3 KL to a reference policy (0 = none)
   # Off-policy corrections (rl/corrections.py) appended to the objective's own, in order:
   # 'tis' | 'mis' | 'm2po' | 'sat' | 'vcpo_baseline' | 'vcpo_ess'. Objectives fix the fields

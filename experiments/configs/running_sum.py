@@ -38,6 +38,5 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.steps = 120
   c.rl.learning_rate = 2.5e-4
   c.rl.warmup_steps = 20
-  c.loss.norm_len = 100.0
   c.eval.every = 30
   return c

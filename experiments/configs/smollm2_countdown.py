@@ -41,7 +41,6 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.learning_rate = 2e-6
   c.rl.num_microbatches = 2           # 8 rows of 168 tokens in two halves
 
-  c.loss.norm_len = 24.0
 
   c.eval.every = 10
   c.eval.batch_size = 16
