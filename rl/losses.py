@@ -8,7 +8,7 @@ where `logp` [B, T] are the log-probs of `batch.tokens` under the parameters bei
 `batch` is an `rl.types.Rollout`, and `config` is the (frozen) `config.loss` ConfigDict.
 Metrics may carry 'lr_scale', which the train step applies to the update.
 
-An objective is a per-token surrogate plus a chain of corrections (`rl.corrections`:
+A built-in objective (`Objective`) is a per-token surrogate plus a chain of corrections (`rl.corrections`:
 small transforms of log-ratios, advantages and masks into weights, masks and clip
 widths), plus fixed settings that define the method (DAPO's clip-higher and token-mean
 aggregation, GSPO's small sequence-level clip, ...). Those settings override the same
@@ -18,8 +18,9 @@ fields of `config.loss`; `config.loss.corrections` appends corrections to any ob
 
 from __future__ import annotations
 
+import dataclasses
 import types
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -160,7 +161,8 @@ def check_config(config) -> None:
 
 
 def correction_chain(loss_fn: LossFn, config) -> tuple[str, ...]:
-  """The corrections an objective applies: its own, then config.loss.corrections."""
+  """The corrections an objective applies: its own (an `Objective`'s; a plain function
+  registered with `register_loss` has none), then config.loss.corrections."""
   return tuple(getattr(loss_fn, "corrections", ())) + resolve_config(config).corrections
 
 
@@ -252,12 +254,27 @@ def importance_pg_surrogate(cap: Optional[str]) -> Callable:
   return surrogate
 
 
-def make_objective(surrogate: Callable, corrections: tuple[str, ...] = (),
-                   uses_prox: bool = False, **overrides) -> LossFn:
-  """A loss_fn: terms from the batch -> corrections chain -> surrogate * weight -> (+KL) ->
-  aggregation. `overrides` fix config.loss fields that define the method."""
-  def loss_fn(logp: jax.Array, batch: Rollout, *, prox_logp=None, config) -> tuple[jax.Array, dict]:
-    cfg = resolve_config(config, overrides)
+@dataclasses.dataclass(frozen=True)
+class Objective:
+  """A built-in objective, callable with the loss signature: terms from the batch ->
+  corrections chain -> surrogate * weight -> (+KL) -> aggregation.
+
+  surrogate: (TokenTerms, resolved config) -> (per-token loss, metrics).
+  corrections: the method's own `rl.corrections` chain (config.loss.corrections follow).
+  uses_prox: whether the method needs proximal log-probs (decoupled PPO).
+  overrides: config.loss fields that define the method (e.g. DAPO's eps_high=0.28).
+  """
+  name: str
+  doc: str
+  surrogate: Callable
+  corrections: tuple[str, ...] = ()
+  uses_prox: bool = False
+  overrides: Mapping[str, object] = dataclasses.field(default_factory=dict)
+
+  def __call__(self, logp: jax.Array, batch: Rollout, *, prox_logp=None,
+               config) -> tuple[jax.Array, dict]:
+    corrections, uses_prox, surrogate = self.corrections, self.uses_prox, self.surrogate
+    cfg = resolve_config(config, self.overrides)
     mask = batch.completion_mask.astype(jnp.float32)
     terms = corr.TokenTerms(
         logp=logp, behav=batch.behavior_logp,
@@ -281,17 +298,20 @@ def make_objective(surrogate: Callable, corrections: tuple[str, ...] = (),
       metrics["kl_ref"] = masked_mean(kl, mask)
     return aggregate(per_token, mask, cfg.aggregation, cfg.norm_len), metrics
 
-  loss_fn.corrections = tuple(corrections)
-  loss_fn.uses_prox = uses_prox
-  loss_fn.overrides = dict(overrides)
-  return loss_fn
+
+def make_objective(surrogate: Callable, corrections: tuple[str, ...] = (),
+                   uses_prox: bool = False, *, name: str = "", doc: str = "",
+                   **overrides) -> Objective:
+  """An `Objective` from a surrogate; `overrides` fix the config.loss fields that define
+  the method."""
+  return Objective(name=name or getattr(surrogate, "__name__", "objective"),
+                   doc=doc or (surrogate.__doc__ or ""), surrogate=surrogate,
+                   corrections=tuple(corrections), uses_prox=uses_prox,
+                   overrides=dict(overrides))
 
 
-def _register(name: str, doc: str, *args, **kwargs) -> LossFn:
-  fn = make_objective(*args, **kwargs)
-  fn.__doc__ = doc
-  fn.__name__ = name
-  return register_loss(name)(fn)
+def _register(name: str, doc: str, *args, **kwargs) -> Objective:
+  return register_loss(name)(make_objective(*args, name=name, doc=doc, **kwargs))
 
 
 ppo_clip_loss = _register(

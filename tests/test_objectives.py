@@ -193,3 +193,15 @@ def test_objectives_jit(name):
   config = cfg(name=name)
   loss, _ = jax.jit(lambda lp, b, p: fn(lp, b, prox_logp=p, config=config))(logp, batch, logp)
   assert np.isfinite(float(loss))
+
+
+def test_built_in_objectives_are_typed_records():
+  decoupled = losses.get_loss("decoupled")
+  assert isinstance(decoupled, losses.Objective)
+  assert (decoupled.name, decoupled.corrections, decoupled.uses_prox) == (
+      "decoupled", ("tis",), True)
+  assert losses.get_loss("dapo").overrides == dict(eps_low=0.2, eps_high=0.28,
+                                                   aggregation="token_mean")
+  assert losses.needs_prox(cfg(name="decoupled")) and not losses.needs_prox(cfg(name="grpo"))
+  assert not isinstance(losses.get_loss("sft"), losses.Objective)  # a plain registered function
+  assert losses.correction_chain(losses.get_loss("sft"), cfg(name="sft")) == ()
