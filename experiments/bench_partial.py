@@ -1,4 +1,4 @@
-"""Benchmark B4 (BENCHMARKS.md): partial rollouts vs synchronous batches, long-tailed lengths.
+"""Benchmark B4 (docs/benchmarks.md): partial rollouts vs synchronous batches, long-tailed lengths.
 
     python -m experiments.bench_partial --out=runs/bench_partial
 

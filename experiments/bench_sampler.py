@@ -1,4 +1,4 @@
-"""Benchmark B1 (BENCHMARKS.md): sampler throughput and utilisation, Arbor vs its peers.
+"""Benchmark B1 (docs/benchmarks.md): sampler throughput and utilisation, Arbor vs its peers.
 
     python -m experiments.bench_sampler                 # B1 shapes, Arbor + Tunix + transformers
     python -m experiments.bench_sampler --peers=        # Arbor only

@@ -1,4 +1,4 @@
-"""Benchmark B6 (BENCHMARKS.md): decoded tokens and wall time to a target accuracy, per
+"""Benchmark B6 (docs/benchmarks.md): decoded tokens and wall time to a target accuracy, per
 prompt-selection method (rl/selection.py), on the default task.
 
     python -m experiments.bench_selection --seeds=0,1,2 --out=docs/benchmarks_selection.md

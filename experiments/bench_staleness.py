@@ -1,4 +1,4 @@
-"""Benchmark B5 (BENCHMARKS.md): robustness of objectives to simulated staleness.
+"""Benchmark B5 (docs/benchmarks.md): robustness of objectives to simulated staleness.
 
 For each seed: one supervised warm start (shared by every cell of that seed), then for each
 objective and staleness k a GRPO run that samples with the parameters of k iterations

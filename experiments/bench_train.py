@@ -1,4 +1,4 @@
-"""Benchmark B2 (BENCHMARKS.md): train-step and GRPO-step speed, and the prefix-shared forward.
+"""Benchmark B2 (docs/benchmarks.md): train-step and GRPO-step speed, and the prefix-shared forward.
 
     python -m experiments.bench_train                 # B1 shapes, Arbor + Tunix + TRL
     python -m experiments.bench_train --peers=        # Arbor only

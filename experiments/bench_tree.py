@@ -1,4 +1,4 @@
-"""Benchmark B3 (BENCHMARKS.md): tree rollouts vs independent sampling per decoded token.
+"""Benchmark B3 (docs/benchmarks.md): tree rollouts vs independent sampling per decoded token.
 
     python -m experiments.bench_tree --workdir=runs/bench_tree            # B3 + training
     python -m experiments.bench_tree --workdir=runs/bench_tree --train_seeds=0  # B3 only

@@ -179,7 +179,7 @@ def composition_table() -> list[str]:
 
 
 def undocumented(source: str | None = None) -> list[str]:
-  """Fields of default.py without a comment (DESIGN.md: every field documented)."""
+  """Fields of default.py without a comment (every field is documented)."""
   if source is None:
     with open(CONFIG_PATH) as f:
       source = f.read()

@@ -1,6 +1,6 @@
 """How the benchmarks measure: wall time, the machine's f32 matmul peak, and its load.
 
-Machines here are shared (BENCHMARKS.md): every number is a best-of-N after compilation,
+Machines here are shared (docs/benchmarks.md): every number is a best-of-N after compilation,
 utilisation is model FLOP/s over a large f32 matmul timed in the same run, and each
 result records the load average it was measured under.
 """

@@ -78,7 +78,7 @@ PRESETS = {
     "tiny2": ModelConfig(vocab_size=64, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
                          head_dim=32, mlp_dim=512, max_seq_len=64, tie_embeddings=True,
                          rope_theta=100.0),
-    # Benchmark B1 shape (BENCHMARKS.md).
+    # Benchmark B1 shape (docs/benchmarks.md).
     "b1": ModelConfig(vocab_size=1024, d_model=256, n_layers=4, n_heads=4, n_kv_heads=2,
                       head_dim=64, mlp_dim=1024, qkv_bias=True, tie_embeddings=False,
                       rope_theta=1000000.0, norm_eps=1e-6, max_seq_len=512),

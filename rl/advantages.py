@@ -1,4 +1,4 @@
-"""Advantage estimators: pure functions of rewards and group ids (METHODS.md section 2).
+"""Advantage estimators: pure functions of rewards and group ids (docs/concepts.md).
 
 Equal rewards give exactly zero advantage. In float32 the mean of seven 0.7s is not 0.7,
 and GRPO divides that one-ulp residue by a std of the same size plus eps = 1e-6, which
@@ -120,7 +120,7 @@ def get_advantage_fn(name: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
   return ADVANTAGES[name]
 
 
-# --- Tree advantages (METHODS.md section 2). ---
+# --- Tree advantages (docs/concepts.md). ---
 #
 # A tree rollout is a batch of root-to-leaf rows (rl.types.Rollout tree fields): row r of
 # group g is node `node[r]` of g's tree, forked from the row whose node id is `parent[r]`

@@ -1,4 +1,4 @@
-"""Off-policy corrections as composable transforms (METHODS.md section 1).
+"""Off-policy corrections as composable transforms (docs/concepts.md, Objectives).
 
 A correction is a small pure function `(TokenTerms, config) -> (TokenTerms, metrics)` that
 reads the per-token log-ratios, advantages and masks of a batch and rewrites the detached

@@ -12,7 +12,7 @@ TrainState, parameter history and prompt-selection history are all the loop carr
 Which prompts a GRPO iteration rolls out, and how many times each, is `rl.selection`'s
 choice.
 
-Simulated staleness (METHODS.md section 4): with `LoopContext.staleness = k > 0`, GRPO
+Simulated staleness (docs/concepts.md, Staleness): with `LoopContext.staleness = k > 0`, GRPO
 iteration t samples with the parameters of iteration max(t - k, 0), kept in a ring buffer
 of the last k parameter versions (`ParamHistory`, part of the checkpointed state), and the
 tokens record that version. Deterministic: the same seed gives the same run.

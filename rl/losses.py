@@ -1,4 +1,4 @@
-"""Policy objectives under one signature, in one registry (METHODS.md section 1).
+"""Policy objectives under one signature, in one registry (docs/concepts.md, Objectives).
 
 Every objective is
 

@@ -1,4 +1,4 @@
-"""Partial-rollout batches for the RL loop (APRIL / CoPRIS, METHODS.md section 3).
+"""Partial-rollout batches for the RL loop (APRIL / CoPRIS; docs/concepts.md, Rollout kinds).
 
 `PartialRollouts` drives a `sampling.partial` pool from the host: it refills free group
 slots with the next prompts of the data stream (group id = the prompt's data position),

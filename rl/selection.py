@@ -1,4 +1,4 @@
-"""Choosing what to roll out (METHODS.md section 5).
+"""Choosing what to roll out (docs/benchmarks_selection.md).
 
 GRPO learns nothing from a group whose rewards are all equal (every advantage is 0), and
 late in training most groups are like that. Four ways to pick the rows of a GRPO batch,

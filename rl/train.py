@@ -40,7 +40,7 @@ def make_optimizer(learning_rate: float, *, warmup_steps: int = 0, decay_steps: 
 
   The learning rate rises linearly over `warmup_steps`, then decays linearly to
   `end_lr_fraction * learning_rate` over `decay_steps` (0: constant). A decaying rate keeps
-  the supervised warm start from swinging between checkpoints (BENCHMARKS.md calibration).
+  the supervised warm start from swinging between checkpoints (docs/benchmarks.md).
   """
   schedule = optax.join_schedules(
       [optax.linear_schedule(0.0 if warmup_steps else learning_rate, learning_rate,

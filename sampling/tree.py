@@ -1,7 +1,7 @@
 """Tree-structured rollouts: rows fork from one another so that leaves share prefixes.
 
 One interface, `tree_generate(params, prompts, ..., policy)`, with the fork policy as a
-static parameter (METHODS.md section 3):
+static parameter (docs/concepts.md, Rollout kinds):
 
 - `EntropyFork` (TreeRL's EPTree / entropy-fork tree rollouts): grow M chains to completion,
   then `rounds` times pick the N highest-entropy tokens of the tree and fork B branches at

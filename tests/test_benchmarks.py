@@ -1,5 +1,5 @@
 """The benchmark scripts run end to end in smoke mode (tiny shapes, one repetition, no peers)
-so they cannot rot; their timings are not checked here (BENCHMARKS.md: timed claims are
+so they cannot rot; their timings are not checked here (docs/benchmarks.md: timed claims are
 benchmarks, not tests)."""
 
 import json

@@ -116,7 +116,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.advantage = ml_collections.ConfigDict()
   c.advantage.name = "grpo"           # rl/advantages.py registry: grpo | drgrpo | rloo | median
 
-  # Which prompts a GRPO step rolls out, and how often (rl/selection.py, METHODS.md section 5).
+  # Which prompts a GRPO step rolls out, and how often (rl/selection.py).
   c.selection = ml_collections.ConfigDict()
   c.selection.kind = "uniform"        # uniform | dynamic (DAPO) | greso | adaptive
   c.selection.max_attempts = 8        # dynamic / greso: rollout rounds to fill a batch, then error

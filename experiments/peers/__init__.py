@@ -1,4 +1,4 @@
-"""The peers of the B1/B2 benchmarks, each run in its own virtualenv (PEERS.md).
+"""The peers of the B1/B2 benchmarks, each run in its own virtualenv (docs/benchmarks_perf.md).
 
 `ensure_env` creates a peer's virtualenv once (under runs/peer_envs/<name>), `run_peer`
 runs that peer's script (`experiments/peers/<name>_peer.py`, never imported by Arbor) in
@@ -16,7 +16,7 @@ import sys
 
 PEER_LABELS = {"arbor": "Arbor", "tunix": "Tunix", "torch": "transformers"}
 
-# Exact pins (PEERS.md). pip installs each list in order; torch comes first so that it
+# Exact pins (docs/benchmarks_perf.md). pip installs each list in order; torch comes first so that it
 # resolves to the machine's local CPU wheel, never a CUDA build.
 PEER_PACKAGES = {
     "tunix": [["google-tunix==0.1.7"]],

@@ -1,5 +1,5 @@
 """Peer benchmark run in its own virtualenv: Hugging Face transformers `generate` and TRL's
-GRPOTrainer on torch CPU (BENCHMARKS.md B1, B2; PEERS.md).
+GRPOTrainer on torch CPU (docs/benchmarks_perf.md).
 
 Started by experiments/bench_sampler.py and experiments/bench_train.py as
 

@@ -1,5 +1,5 @@
 """Peer benchmark run in its own virtualenv: Tunix's Qwen2 model, its sampler and its GRPO
-learner on CPU (BENCHMARKS.md B1, B2; PEERS.md).
+learner on CPU (docs/benchmarks_perf.md).
 
 Started by experiments/bench_sampler.py and experiments/bench_train.py as
 
@@ -56,7 +56,7 @@ def qwen2_model(shape: dict) -> qwen2.Qwen2:
 
 
 def mesh() -> jax.sharding.Mesh:
-  # Auto axes (PEERS.md: jax.make_mesh's Explicit axes break Tunix's embedding lookup).
+  # Auto axes (jax.make_mesh's Explicit axes break Tunix's embedding lookup).
   return jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
 
 
