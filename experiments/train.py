@@ -390,202 +390,260 @@ def accuracy_by_size_table(warm: dict, final: dict) -> dict[str, dict]:
           for size, acc in sorted(final["eval_accuracy_by_size"].items(), key=lambda x: int(x[0]))}
 
 
-def run(config: ml_collections.ConfigDict) -> dict:
-  """Runs (or resumes) the configured job and returns its summary."""
-  validate(config)
-  started = time.time()
-  d = config.distributed
-  multihost.initialize(d.coordinator_address or None, d.num_processes or None,
-                       None if d.process_id < 0 else d.process_id)
-  mesh = build_mesh(config)
-  primary = multihost.is_primary()
-  os.makedirs(config.workdir, exist_ok=True)
-  init_rng, loop_rng = jax.random.split(jax.random.PRNGKey(config.seed))
-  tokenizer, model_config, params = load_policy(config, init_rng)
-  task = make_task(config.task.name, config.task.prompt_style, seed=config.seed,
-                   eval_size=config.task.eval_size, **config.task.difficulty)
-  eval_examples = task.examples("eval", config.task.eval_size)
-
-  def held_out(params):
-    return evaluation.evaluate(params, eval_examples, task=task, tokenizer=tokenizer,
-                               prompt_len=config.rollout.prompt_len,
-                               max_new_tokens=config.rollout.max_new_tokens,
-                               model_config=model_config, batch_size=config.eval.batch_size,
-                               mesh=mesh)
-
-  contexts = {phase: make_context(config, task, tokenizer, model_config, phase, mesh)
-              for phase in (WARM_START, RL)}
-
-  def new_train_state(params, optimizer):
-    """init_train_state(params); with a mesh, placed in the trainer's sharded layout."""
-    init = lambda p: train.init_train_state(p, optimizer)
-    if mesh is None:
-      return init(params)
-    return jax.jit(init, out_shardings=train.train_state_shardings(
-        model_config, optimizer, mesh))(params)
-
-  if mesh is not None:  # a global array, so every process checkpoints the same key
-    loop_rng = multihost.replicate(loop_rng, mesh)
-  history = lambda p: loop.init_history(p, config.rl.staleness) if config.rl.staleness else None
-  train_state = new_train_state(params, contexts[WARM_START][1])
-  state = loop.LoopState(train=train_state, rng=loop_rng, history=history(train_state.params),
-                         selection=selection.init_state(config.task.train_pool, config.selection))
-  # Run-level records kept in the checkpoint meta, so a resumed run reports the whole run:
-  # held-out evaluations, the histogram of RL rollout completion lengths, the prompts
-  # selection skipped, and the wall time spent in each part (seconds; compilation counts
-  # where it happens).
-  meta = {"phase": WARM_START, "data_cursor": 0, "iteration": 0, "evals": [],
+def _new_meta() -> dict:
+  """Run-level records kept in the checkpoint meta, so a resumed run reports the whole run:
+  held-out evaluations, the histogram of RL rollout completion lengths, the prompts
+  selection skipped, and the wall time spent in each part (seconds; compilation counts
+  where it happens)."""
+  return {"phase": WARM_START, "data_cursor": 0, "iteration": 0, "evals": [],
           "completion_length_counts": [], "time_s": dict.fromkeys(TIME_PARTS, 0.0),
           "prompts_skipped": 0}
 
-  manager = checkpoint.make_manager(os.path.join(config.workdir, "checkpoints"),
-                                    config.checkpoint.max_to_keep, remove_unfinished=True)
-  log = metrics.MetricsLog(os.path.join(config.workdir, "metrics.jsonl"))
-  if not config.resume and manager.latest_step() is not None:
-    raise ValueError(f"config.resume=False but {config.workdir} already holds checkpoints "
-                     f"(latest step {manager.latest_step()}); use a new config.workdir or "
-                     "resume=True.")
-  # Unfinished partial rollouts and the replay ring live in a zarr3 trajectory store.
-  store = None
-  if config.rollout.kind == "partial" or config.rollout.replay_size:
-    store = trajectory_store.TrajectoryStore(os.path.join(config.workdir, "trajectories"),
-                                             config.rollout.replay_size)
-  produce, rollouts = make_rl_producer(config, contexts[RL][0], store)
-  restored = checkpoint.restore_latest(manager, state) if config.resume else None
-  if restored is not None:
-    step, state, meta = restored
-    meta.setdefault("prompts_skipped", 0)  # checkpoints written before it was recorded
-    state = state.replace(data_cursor=meta["data_cursor"], iteration=meta["iteration"])
-    if primary:
-      log.truncate_to(meta["log_records"], step)
-    if rollouts is not None and "partial_ledger" in meta:
-      rollouts.load(store.load_pool(step, partial_rollout.POOL_FIELDS), meta["partial_ledger"])
-    if store is not None:
-      store.truncate_after(int(state.train.step) - 1 if meta["phase"] == RL else -1)
-    if primary:  # absl logs only warnings here (see main), so say it plainly
-      print(f"Resumed from step {step} ({meta['phase']} phase) in {config.workdir}.",
-            flush=True)
-  elif primary:
-    log.truncate_after(-1)
-    if store is not None:
-      store.truncate_after(-1)
 
-  phase_steps = {WARM_START: config.warm_start.steps, RL: config.rl.steps}
-  done = (0 if meta["phase"] == WARM_START else phase_steps[WARM_START]) + state.iteration
-  bar = tqdm.tqdm(total=sum(phase_steps.values()), initial=done, desc=meta["phase"],
-                  dynamic_ncols=True, disable=not primary)
+def _eval_record(result, step: int, phase: str, label: str) -> dict:
+  """The metrics.jsonl record of one held-out evaluation."""
+  record = {"step": step, "phase": phase, "event": label,
+            "eval_accuracy": result.accuracy, "eval_accuracy_stderr": result.accuracy_stderr,
+            "eval_reward": result.mean_reward, "eval_length": result.mean_length}
+  if result.accuracy_by_size:
+    record["eval_accuracy_by_size"] = {str(k): acc for k, (_, acc) in
+                                       result.accuracy_by_size.items()}
+    record["eval_examples_by_size"] = {str(k): n for k, (n, _) in
+                                       result.accuracy_by_size.items()}
+  return record
 
-  def save():
+
+class _Run:
+  """One launcher job: its policy, task, phase contexts, checkpoints, logs and run-level
+  records (`meta`), with the steps of `run` as methods. `done` counts the steps of both
+  phases taken so far (the checkpoint step)."""
+
+  def __init__(self, config: ml_collections.ConfigDict):
+    self.config = config
+    self.started = time.time()
+    d = config.distributed
+    multihost.initialize(d.coordinator_address or None, d.num_processes or None,
+                         None if d.process_id < 0 else d.process_id)
+    self.mesh = build_mesh(config)
+    self.primary = multihost.is_primary()
+    os.makedirs(config.workdir, exist_ok=True)
+    init_rng, loop_rng = jax.random.split(jax.random.PRNGKey(config.seed))
+    self.tokenizer, self.model_config, params = load_policy(config, init_rng)
+    self.task = make_task(config.task.name, config.task.prompt_style, seed=config.seed,
+                          eval_size=config.task.eval_size, **config.task.difficulty)
+    self.eval_examples = self.task.examples("eval", config.task.eval_size)
+    self.contexts = {phase: make_context(config, self.task, self.tokenizer, self.model_config,
+                                         phase, self.mesh)
+                     for phase in (WARM_START, RL)}
+    if self.mesh is not None:  # a global array, so every process checkpoints the same key
+      loop_rng = multihost.replicate(loop_rng, self.mesh)
+    train_state = self.new_train_state(params, self.contexts[WARM_START][1])
+    self.state = loop.LoopState(
+        train=train_state, rng=loop_rng, history=self.history(train_state.params),
+        selection=selection.init_state(config.task.train_pool, config.selection))
+    self.meta = _new_meta()
+    self.manager = checkpoint.make_manager(os.path.join(config.workdir, "checkpoints"),
+                                           config.checkpoint.max_to_keep,
+                                           remove_unfinished=True)
+    self.log = metrics.MetricsLog(os.path.join(config.workdir, "metrics.jsonl"))
+    if not config.resume and self.manager.latest_step() is not None:
+      raise ValueError(f"config.resume=False but {config.workdir} already holds checkpoints "
+                       f"(latest step {self.manager.latest_step()}); use a new "
+                       "config.workdir or resume=True.")
+    # Unfinished partial rollouts and the replay ring live in a zarr3 trajectory store.
+    self.store = None
+    if config.rollout.kind == "partial" or config.rollout.replay_size:
+      self.store = trajectory_store.TrajectoryStore(
+          os.path.join(config.workdir, "trajectories"), config.rollout.replay_size)
+    self.produce, self.rollouts = make_rl_producer(config, self.contexts[RL][0], self.store)
+    self.phase_steps = {WARM_START: config.warm_start.steps, RL: config.rl.steps}
+    self.done = 0
+    self.bar = None
+
+  def new_train_state(self, params, optimizer):
+    """init_train_state(params); with a mesh, placed in the trainer's sharded layout."""
+    init = lambda p: train.init_train_state(p, optimizer)
+    if self.mesh is None:
+      return init(params)
+    return jax.jit(init, out_shardings=train.train_state_shardings(
+        self.model_config, optimizer, self.mesh))(params)
+
+  def history(self, params):
+    """Simulated staleness's parameter history (None without staleness)."""
+    staleness = self.config.rl.staleness
+    return loop.init_history(params, staleness) if staleness else None
+
+  def restore_or_start(self) -> None:
+    """Resumes from the newest checkpoint (config.resume), or clears what a fresh run
+    overwrites; then opens the progress bar at the step reached."""
+    restored = (checkpoint.restore_latest(self.manager, self.state)
+                if self.config.resume else None)
+    if restored is not None:
+      step, state, meta = restored
+      meta.setdefault("prompts_skipped", 0)  # checkpoints written before it was recorded
+      self.state = state.replace(data_cursor=meta["data_cursor"], iteration=meta["iteration"])
+      self.meta = meta
+      if self.primary:
+        self.log.truncate_to(meta["log_records"], step)
+      if self.rollouts is not None and "partial_ledger" in meta:
+        self.rollouts.load(self.store.load_pool(step, partial_rollout.POOL_FIELDS),
+                           meta["partial_ledger"])
+      if self.store is not None:
+        self.store.truncate_after(
+            int(self.state.train.step) - 1 if meta["phase"] == RL else -1)
+      if self.primary:  # absl logs only warnings here (see main), so say it plainly
+        print(f"Resumed from step {step} ({meta['phase']} phase) in {self.config.workdir}.",
+              flush=True)
+    elif self.primary:
+      self.log.truncate_after(-1)
+      if self.store is not None:
+        self.store.truncate_after(-1)
+    self.done = ((0 if self.meta["phase"] == WARM_START else self.phase_steps[WARM_START])
+                 + self.state.iteration)
+    self.bar = tqdm.tqdm(total=sum(self.phase_steps.values()), initial=self.done,
+                         desc=self.meta["phase"], dynamic_ncols=True, disable=not self.primary)
+
+  def save(self) -> None:
+    """Checkpoints the loop state and run records at step `done`."""
     extra = {}
-    if rollouts is not None:  # the pool snapshot first: the checkpoint is the commit point
-      store.save_pool(done, rollouts.arrays())
-      extra["partial_ledger"] = rollouts.ledger.as_dict()
-    checkpoint.save(manager, done, state, dict(meta, data_cursor=state.data_cursor,
-                                               iteration=state.iteration,
-                                               log_records=len(log.read()), **extra))
-    log.close()  # TensorBoard events up to the checkpoint reach disk with it
-    if rollouts is not None:
-      store.prune(manager.all_steps())
+    if self.rollouts is not None:  # the pool snapshot first: the checkpoint is the commit point
+      self.store.save_pool(self.done, self.rollouts.arrays())
+      extra["partial_ledger"] = self.rollouts.ledger.as_dict()
+    state = self.state
+    checkpoint.save(self.manager, self.done, state,
+                    dict(self.meta, data_cursor=state.data_cursor, iteration=state.iteration,
+                         log_records=len(self.log.read()), **extra))
+    self.log.close()  # TensorBoard events up to the checkpoint reach disk with it
+    if self.rollouts is not None:
+      self.store.prune(self.manager.all_steps())
 
-  def record_step(phase, step_metrics):
-    nonlocal done
-    done += 1
+  def record_step(self, phase: str, step_metrics: dict) -> None:
+    """Counts one step and logs its metrics; folds its lengths, skips and times into meta."""
+    self.done += 1
     step_metrics = dict(step_metrics)
     counts = step_metrics.pop("completion_length_counts", None)
     if counts is not None:
-      meta["completion_length_counts"] = add_counts(meta["completion_length_counts"], counts)
-    meta["prompts_skipped"] += int(step_metrics.get("prompts_skipped", 0))
+      self.meta["completion_length_counts"] = add_counts(self.meta["completion_length_counts"],
+                                                         counts)
+    self.meta["prompts_skipped"] += int(step_metrics.get("prompts_skipped", 0))
     for part in ("rollout", "train"):
-      meta["time_s"][part] += float(step_metrics.get(f"time_{part}_s", 0.0))
-    record = {"step": done, "phase": phase, **{k: float(v) for k, v in step_metrics.items()}}
-    if primary:
-      log.write(record)
-    bar.update(1)
-    bar.set_postfix({k: f"{record[k]:.3f}" for k in ("loss", "reward_mean") if k in record})
+      self.meta["time_s"][part] += float(step_metrics.get(f"time_{part}_s", 0.0))
+    record = {"step": self.done, "phase": phase,
+              **{k: float(v) for k, v in step_metrics.items()}}
+    if self.primary:
+      self.log.write(record)
+    self.bar.update(1)
+    self.bar.set_postfix({k: f"{record[k]:.3f}" for k in ("loss", "reward_mean") if k in record})
 
-  def evaluate_now(label):
+  def evaluate(self, label: str) -> None:
+    """Greedy held-out evaluation of the current parameters, logged and kept in meta."""
     eval_started = time.perf_counter()
-    result = held_out(state.train.params)
-    meta["time_s"]["eval"] += time.perf_counter() - eval_started
-    record = {"step": done, "phase": meta["phase"], "event": label,
-              "eval_accuracy": result.accuracy, "eval_accuracy_stderr": result.accuracy_stderr,
-              "eval_reward": result.mean_reward, "eval_length": result.mean_length}
-    if result.accuracy_by_size:
-      record["eval_accuracy_by_size"] = {str(k): acc for k, (_, acc) in
-                                         result.accuracy_by_size.items()}
-      record["eval_examples_by_size"] = {str(k): n for k, (n, _) in
-                                         result.accuracy_by_size.items()}
-    meta["evals"].append(record)
-    if primary:
-      log.write(record)
-    bar.write(f"[step {done}] {label}: held-out accuracy {result.accuracy:.3f}, "
-              f"mean reward {result.mean_reward:.3f}")
-    return result
+    config = self.config
+    result = evaluation.evaluate(
+        self.state.train.params, self.eval_examples, task=self.task, tokenizer=self.tokenizer,
+        prompt_len=config.rollout.prompt_len, max_new_tokens=config.rollout.max_new_tokens,
+        model_config=self.model_config, batch_size=config.eval.batch_size, mesh=self.mesh)
+    self.meta["time_s"]["eval"] += time.perf_counter() - eval_started
+    record = _eval_record(result, self.done, self.meta["phase"], label)
+    self.meta["evals"].append(record)
+    if self.primary:
+      self.log.write(record)
+    self.bar.write(f"[step {self.done}] {label}: held-out accuracy {result.accuracy:.3f}, "
+                   f"mean reward {result.mean_reward:.3f}")
 
-  for phase in (WARM_START, RL):
-    if meta["phase"] != phase:
-      continue
-    ctx, _ = contexts[phase]
-    bar.set_description(phase)
-    while state.iteration < phase_steps[phase]:
-      if phase == WARM_START:
-        step_started = time.perf_counter()
-        state, step_metrics = loop.sft_iteration(state, ctx, config.warm_start.length_window)
-        meta["time_s"]["warm_start"] += time.perf_counter() - step_started
-        record_step(phase, step_metrics)
-      elif config.rl.async_:
-        # Run up to the next evaluation / checkpoint / end; nothing is in flight after it.
-        boundary = min(phase_steps[phase],
-                       *((state.iteration // every + 1) * every
-                         for every in (config.eval.every, config.checkpoint.every)))
-        state, _ = async_loop.run_async(
-            state, ctx, produce, boundary - state.iteration,
-            max_staleness=config.rl.max_staleness, publish=ctx.publish or (lambda p: p),
-            on_step=lambda _, step_metrics: record_step(RL, step_metrics))
-      else:
-        state, step_metrics = loop.grpo_iteration(state, ctx, produce)
-        record_step(phase, step_metrics)
-      if phase == RL and state.iteration % config.eval.every == 0:
-        evaluate_now("eval")
-      if state.iteration % config.checkpoint.every == 0 and state.iteration < phase_steps[phase]:
-        save()  # the phase's last step is saved below
+  def advance(self, phase: str) -> None:
+    """One step of `phase` (for async RL: every step up to the next evaluation, checkpoint
+    or the end; nothing is in flight after it)."""
+    config, ctx = self.config, self.contexts[phase][0]
     if phase == WARM_START:
-      evaluate_now("warm_start_end")
-      # The RL phase starts from the warm-started parameters with a fresh optimiser.
-      meta["phase"] = RL
-      state = loop.LoopState(
-          train=new_train_state(state.train.params, contexts[RL][1]),
-          rng=state.rng, history=history(state.train.params), selection=state.selection,
-          data_cursor=state.data_cursor, iteration=0)
-      save()
-  bar.close()
-  last = meta["evals"][-1]
-  if config.rl.steps and (last["step"] != done or last["event"] != "eval"):
-    evaluate_now("eval")
-  if manager.latest_step() != done:
-    save()
+      step_started = time.perf_counter()
+      self.state, step_metrics = loop.sft_iteration(self.state, ctx,
+                                                    config.warm_start.length_window)
+      self.meta["time_s"]["warm_start"] += time.perf_counter() - step_started
+      self.record_step(phase, step_metrics)
+    elif config.rl.async_:
+      boundary = min(self.phase_steps[phase],
+                     *((self.state.iteration // every + 1) * every
+                       for every in (config.eval.every, config.checkpoint.every)))
+      self.state, _ = async_loop.run_async(
+          self.state, ctx, self.produce, boundary - self.state.iteration,
+          max_staleness=config.rl.max_staleness, publish=ctx.publish or (lambda p: p),
+          on_step=lambda _, step_metrics: self.record_step(RL, step_metrics))
+    else:
+      self.state, step_metrics = loop.grpo_iteration(self.state, ctx, self.produce)
+      self.record_step(phase, step_metrics)
 
-  warm = next(e for e in meta["evals"] if e["event"] == "warm_start_end")
-  final = meta["evals"][-1]
-  summary = {"warm_start_accuracy": warm["eval_accuracy"], "final_accuracy": final["eval_accuracy"],
-             "warm_start_accuracy_stderr": warm["eval_accuracy_stderr"],
-             "final_accuracy_stderr": final["eval_accuracy_stderr"],
-             "warm_start_reward": warm["eval_reward"], "final_reward": final["eval_reward"],
-             "steps": done, "wall_time_s": time.time() - started,
-             "time_s": dict(meta["time_s"]),
-             "rollout_completion_length": metrics.length_stats(meta["completion_length_counts"]),
-             "prompts_skipped": meta["prompts_skipped"],
-             "nonfinite_updates": int(multihost.fetch(state.train.nonfinite_updates))}
-  if "eval_accuracy_by_size" in final:
-    summary["accuracy_by_size"] = accuracy_by_size_table(warm, final)
-  if rollouts is not None:
-    summary["partial_ledger"] = rollouts.ledger.as_dict()
-  if primary:
-    with open(os.path.join(config.workdir, "summary.json"), "w") as f:
-      json.dump(summary, f, indent=2)
-    log.close()
-    metrics.plot_run(log.read(), os.path.join(config.workdir, "plot.png"))
-  return summary
+  def run_phase(self, phase: str) -> None:
+    """Steps `phase` to its end, evaluating (RL) and checkpointing on schedule; the warm
+    start ends with an evaluation and hands its parameters to RL with a fresh optimiser."""
+    self.bar.set_description(phase)
+    while self.state.iteration < self.phase_steps[phase]:
+      self.advance(phase)
+      iteration = self.state.iteration
+      if phase == RL and iteration % self.config.eval.every == 0:
+        self.evaluate("eval")
+      if iteration % self.config.checkpoint.every == 0 and iteration < self.phase_steps[phase]:
+        self.save()  # the phase's last step is saved below
+    if phase == WARM_START:
+      self.evaluate("warm_start_end")
+      self.meta["phase"] = RL
+      params = self.state.train.params
+      self.state = loop.LoopState(
+          train=self.new_train_state(params, self.contexts[RL][1]), rng=self.state.rng,
+          history=self.history(params), selection=self.state.selection,
+          data_cursor=self.state.data_cursor, iteration=0)
+      self.save()
+
+  def finish(self) -> dict:
+    """The final evaluation and checkpoint (if the schedule did not just make them), then
+    summary.json and plot.png; returns the summary."""
+    self.bar.close()
+    last = self.meta["evals"][-1]
+    if self.config.rl.steps and (last["step"] != self.done or last["event"] != "eval"):
+      self.evaluate("eval")
+    if self.manager.latest_step() != self.done:
+      self.save()
+    summary = self.summary()
+    if self.primary:
+      with open(os.path.join(self.config.workdir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+      self.log.close()
+      metrics.plot_run(self.log.read(), os.path.join(self.config.workdir, "plot.png"))
+    return summary
+
+  def summary(self) -> dict:
+    """Held-out accuracies (warm start and final, with standard errors and by size), steps,
+    wall time and its split, rollout lengths and the selection / partial counts."""
+    meta = self.meta
+    warm = next(e for e in meta["evals"] if e["event"] == "warm_start_end")
+    final = meta["evals"][-1]
+    summary = {"warm_start_accuracy": warm["eval_accuracy"],
+               "final_accuracy": final["eval_accuracy"],
+               "warm_start_accuracy_stderr": warm["eval_accuracy_stderr"],
+               "final_accuracy_stderr": final["eval_accuracy_stderr"],
+               "warm_start_reward": warm["eval_reward"], "final_reward": final["eval_reward"],
+               "steps": self.done, "wall_time_s": time.time() - self.started,
+               "time_s": dict(meta["time_s"]),
+               "rollout_completion_length": metrics.length_stats(
+                   meta["completion_length_counts"]),
+               "prompts_skipped": meta["prompts_skipped"],
+               "nonfinite_updates": int(multihost.fetch(self.state.train.nonfinite_updates))}
+    if "eval_accuracy_by_size" in final:
+      summary["accuracy_by_size"] = accuracy_by_size_table(warm, final)
+    if self.rollouts is not None:
+      summary["partial_ledger"] = self.rollouts.ledger.as_dict()
+    return summary
+
+
+def run(config: ml_collections.ConfigDict) -> dict:
+  """Runs (or resumes) the configured job and returns its summary."""
+  validate(config)
+  job = _Run(config)
+  job.restore_or_start()
+  for phase in (WARM_START, RL):
+    if job.meta["phase"] == phase:
+      job.run_phase(phase)
+  return job.finish()
 
 
 def main(argv):
