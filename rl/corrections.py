@@ -1,11 +1,17 @@
 """Off-policy corrections as composable transforms (docs/concepts.md, Objectives).
 
-A correction is a small pure function `(TokenTerms, config) -> (TokenTerms, metrics)` that
-reads the per-token log-ratios, advantages and masks of a batch and rewrites the detached
-per-token `weight`, the per-token `clip_scale` or the `advantages`, in the spirit of
-`optax.chain`: corrections are selected by name (`config.loss.corrections=('tis',)`) and
-chained in order onto any objective of `rl.losses`, so M2PO masking on top of DAPO is a
-chain, not a new objective.
+A correction is a small pure function `apply(terms) -> (terms, metrics)` that reads the
+per-token log-ratios, advantages and masks of a batch (`TokenTerms`) and rewrites the
+detached per-token `weight`, the per-token `clip_scale` or the `advantages`. It is built
+by a factory whose keyword arguments are its hyperparameters, as optax builds
+`scale_by_adam(b1, b2)`: `truncated_is(is_cap=2.0)` returns a correction that truncates at
+2, and the factory's defaults are those of `rl.losses.LOSS_DEFAULTS`.
+
+Corrections are selected by name (`config.loss.corrections=('tis',)`) and chained in order
+onto any objective of `rl.losses`, so M2PO masking on top of DAPO is a chain, not a new
+objective. The registry records for each name its factory, whether it reads proximal
+log-probs, and which `config.loss` field feeds which factory argument (`m2_tau` -> `tau`),
+so `chain` builds each correction from the loss config and the config names stay flat.
 
 Two log-ratios appear. The staleness proxy `d = sg(logp - behav)` (how far the policy being
 trained has moved from the sampler) drives M2PO, SAT and VCPO. The proximal gap
@@ -23,7 +29,8 @@ the sequence ratio `exp(sum_t m * (logp - behav))` is against the concatenation.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional
+import inspect
+from typing import Callable, Mapping, Optional
 
 import flax.struct
 import jax
@@ -67,25 +74,39 @@ class TokenTerms:
     return self.behav if self.prox is None else self.prox
 
 
-Correction = Callable[[TokenTerms, Any], tuple[TokenTerms, dict]]
+Correction = Callable[[TokenTerms], tuple[TokenTerms, dict]]
+CorrectionFactory = Callable[..., Correction]
 
 
 @dataclasses.dataclass(frozen=True)
 class CorrectionSpec:
-  fn: Correction
-  needs_prox: bool
+  """A registered correction: its factory, whether it reads `terms.prox`, and `fields`,
+  factory argument -> the config.loss field that supplies it."""
+  factory: CorrectionFactory
+  needs_prox: bool = False
+  fields: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+  def build(self, config) -> Correction:
+    """The correction with its hyperparameters read from `config` (config.loss)."""
+    return self.factory(**{arg: getattr(config, field) for arg, field in self.fields.items()})
 
 
 CORRECTIONS: dict[str, CorrectionSpec] = {}
 
 
-def register_correction(name: str, needs_prox: bool = False):
-  """Decorator adding a correction to the registry under `name` (config.loss.corrections)."""
-  def wrap(fn: Correction) -> Correction:
+def register_correction(name: str, needs_prox: bool = False,
+                        fields: Optional[Mapping[str, str]] = None):
+  """Decorator adding a correction factory to the registry under `name`
+  (config.loss.corrections); `fields` maps its arguments to config.loss fields."""
+  def wrap(factory: CorrectionFactory) -> CorrectionFactory:
     if name in CORRECTIONS:
       raise ValueError(f"Correction {name!r} is already registered.")
-    CORRECTIONS[name] = CorrectionSpec(fn, needs_prox)
-    return fn
+    unknown = set(fields or {}) - set(inspect.signature(factory).parameters)
+    if unknown:
+      raise ValueError(f"Correction {name!r}: {sorted(unknown)} are not arguments of "
+                       f"{factory.__name__}.")
+    CORRECTIONS[name] = CorrectionSpec(factory, needs_prox, dict(fields or {}))
+    return factory
   return wrap
 
 
@@ -97,10 +118,11 @@ def get_correction(name: str) -> CorrectionSpec:
 
 
 def chain(names, terms: TokenTerms, config) -> tuple[TokenTerms, dict]:
-  """Applies the named corrections in order; metrics of later ones win on name clashes."""
+  """Builds the named corrections from `config` (config.loss) and applies them in order;
+  metrics of later ones win on name clashes."""
   metrics = {}
   for name in names:
-    terms, m = get_correction(name).fn(terms, config)
+    terms, m = get_correction(name).build(config)(terms)
     metrics.update(m)
   return terms, metrics
 
@@ -119,27 +141,32 @@ def _require_prox(terms: TokenTerms, name: str) -> jax.Array:
 # --- Importance weights against the proximal policy (TIS / MIS, decoupled PPO) ---------
 
 
-@register_correction("tis", needs_prox=True)
-def truncated_is(terms: TokenTerms, config) -> tuple[TokenTerms, dict]:
+@register_correction("tis", needs_prox=True, fields=dict(is_cap="is_cap"))
+def truncated_is(is_cap: float = 5.0) -> Correction:
   """Truncated IS (TIS; also AReaL decoupled PPO's behaviour weight): multiplies each
-  token's loss by sg(min(exp(prox - behav), is_cap))."""
-  log_w = _require_prox(terms, "tis") - terms.behav
-  w = jnp.exp(jnp.minimum(log_w, jnp.log(config.is_cap)))
-  truncated = (log_w > jnp.log(config.is_cap)).astype(jnp.float32)
-  return terms.replace(weight=terms.weight * w), {
-      "is_weight_mean": _masked_mean(w, terms.mask),
-      "is_truncated_fraction": _masked_mean(truncated, terms.mask)}
+  token's loss by sg(min(exp(prox - behav), is_cap)), bounding the weight's variance."""
+  def apply(terms: TokenTerms) -> tuple[TokenTerms, dict]:
+    log_w = _require_prox(terms, "tis") - terms.behav
+    w = jnp.exp(jnp.minimum(log_w, jnp.log(is_cap)))
+    truncated = (log_w > jnp.log(is_cap)).astype(jnp.float32)
+    return terms.replace(weight=terms.weight * w), {
+        "is_weight_mean": _masked_mean(w, terms.mask),
+        "is_truncated_fraction": _masked_mean(truncated, terms.mask)}
+  return apply
 
 
-@register_correction("mis", needs_prox=True)
-def masked_is(terms: TokenTerms, config) -> tuple[TokenTerms, dict]:
+@register_correction("mis", needs_prox=True, fields=dict(is_cap="is_cap", is_floor="is_floor"))
+def masked_is(is_cap: float = 5.0, is_floor: float = 0.0) -> Correction:
   """Masked IS (MIS): zero tokens whose exp(prox - behav) leaves [is_floor, is_cap]; kept
-  tokens are weighted by that ratio (the decoupled-PPO 'mask' mode)."""
-  log_w = _require_prox(terms, "mis") - terms.behav
-  w = jnp.exp(log_w)
-  keep = (w >= config.is_floor) & (w <= config.is_cap)
-  return terms.replace(weight=terms.weight * jnp.where(keep, w, 0.0)), {
-      "masked_fraction": _masked_mean(1.0 - keep.astype(jnp.float32), terms.mask)}
+  tokens are weighted by that ratio (the decoupled-PPO 'mask' mode), so outliers drop out
+  instead of being clipped."""
+  def apply(terms: TokenTerms) -> tuple[TokenTerms, dict]:
+    log_w = _require_prox(terms, "mis") - terms.behav
+    w = jnp.exp(log_w)
+    keep = (w >= is_floor) & (w <= is_cap)
+    return terms.replace(weight=terms.weight * jnp.where(keep, w, 0.0)), {
+        "masked_fraction": _masked_mean(1.0 - keep.astype(jnp.float32), terms.mask)}
+  return apply
 
 
 def loglinear_prox(logp: jax.Array, behav: jax.Array, version: jax.Array,
@@ -191,15 +218,18 @@ def m2_mask(d: jax.Array, mask: jax.Array, tau: float) -> jax.Array:
   return keep * mask + (1.0 - mask)  # invalid tokens are left to the aggregation mask
 
 
-@register_correction("m2po")
-def m2po_mask(terms: TokenTerms, config) -> tuple[TokenTerms, dict]:
+@register_correction("m2po", fields=dict(tau="m2_tau"))
+def m2po_mask(tau: float = 0.04) -> Correction:
   """M2PO (second-moment trust policy optimisation): zero the fewest, largest-d^2 tokens so
-  that the kept tokens' mean squared log-ratio d = sg(logp - behav) is <= config.m2_tau."""
-  d = terms.stale_log_ratio
-  keep = m2_mask(d, terms.mask, config.m2_tau)
-  return terms.replace(weight=terms.weight * keep), {
-      "m2": _masked_mean(d * d, terms.mask),
-      "masked_fraction": _masked_mean(1.0 - keep, terms.mask)}
+  that the kept tokens' mean squared log-ratio d = sg(logp - behav) is <= tau
+  (config.loss.m2_tau), a trust region on the second moment rather than on each ratio."""
+  def apply(terms: TokenTerms) -> tuple[TokenTerms, dict]:
+    d = terms.stale_log_ratio
+    keep = m2_mask(d, terms.mask, tau)
+    return terms.replace(weight=terms.weight * keep), {
+        "m2": _masked_mean(d * d, terms.mask),
+        "masked_fraction": _masked_mean(1.0 - keep, terms.mask)}
+  return apply
 
 
 # --- SAT: staleness-adaptive trust region --------------------------------------------
@@ -213,15 +243,18 @@ def sat_kernel(abs_d: jax.Array, mask: jax.Array, quantile: float, bandwidth: fl
   return jnp.exp(-jnp.maximum(abs_d - q, 0.0) / bandwidth)
 
 
-@register_correction("sat")
-def staleness_adaptive_trust(terms: TokenTerms, config) -> tuple[TokenTerms, dict]:
-  """SAT: shrink the PPO clip width of high-mismatch tokens by the kernel factor (the
-  clipped objective contracts only the endpoint the advantage sign selects)."""
-  k = sat_kernel(jnp.abs(terms.stale_log_ratio), terms.mask, config.sat_quantile,
-                 config.sat_bandwidth)
-  return terms.replace(clip_scale=terms.clip_scale * k), {
-      "sat_kernel_mean": _masked_mean(k, terms.mask),
-      "sat_contracted_fraction": _masked_mean((k < 1.0).astype(jnp.float32), terms.mask)}
+@register_correction("sat", fields=dict(quantile="sat_quantile", bandwidth="sat_bandwidth"))
+def staleness_adaptive_trust(quantile: float = 0.9, bandwidth: float = 0.1) -> Correction:
+  """SAT (staleness-adaptive trust region): shrink the PPO clip width of high-mismatch
+  tokens by `sat_kernel`, 1 up to the batch `quantile` of |d| and decaying over
+  `bandwidth` beyond it (config.loss.sat_quantile / sat_bandwidth); the clipped objective
+  contracts only the endpoint the advantage sign selects."""
+  def apply(terms: TokenTerms) -> tuple[TokenTerms, dict]:
+    k = sat_kernel(jnp.abs(terms.stale_log_ratio), terms.mask, quantile, bandwidth)
+    return terms.replace(clip_scale=terms.clip_scale * k), {
+        "sat_kernel_mean": _masked_mean(k, terms.mask),
+        "sat_contracted_fraction": _masked_mean((k < 1.0).astype(jnp.float32), terms.mask)}
+  return apply
 
 
 # --- VCPO: variance control ----------------------------------------------------------
@@ -239,12 +272,15 @@ def effective_sample_size_ratio(log_w: jax.Array) -> jax.Array:
   return jnp.exp(2.0 * jax.nn.logsumexp(log_w) - log_b - jax.nn.logsumexp(2.0 * log_w))
 
 
-@register_correction("vcpo_ess")
-def vcpo_step_scale(terms: TokenTerms, config) -> tuple[TokenTerms, dict]:
-  """VCPO (a): ESS step scaling, metrics['lr_scale'] = sqrt(rho / vcpo_rho_ref) (the train
-  step multiplies the update by it); 1 on-policy."""
-  rho = effective_sample_size_ratio(sequence_log_weights(terms))
-  return terms, {"ess_ratio": rho, "lr_scale": jnp.sqrt(rho / config.vcpo_rho_ref)}
+@register_correction("vcpo_ess", fields=dict(rho_ref="vcpo_rho_ref"))
+def vcpo_step_scale(rho_ref: float = 1.0) -> Correction:
+  """VCPO (a), variance-controlled policy optimisation: ESS step scaling,
+  metrics['lr_scale'] = sqrt(rho / rho_ref) (config.loss.vcpo_rho_ref; the train step
+  multiplies the update by it), so low-ESS batches take smaller steps; 1 on-policy."""
+  def apply(terms: TokenTerms) -> tuple[TokenTerms, dict]:
+    rho = effective_sample_size_ratio(sequence_log_weights(terms))
+    return terms, {"ess_ratio": rho, "lr_scale": jnp.sqrt(rho / rho_ref)}
+  return apply
 
 
 def optimal_baseline(log_w: jax.Array, g: jax.Array, reward: jax.Array,
@@ -261,21 +297,23 @@ def optimal_baseline(log_w: jax.Array, g: jax.Array, reward: jax.Array,
 
 
 @register_correction("vcpo_baseline")
-def vcpo_baseline(terms: TokenTerms, config) -> tuple[TokenTerms, dict]:
+def vcpo_baseline() -> Correction:
   """VCPO (b): advantages (R - b) / (std_group(R) + 1e-6) with the off-policy optimal
-  baseline b replacing the group mean (the std keeps GRPO's scale).
+  baseline b replacing the group mean (the std keeps GRPO's scale). No hyperparameters.
 
   g_i is a forward-only proxy of ||grad log pi(tau_i)||^2: sum_t m (1 - p_t)^2, the
   sampled-token part of the squared logit gradient summed over tokens (cross-token terms
   and the other logits ignored); a 1e-6 floor keeps confident sequences in play.
   """
-  g = ((1.0 - jnp.exp(sg(terms.logp))) ** 2 * terms.mask).sum(axis=1) + 1e-6
-  reward = terms.reward.astype(jnp.float32)
-  # Rewards shifted by the group's smallest, so equal rewards give exactly 0 (rl.advantages).
-  shifted = reward - advantages.group_reference(reward, terms.group)
-  b = optimal_baseline(sequence_log_weights(terms), g, shifted, terms.group)
-  mean = advantages.group_mean(shifted, terms.group)
-  adv = advantages.standardise(shifted - b, advantages.group_std(reward, terms.group),
-                               advantages.group_scale(reward, terms.group), 1e-6)
-  return terms.replace(advantages=adv[:, None] * terms.mask), {
-      "baseline_shift": jnp.mean(jnp.abs(b - mean))}
+  def apply(terms: TokenTerms) -> tuple[TokenTerms, dict]:
+    g = ((1.0 - jnp.exp(sg(terms.logp))) ** 2 * terms.mask).sum(axis=1) + 1e-6
+    reward = terms.reward.astype(jnp.float32)
+    # Rewards shifted by the group's smallest, so equal rewards give exactly 0 (rl.advantages).
+    shifted = reward - advantages.group_reference(reward, terms.group)
+    b = optimal_baseline(sequence_log_weights(terms), g, shifted, terms.group)
+    mean = advantages.group_mean(shifted, terms.group)
+    adv = advantages.standardise(shifted - b, advantages.group_std(reward, terms.group),
+                                 advantages.group_scale(reward, terms.group), 1e-6)
+    return terms.replace(advantages=adv[:, None] * terms.mask), {
+        "baseline_shift": jnp.mean(jnp.abs(b - mean))}
+  return apply

@@ -34,7 +34,8 @@ LOSSES: dict[str, LossFn] = {}
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 PROX_ESTIMATES = ("recompute", "loglinear")
 
-# Defaults of the config.loss fields (experiments/configs/default.py documents each).
+# Defaults of the config.loss fields (experiments/configs/default.py documents each); the
+# correction factories of rl.corrections take the same defaults (a test checks).
 LOSS_DEFAULTS = dict(
     eps_low=0.2, eps_high=0.2, aggregation="seq_mean_token_mean", kl_coef=0.0,
     # Dr.GRPO's constant normaliser; 0 = the completion budget (`resolve_norm_len`).

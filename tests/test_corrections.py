@@ -1,5 +1,6 @@
 """Tests for rl.corrections: SAT, M2PO, VCPO, TIS/MIS, log-linear proximal policy."""
 
+import inspect
 import itertools
 
 import jax
@@ -153,8 +154,7 @@ def test_ess_ratio_and_lr_scale_match_the_formula():
                              rho, rtol=1e-5)
   terms = _terms(log_ratio=np.zeros((16, 3)))
   terms = terms.replace(behav=terms.logp - jnp.asarray(np.repeat(log_w[:, None] / 3, 3, 1), jnp.float32))
-  cfg = losses.resolve_config(None, dict(vcpo_rho_ref=0.5))
-  _, metrics = corrections.vcpo_step_scale(terms, cfg)
+  _, metrics = corrections.vcpo_step_scale(rho_ref=0.5)(terms)
   np.testing.assert_allclose(metrics["lr_scale"], np.sqrt(rho / 0.5), rtol=1e-5)
   # Huge log-weights do not overflow (log-space computation).
   assert np.isfinite(float(corrections.effective_sample_size_ratio(jnp.asarray([500.0, 0.0]))))
@@ -162,7 +162,7 @@ def test_ess_ratio_and_lr_scale_match_the_formula():
 
 def test_lr_scale_is_one_on_policy():
   terms = _terms(log_ratio=np.zeros((8, 5)))
-  _, metrics = corrections.vcpo_step_scale(terms, losses.resolve_config(None))
+  _, metrics = corrections.vcpo_step_scale()(terms)
   np.testing.assert_allclose(metrics["lr_scale"], 1.0, rtol=1e-6)
 
 
@@ -216,7 +216,7 @@ def test_vcpo_baseline_gives_zero_advantage_to_equal_fractional_rewards(size):
       logp=logp, behav=logp + jnp.asarray(rng.normal(0, 0.2, (size, 5)), jnp.float32),
       prox=None, advantages=jnp.zeros((size, 5)), mask=mask, weight=jnp.ones((size, 5)),
       clip_scale=jnp.ones((size, 5)), reward=jnp.full((size,), 0.7), group=jnp.zeros(size, jnp.int32))
-  out, _ = corrections.vcpo_baseline(terms, None)
+  out, _ = corrections.vcpo_baseline()(terms)
   np.testing.assert_array_equal(np.asarray(out.advantages), 0.0)
 
 
@@ -238,15 +238,47 @@ def _terms(log_ratio, prox_shift=None, seed=0):
 def test_tis_and_mis_weights():
   shift = np.array([[-3.0, -0.5, 0.0, 1.0, 1.6, 2.5]], np.float32)
   terms = _terms(np.zeros((1, 6)), prox_shift=shift)
-  cfg = losses.resolve_config(None, dict(is_cap=5.0, is_floor=0.2))
-  out, _ = corrections.truncated_is(terms, cfg)
+  out, _ = corrections.truncated_is(is_cap=5.0)(terms)
   np.testing.assert_allclose(out.weight, np.minimum(np.exp(shift), 5.0), rtol=1e-6)
-  out, metrics = corrections.masked_is(terms, cfg)
+  out, metrics = corrections.masked_is(is_cap=5.0, is_floor=0.2)(terms)
   w = np.exp(shift)
   np.testing.assert_allclose(out.weight, np.where((w >= 0.2) & (w <= 5.0), w, 0.0), rtol=1e-6)
   np.testing.assert_allclose(metrics["masked_fraction"], 2 / 6, rtol=1e-6)
   with pytest.raises(ValueError, match="proximal"):
-    corrections.truncated_is(_terms(np.zeros((1, 6))), cfg)
+    corrections.truncated_is()(_terms(np.zeros((1, 6))))
+
+
+def test_a_factory_binds_its_hyperparameters():
+  shift = np.array([[-1.0, 0.0, 0.5, 1.0, 2.0]], np.float32)
+  terms = _terms(np.zeros((1, 5)), prox_shift=shift)
+  out, metrics = corrections.truncated_is(is_cap=2.0)(terms)
+  np.testing.assert_allclose(out.weight, np.minimum(np.exp(shift), 2.0), rtol=1e-6)
+  np.testing.assert_allclose(metrics["is_truncated_fraction"], 2 / 5)
+  # The registry path reads the same hyperparameter from config.loss.is_cap.
+  via_config, config_metrics = corrections.chain(
+      ("tis",), terms, losses.resolve_config(None, dict(is_cap=2.0)))
+  np.testing.assert_array_equal(via_config.weight, out.weight)
+  assert config_metrics.keys() == metrics.keys()
+  for key in metrics:
+    np.testing.assert_array_equal(config_metrics[key], metrics[key])
+  # Each built correction keeps its own value; the default is LOSS_DEFAULTS' 5.
+  np.testing.assert_allclose(corrections.truncated_is()(terms)[0].weight,
+                             np.minimum(np.exp(shift), 5.0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(corrections.CORRECTIONS))
+def test_factory_defaults_are_the_loss_defaults(name):
+  spec = corrections.get_correction(name)
+  params = inspect.signature(spec.factory).parameters
+  assert set(spec.fields) == set(params)  # every hyperparameter is fed from config.loss
+  for arg, field in spec.fields.items():
+    assert params[arg].default == losses.LOSS_DEFAULTS[field], (name, arg)
+
+
+def test_register_correction_checks_its_fields():
+  with pytest.raises(ValueError, match="not arguments"):
+    corrections.register_correction("bad", fields=dict(cap="is_cap"))(corrections.truncated_is)
+  assert "bad" not in corrections.CORRECTIONS
 
 
 def test_loglinear_prox():
