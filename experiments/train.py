@@ -427,6 +427,9 @@ class _Run:
     self.mesh = build_mesh(config)
     self.primary = multihost.is_primary()
     os.makedirs(config.workdir, exist_ok=True)
+    if self.primary:  # the resolved config of the latest launch, to reproduce the run
+      with open(os.path.join(config.workdir, "config.json"), "w") as f:
+        f.write(config.to_json_best_effort(indent=2, sort_keys=True))
     init_rng, loop_rng = jax.random.split(jax.random.PRNGKey(config.seed))
     self.tokenizer, self.model_config, params = load_policy(config, init_rng)
     self.task = make_task(config.task.name, config.task.prompt_style, seed=config.seed,

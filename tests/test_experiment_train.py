@@ -15,8 +15,11 @@ def tiny_config(workdir, **rl):
 
 def test_default_run_writes_metrics_plot_checkpoint_and_resumes(tmp_path):
   summary = train_launcher.run(tiny_config(tmp_path))
-  for name in ("metrics.jsonl", "plot.png", "summary.json", "checkpoints"):
+  for name in ("metrics.jsonl", "plot.png", "summary.json", "checkpoints", "config.json"):
     assert os.path.exists(tmp_path / name), name
+  saved = json.load(open(tmp_path / "config.json"))
+  assert saved["rl"]["steps"] == tiny_config(tmp_path).rl.steps
+  assert saved["task"]["name"] == tiny_config(tmp_path).task.name
   assert summary["steps"] == 5
   assert 0.0 <= summary["warm_start_accuracy"] <= 1.0
   records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
