@@ -96,8 +96,8 @@ class Difficulty:
   """
   min_steps: int = 1
   max_steps: int = 9
-  length_tail: float = 1.6
-  digits: int = 8
+  length_tail: float = 1.9
+  digits: int = 7
   step: int = 5
   teacher_carry_slip: tuple[float, float] = (0.55, 0.9)
   state_credit: float = 0.0
@@ -162,14 +162,18 @@ def question(problem: Problem) -> str:
 
 
 def worked_solution(problem: Problem, slips=None) -> str:
-  """The states after each step, e.g. Problem(12345678, 5, 3) ->
-  ",2:12345683,1:12345688,0:12345693": the count of steps left, then the running total;
-  the solution ends at count 0.
+  """The initial state, then the state after each step, e.g. Problem(1234567, 5, 3) ->
+  ",3:1234567,2:1234572,1:1234577,0:1234582": the count of steps left, then the running
+  total; the solution ends at count 0.
+
+  The first state restates the prompt's, so every addition, the first included, reads a
+  state that the policy itself wrote (without it, a policy can learn the carry everywhere
+  but at the first addition, which reads the prompt: seen in one seed of five).
 
   slips[j] (bool, one per step): at a step whose units digit wraps, forget the carry (write
   total - 10) and continue from the written total. None = no slips.
   """
-  total, parts = problem.start, []
+  total, parts = problem.start, [f",{problem.steps}:{problem.start}"]
   for j in range(problem.steps):
     carries = total % 10 + problem.step >= 10
     total += problem.step - (10 if carries and slips is not None and slips[j] else 0)
@@ -195,20 +199,20 @@ def parse_final_answer(completion: str) -> int | None:
 
 
 def correct_leading_states(completion: str, problem: Problem) -> int:
-  """How many of the completion's first states are exactly the true states, in order (0 to
-  k): ",2:42,1:52,0:57" for Problem(37, 5, 3) has 1 (",2:42"). A state counts only when
-  the text after it is the next state's comma or the end of the scored text, so
-  ",2:423" does not count as ",2:42". Linear in the text's length; never evaluates it."""
-  text, position, count = scored_text(completion), 0, 0
-  total = problem.start
-  for left in range(problem.steps - 1, -1, -1):
-    total += problem.step
+  """How many of the completion's first additions are exactly the true states, in order (0
+  to k), after the restated initial state: ",3:37,2:42,1:52,0:57" for Problem(37, 5, 3) has
+  1 (",2:42"); without a right ",3:37" first, 0. A state counts only when the text after
+  it is the next state's comma or the end of the scored text, so ",2:423" does not count as
+  ",2:42". Linear in the text's length; never evaluates it."""
+  text, position = scored_text(completion), 0
+  totals = [problem.start + problem.step * j for j in range(problem.steps + 1)]
+  for matched, (left, total) in enumerate(zip(range(problem.steps, -1, -1), totals)):
     state = f",{left}:{total}"
     end = position + len(state)
     if not text.startswith(state, position) or (end < len(text) and text[end] != ","):
-      break
-    position, count = end, count + 1
-  return count
+      return max(matched - 1, 0)
+    position = end
+  return problem.steps
 
 
 class RunningSumTask:

@@ -24,13 +24,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.task.name = "running_sum"
   c.task.eval_size = 500
   c.task.difficulty = ml_collections.ConfigDict(dict(
-      min_steps=1, max_steps=9, length_tail=1.6, digits=8, step=5,
+      min_steps=1, max_steps=9, length_tail=1.9, digits=7, step=5,
       teacher_carry_slip=(0.55, 0.9), state_credit=0.0))
   c.model.preset = "tiny2"            # two layers, RoPE base 100: the procedure in fewer seconds
-  c.rollout.prompt_len = 16           # BOS + "+5,9:12345678"
-  c.rollout.max_new_tokens = 100      # the longest worked solution, EOS included
+  c.rollout.prompt_len = 16           # BOS + "+5,9:1234567"
+  c.rollout.max_new_tokens = 101      # the longest worked solution, EOS included
   c.rollout.prompts_per_step = 8
-  c.rollout.train_length_buckets = (12, 24, 48)  # one, two and up to four states
+  c.rollout.train_length_buckets = (24, 48)  # one addition, up to three
   c.warm_start.steps = 900
   c.warm_start.batch_size = 32
   c.warm_start.learning_rate = 3e-3
