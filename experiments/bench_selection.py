@@ -1,9 +1,10 @@
 """Benchmark B6 (docs/benchmarks.md): decoded tokens and wall time to a target accuracy, per
-prompt-selection method (rl/selection.py), on the default task.
+prompt-selection method (rl/selection.py), on the compact chain_sum task
+(experiments/configs/chain_sum_compact.py, the default before the running_sum testbed).
 
     python -m experiments.bench_selection --seeds=0,1,2 --out=docs/benchmarks_selection.md
 
-One supervised warm start (the default run's, seed `--warm_start_seed`; cached in
+One supervised warm start (that config's, seed `--warm_start_seed`; cached in
 `--warm_start_cache` so that seeds can run as parallel processes), then per seed and method a
 GRPO run from the warm-started parameters and data cursor over the same finite prompt pool
 (`--train_pool`), with a greedy held-out evaluation every `--eval_every` steps. The seed
@@ -37,7 +38,7 @@ import ml_collections  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 
 from experiments import train as launcher  # pylint: disable=g-import-not-at-top
-from experiments.configs import default  # pylint: disable=g-import-not-at-top
+from experiments.configs import chain_sum_compact  # pylint: disable=g-import-not-at-top
 from models import transformer  # pylint: disable=g-import-not-at-top
 from models.tokenizer import CharTokenizer  # pylint: disable=g-import-not-at-top
 from rl import evaluation  # pylint: disable=g-import-not-at-top
@@ -60,7 +61,7 @@ _EVAL_EVERY = flags.DEFINE_integer("eval_every", 10, "GRPO steps between evaluat
 _EVAL_SIZE = flags.DEFINE_integer("eval_size", 500, "Held-out items per evaluation.")
 _POOL = flags.DEFINE_integer("train_pool", 512, "Finite GRPO prompt pool (config.task.train_pool).")
 _GAIN = flags.DEFINE_float("target_gain", 0.05, "Target = warm-start accuracy + this.")
-_LR = flags.DEFINE_float("rl_learning_rate", 0.0, "GRPO learning rate (0 = the default config's).")
+_LR = flags.DEFINE_float("rl_learning_rate", 0.0, "GRPO learning rate (0 = the config's).")
 _OUT = flags.DEFINE_string("out", "docs/benchmarks_selection.md", "Markdown output path.")
 _MERGE = flags.DEFINE_list("merge", [], "Instead of running: combine these JSON outputs of "
                            "earlier runs (e.g. one process per seed) into one table and plot.")
@@ -87,7 +88,7 @@ def method_config(base: ml_collections.ConfigDict, name: str) -> ml_collections.
 
 def run_seed(seed: int, methods: list[str]) -> dict:
   """Warm start once, then each method's GRPO run; returns the records of this seed."""
-  config = default.get_config()
+  config = chain_sum_compact.get_config()
   config.seed = _WARM_SEED.value
   config.rollout.prompts_per_step, config.rollout.group_size = _PROMPTS.value, _GROUP.value
   if _LR.value:

@@ -33,7 +33,7 @@ import ml_collections
 import numpy as np
 
 from experiments import train as launcher
-from experiments.configs import default as default_config
+from experiments.configs import chain_sum_compact
 from models import transformer
 from models.tokenizer import CharTokenizer
 from rl import evaluation
@@ -86,8 +86,9 @@ def same_as_grpo_on_policy(objective: str, updates_per_batch: int) -> bool:
 
 
 def bench_config(seed: int, objective: str, staleness: int) -> ml_collections.ConfigDict:
-  """The default run's config with the benchmark's sizes."""
-  c = default_config.get_config()
+  """The compact chain_sum run's config (configs/chain_sum_compact.py) with the benchmark's
+  sizes."""
+  c = chain_sum_compact.get_config()
   c.seed = seed
   c.warm_start.steps = _WARM.value
   c.warm_start.learning_rate = _WARM_LR.value

@@ -14,8 +14,8 @@ Four measurements, on the B1 decoder (f32) unless stated, best of --repeats afte
   3. prefix-shared vs replicated loss forward/backward + AdamW (`config.rl.prefix_shared_forward`)
      at G = 8 and 16, prompts 4x longer than responses;
   4. the SwiGLU MLP's gradient: `transformer.swiglu` (hand-written backward) vs autodiff of
-     the same expression, at the train step's shape and at the default run's (tiny model,
-     256 rows x 18 tokens), best of --repeats x 3 calls, alternating the two.
+     the same expression, at the train step's shape and at the chain_sum run's (tiny model,
+     256 rows x 18 tokens; experiments/configs/chain_sum_compact.py), best of --repeats x 3 calls, alternating the two.
 Peers are skipped when the environment variable CI is set. Writes bench_train.json,
 bench_train.md and bench_train.png to --out.
 """
@@ -258,7 +258,7 @@ def main(argv):
     # (groups, G, prompt, response): prompts 4x longer than responses.
     shared_cases = [(2, 8, 256, 64), (2, 16, 256, 64)]
     tiny = get_preset("tiny")
-    # (rows, tokens, d_model, mlp_dim): the train step's shape, the default run's GRPO batch.
+    # (rows, tokens, d_model, mlp_dim): the train step's shape, the chain_sum run's GRPO batch.
     mlp_cases = [(*step_shape, config.d_model, config.mlp_dim),
                  (256, 18, tiny.d_model, tiny.mlp_dim)]
   peer_names = peers.peers_enabled(_PEERS.value)

@@ -3,20 +3,20 @@
     python -m experiments.bench_tree --workdir=runs/bench_tree            # B3 + training
     python -m experiments.bench_tree --workdir=runs/bench_tree --train_seeds=0  # B3 only
 
-Part 1 (B3). A policy is warm-started on the default task (the default config's supervised
-phase), then the same prompts are rolled out by independent sampling with G = 2..8
-completions per prompt and by each tree fork policy. For each: leaves per prompt, decoded
-tokens (sampled tokens; a tree's shared prefixes are decoded once), decoded tokens per
-leaf, distinct final answers per prompt, fraction of groups with non-zero reward variance,
-reward signal per 1k decoded tokens (sum over leaves of |reward - group mean reward|, the
-mass GRPO-style advantages are built from), coverage (prompts with an exact leaf) and the
-sample + score wall time (best of N after compilation, interleaved, relative to
-independent G = 8; the machine is shared, so only the ratio is meaningful). The B3 part
-is cached in --workdir/b3.json (delete it to measure again). The independent sweep over G gives
-the equal-decoded-token-budget comparison: a tree row is compared with the independent
-row whose decoded tokens are closest.
+Part 1 (B3). A policy is warm-started on the compact chain_sum task (the supervised phase of
+configs/chain_sum_compact.py), then the same prompts are rolled out by independent sampling
+with G = 2..8 completions per prompt and by each tree fork policy. For each: leaves per
+prompt, decoded tokens (sampled tokens; a tree's shared prefixes are decoded once), decoded
+tokens per leaf, distinct final answers per prompt, fraction of groups with non-zero reward
+variance, reward signal per 1k decoded tokens (sum over leaves of |reward - group mean
+reward|, the mass GRPO-style advantages are built from), coverage (prompts with an exact leaf)
+and the sample + score wall time (best of N after compilation, interleaved, relative to
+independent G = 8; the machine is shared, so only the ratio is meaningful). The B3 part is
+cached in --workdir/b3.json (delete it to measure again). The independent sweep over G gives
+the equal-decoded-token-budget comparison: a tree row is compared with the independent row
+whose decoded tokens are closest.
 
-Part 2. `experiments.train` is run with the default config both ways (independent
+Part 2. `experiments.train` is run with that config both ways (independent
 G = 8, and config.rollout.kind='tree' with the default fork policy, 8 leaves per prompt),
 one workdir per (kind, seed) (a finished workdir is reused), and held-out accuracy is
 plotted against cumulative decoded rollout tokens.
@@ -43,7 +43,7 @@ import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 import numpy as np
 
 from experiments import train as train_lib
-from experiments.configs import default
+from experiments.configs import chain_sum_compact
 from models import transformer
 from models.tokenizer import CharTokenizer
 from rl import advantages
@@ -57,13 +57,13 @@ from sampling import tree
 _WORKDIR = flags.DEFINE_string("workdir", "runs/bench_tree", "Output directory.")
 _DOCS_DIR = flags.DEFINE_string("docs_dir", "docs", "Where the markdown and plots are copied.")
 _WARM_STEPS = flags.DEFINE_integer("warm_start_steps", None, "config.warm_start.steps "
-                                   "(default: the default config's).")
+                                   "(default: the chain_sum config's).")
 _WARM_LR = flags.DEFINE_float("warm_start_lr", None, "config.warm_start.learning_rate.")
 _RL_LR = flags.DEFINE_float("rl_lr", None, "config.rl.learning_rate.")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 25, "config.eval.every of the training runs.")
 _INIT_CHECKPOINT = flags.DEFINE_string(
     "init_checkpoint", "", "Optional checkpoints/ directory of an experiments.train run "
-    "(default config and seed) whose newest checkpoint is the warm-started policy for B3, "
+    "(chain_sum config and seed) whose newest checkpoint is the warm-started policy for B3, "
     "instead of running the warm start here (e.g. a copy of step warm_start_steps).")
 _PROMPTS = flags.DEFINE_integer("prompts", 128, "Prompts per B3 rollout batch.")
 _SEEDS = flags.DEFINE_integer("seeds", 4, "B3 rollout batches (different prompts and keys).")
@@ -87,8 +87,8 @@ GROUP_SIZES = (2, 3, 4, 5, 6, 8)
 
 
 def _base_config():
-  """The default config with this benchmark's overrides (flags left unset keep it)."""
-  config = default.get_config()
+  """The chain_sum config with this benchmark's overrides (flags left unset keep it)."""
+  config = chain_sum_compact.get_config()
   for value, (section, field) in ((_WARM_STEPS.value, ("warm_start", "steps")),
                                   (_WARM_LR.value, ("warm_start", "learning_rate")),
                                   (_RL_STEPS.value, ("rl", "steps")),
@@ -100,7 +100,7 @@ def _base_config():
 
 
 def _warm_start(config):
-  """Supervised warm start of the default run (or its restored checkpoint); returns
+  """Supervised warm start of the chain_sum run (or its restored checkpoint); returns
   (params, the RL LoopContext)."""
   tokenizer = CharTokenizer()
   task = make_task(config.task.name, config.task.prompt_style, seed=config.seed,
@@ -203,7 +203,7 @@ def _run_b3(params, ctx):
 
 
 def _run_training(seeds):
-  """Part 2: the default run both ways; returns {kind: [per-seed results]}.
+  """Part 2: the chain_sum run both ways; returns {kind: [per-seed results]}.
 
   A workdir that already has metrics is read as it is (a finished run, or one stopped
   early): a run's numbers are taken at its last evaluation (`rl_steps_done` steps).
@@ -248,7 +248,7 @@ def _markdown(b3, training, config) -> str:
   lines = [
       "# B3: tree rollouts vs independent sampling",
       "",
-      f"Policy: the default run's warm start ({config.warm_start.steps} supervised steps, seed "
+      f"Policy: the chain_sum run's warm start ({config.warm_start.steps} supervised steps, seed "
       f"{config.seed}, "
       f"tiny preset, task {config.task.name}, {config.rollout.max_new_tokens} completion "
       f"slots, temperature {config.rollout.temperature}). {_SEEDS.value} batches of "
@@ -289,8 +289,8 @@ def _markdown(b3, training, config) -> str:
   lines += ["", "![B3](benchmarks_tree_b3.png)", ""]
   if training:
     lines += [
-        "## The default task trained both ways", "",
-        f"`experiments.train` default config with {config.warm_start.steps} warm-start steps "
+        "## The chain_sum task trained both ways", "",
+        f"`experiments.train` chain_sum config with {config.warm_start.steps} warm-start steps "
         f"at peak lr {config.warm_start.learning_rate}, up to {config.rl.steps} GRPO steps at "
         f"lr {config.rl.learning_rate} (column RL steps: how many ran), "
         f"{config.rollout.prompts_per_step} prompts/step, eval every {config.eval.every} steps "

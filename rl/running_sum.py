@@ -1,30 +1,32 @@
 """running_sum: repeated addition written as a trace of states, Arbor's built-in RL testbed.
 
-A problem adds `step` to an 8-digit start k times. The prompt gives the step and the initial
-state "count:total", where count is the number of additions still to do: "+5,3:12345678"
-asks for 12345678 + 5 + 5 + 5. A worked solution writes the state after each addition and
-ends at count 0: ",2:12345683,1:12345688,0:12345693". The reward is 1.0 when the total of
-the last state is the true total and 0.0 otherwise; there is no partial credit (only the
-exact final total scores, so junk cannot farm reward). Every step is local and the same:
-read the previous state 11 tokens back, write count - 1 and total + step (carrying when the
-units wrap), stop after count 0. So a small transformer learns the procedure from
-demonstrations, and long problems are harder only because errors compound.
+A problem adds `step` to a 7-digit start k times. The prompt gives the step and the initial
+state "count:total", where count is the number of additions still to do: "+5,3:1234567"
+asks for 1234567 + 5 + 5 + 5. A worked solution restates the initial state, writes the
+state after each addition and ends at count 0: ",3:1234567,2:1234572,1:1234577,0:1234582".
+The reward is 1.0 when the total of the last state is the true total and 0.0 otherwise by
+default (only the exact final total scores, so junk cannot farm reward; `state_credit` adds
+an optional process reward). Every step is local and the same: read the previous state 10
+tokens back, write count - 1 and total + step (carrying when the units wrap), stop after
+count 0. So a small transformer learns the procedure from demonstrations, and long problems
+are harder only because errors compound. The restated initial state makes the first
+addition read a state the policy wrote, like every later one.
 
 Why this task makes RL visible on a CPU:
 
 * Long tail by construction. k follows a Zipf law on [min_steps, max_steps] (1-9 by
-  default; the law's tail beyond max_steps is folded into max_steps) and each step adds 11
-  tokens, so most completions are short and some are long (defaults: P(k=1) = 0.44, median
-  23 tokens, 95th percentile 100 = 4.3x the median, longest 100).
+  default; the law's tail beyond max_steps is folded into max_steps) and each state is 10
+  tokens, so most completions are short and some are long (defaults: P(k=1) = 0.57, median
+  21 tokens, 95th percentile 101 = 4.8x the median, longest 101).
 * Headroom by construction: an imperfect teacher. The warm start imitates demonstrations
   (`Example.answer`) in which, at each step that carries, the teacher forgets the carry
-  (writes 12345673 instead of 12345683 for 12345678 + 5) and then continues correctly from
+  (writes 1234562 instead of 1234572 for 1234567 + 5) and then continues correctly from
   what it wrote. How often depends on the units digit being added to:
   `teacher_carry_slip` = (0.55, 0.9) by default, from 55% at 5 to 90% at 9. Supervised
   learning converges to the teacher's conditional distribution, so with every slip rate
   above 1/2 the warm-started policy's greedy choice at a carry is the slip. Adding 5
   carries at every other step, so greedy decoding solves only one-step problems that do
-  not carry (about a fifth of them). Sampling still carries with probability 0.1-0.45, so
+  not carry (about 30% of them). Sampling still carries with probability 0.1-0.45, so
   GRPO sees correct completions (short problems first) and raises the carry probability
   past one half; longer problems follow as the per-step accuracy rises (success ~ p **
   carries). The reward always checks the true total, never the teacher.
@@ -157,7 +159,7 @@ def zipf_tail(first: int, exponent: float, terms: int = 10_000) -> float:
 
 def question(problem: Problem) -> str:
   """The prompt: the step to add, then the initial state "count:total", e.g.
-  Problem(12345678, 5, 3) -> "+5,3:12345678" (add 5 three times to 12345678)."""
+  Problem(1234567, 5, 3) -> "+5,3:1234567" (add 5 three times to 1234567)."""
   return f"+{problem.step},{problem.steps}:{problem.start}"
 
 
@@ -275,9 +277,10 @@ class RunningSumTask:
     units = (problem.start + problem.step * np.arange(problem.steps)) % 10
     slips = draws < [self._difficulty.carry_slip(int(u)) for u in units]
     prompt = (question(problem) if self.prompt_style == "compact" else
-              f"Add {problem.step} to {problem.start}, {problem.steps} times. After each "
-              f"addition write a comma, the number of additions left, a colon and the "
-              f"running total; stop when none are left. Start: {question(problem)}\n")
+              f"Add {problem.step} to {problem.start}, {problem.steps} times. Write a "
+              f"comma, the number of additions left, a colon and the running total: first "
+              f"for the start, then after each addition; stop when none are left. Start: "
+              f"{question(problem)}\n")
     entry = {"problem": problem, "total": problem.total, "solution": worked_solution(problem)}
     return Example(prompt=prompt, answer=worked_solution(problem, slips), entry=entry,
                    size=problem.steps)

@@ -1,14 +1,15 @@
-"""The launcher config of the end-to-end tests: the default run, shrunk to seconds."""
+"""The launcher config of the end-to-end tests: the compact chain_sum run, shrunk to seconds."""
 
-from experiments.configs import default
+from experiments.configs import chain_sum_compact
 
 
 def tiny_run_config(workdir, overrides: dict | None = None):
-  """`experiments/configs/default.py` with tiny sizes: 3 warm-start steps of 8, 2 GRPO steps
-  of 2 prompts x 4 completions, 16 held-out items evaluated and checkpoints saved every 2
-  steps. `overrides` maps dotted field paths ("rl.steps", "rollout.tree.rounds") to values.
+  """`experiments/configs/chain_sum_compact.py` (answers of a few tokens) with tiny sizes:
+  3 warm-start steps of 8, 2 GRPO steps of 2 prompts x 4 completions, 16 held-out items
+  evaluated and checkpoints saved every 2 steps. `overrides` maps dotted field paths
+  ("rl.steps", "rollout.tree.rounds") to values.
   """
-  c = default.get_config()
+  c = chain_sum_compact.get_config()
   c.workdir = str(workdir)
   c.task.eval_size = 16
   c.warm_start.steps = 3

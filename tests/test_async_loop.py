@@ -180,7 +180,7 @@ def test_async_with_zero_staleness_reproduces_the_sync_loop_exactly(kind):
 
 
 class _FixedPrompts:
-  """The default task (chain_sum, default difficulty) restricted to its first `n` train
+  """The chain_sum task (chain_sum_compact's difficulty) restricted to its first `n` train
   prompts, cycled, so a few RL steps measurably raise the expected reward on them."""
 
   def __init__(self, n):

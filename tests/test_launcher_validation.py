@@ -64,8 +64,8 @@ def test_unknown_field_lists_the_valid_ones():
   assert message.startswith("--config.rl.stepz: config.rl has no field 'stepz'; valid fields: ")
   assert "steps" in message and "learning_rate" in message
   assert "config has no field 'nosuch'" in config_flag.unknown_field(config, "nosuch.x")
-  assert "config.task.difficulty has no field 'digits'" in config_flag.unknown_field(
-      config, "task.difficulty.digits")
+  assert "config.task.difficulty has no field 'max_digits'" in config_flag.unknown_field(
+      config, "task.difficulty.max_digits")
   assert config_flag.unknown_field(ml_collections.ConfigDict({"a": (1, 2)}), "a.0") is None
 
 

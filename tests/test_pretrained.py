@@ -9,7 +9,7 @@ import pytest
 import transformers
 
 from experiments import train as launcher
-from experiments.configs import default
+from experiments.configs import chain_sum_compact
 from models import gguf_checkpoint
 from models import hf_checkpoint
 from models.pretrained import load_pretrained
@@ -56,7 +56,7 @@ def test_installed_smollm2_wheel_is_found():
 
 def test_launcher_trains_a_pretrained_checkpoint(tmp_path):
   folder = _hf_folder(tmp_path / "hf")
-  c = default.get_config()
+  c = chain_sum_compact.get_config()
   c.workdir = str(tmp_path / "run")
   c.model.checkpoint = str(folder)
   c.model.chat_template = True

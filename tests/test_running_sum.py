@@ -193,8 +193,8 @@ def test_default_length_distribution_has_a_long_tail():
   """The default config's bars: median >= 16 tokens, p95 >= 4 x median, max >= 96
   (completion tokens of the correct worked solution, EOS included). One-step problems
   (21 tokens) are well over half, so a run's ~1000 rollout prompts keep the median at 21."""
-  from experiments.configs import running_sum as running_sum_config  # pylint: disable=import-outside-toplevel
-  config = running_sum_config.get_config()
+  from experiments.configs import default  # pylint: disable=import-outside-toplevel
+  config = default.get_config()
   task = make_task("running_sum", eval_size=500, **config.task.difficulty)
   for split, n in (("train", 4000), ("eval", 500)):
     lengths = np.array([len(e.entry["solution"]) + 1 for e in task.examples(split, n)])
@@ -255,12 +255,12 @@ def test_scored_in_the_isolated_worker_like_any_task():
   assert scores.timeouts == 0 and scores.errors == 0
 
 
-def test_running_sum_config_runs_through_the_launcher(tmp_path):
-  """experiments/configs/running_sum.py, shrunk: the launcher trains on it and reports
-  per-size accuracy and rollout lengths in summary.json."""
+def test_default_config_runs_through_the_launcher(tmp_path):
+  """The default config (the running_sum testbed), shrunk: the launcher trains on it and
+  reports per-size accuracy and rollout lengths in summary.json."""
   from experiments import train as train_launcher  # pylint: disable=import-outside-toplevel
-  from experiments.configs import running_sum as running_sum_config  # pylint: disable=import-outside-toplevel
-  config = running_sum_config.get_config()
+  from experiments.configs import default  # pylint: disable=import-outside-toplevel
+  config = default.get_config()
   config.workdir = str(tmp_path / "run")
   config.task.difficulty.min_steps = 2
   config.task.difficulty.max_steps = 3
@@ -292,8 +292,8 @@ def test_short_run_improves_held_out_accuracy(tmp_path):
   additions): the warm start copies the teacher (greedy forgets every carry, so only the
   problems without one are right), and GRPO then learns to carry."""
   from experiments import train as train_launcher  # pylint: disable=import-outside-toplevel
-  from experiments.configs import running_sum as running_sum_config  # pylint: disable=import-outside-toplevel
-  config = running_sum_config.get_config()
+  from experiments.configs import default  # pylint: disable=import-outside-toplevel
+  config = default.get_config()
   config.workdir = str(tmp_path / "run")
   config.task.difficulty.max_steps = 2
   config.task.difficulty.digits = 2

@@ -13,6 +13,7 @@ import ml_collections
 import numpy as np
 import pytest
 
+from experiments.configs import chain_sum_compact
 from experiments.configs import default
 from rl import advantages
 from rl import checkpoint
@@ -313,7 +314,7 @@ def _tiny_loop(kind, pool, **overrides):
   from rl import tasks  # pylint: disable=import-outside-toplevel
   from rl import train  # pylint: disable=import-outside-toplevel
 
-  config = default.get_config()
+  config = chain_sum_compact.get_config()
   config.rollout.prompts_per_step, config.rollout.group_size = 2, 2
   config.task.train_pool = pool
   config.selection = _config(kind, **overrides).as_configdict()
@@ -376,8 +377,8 @@ def test_loop_resumes_selection_state_exactly_from_a_checkpoint(tmp_path):
   jax.tree.map(np.testing.assert_array_equal, resumed.train.params, uninterrupted.train.params)
 
 
-def test_greso_through_the_launcher_skips_prompts_on_the_default_task(tmp_path):
-  """`--config.selection.kind=greso --config.task.train_pool=...` on the default task: the
+def test_greso_through_the_launcher_skips_prompts_on_the_chain_sum_task(tmp_path):
+  """`--config.selection.kind=greso --config.task.train_pool=...` on chain_sum: the
   barely warm-started policy fails every prompt (all-equal groups), so the second pass over
   the pool of 2 skips them, counted in metrics.jsonl and summary.json."""
   import json  # pylint: disable=import-outside-toplevel

@@ -6,16 +6,16 @@
 The policy is the GGUF's weights dequantised to float32 (trained in float32 from there),
 with the GGUF's tokenizer and chat template: each countdown question is one user turn and
 the answer is the first line of the assistant's reply. Slow on CPU (tens of seconds per
-step on two cores); everything else is the default config's.
+step on two cores); everything else is experiments/configs/chain_sum_compact.py's.
 """
 
 import ml_collections
 
-from experiments.configs import default
+from experiments.configs import chain_sum_compact
 
 
 def get_config() -> ml_collections.ConfigDict:
-  c = default.get_config()
+  c = chain_sum_compact.get_config()
   c.workdir = "runs/smollm2_countdown"
 
   c.task.name = "countdown"
