@@ -14,11 +14,11 @@ log-probs, and which `config.loss` field feeds which factory argument (`m2_tau` 
 so `chain` builds each correction from the loss config and the config names stay flat.
 
 Two log-ratios appear. The staleness proxy `d = sg(logp - behav)` (how far the policy being
-trained has moved from the sampler) drives M2PO, SAT, VCPO and Mu-GRPO's veto. The proximal gap
-`prox - behav` (the sampler against the parameters at the start of this update) drives
-TIS / MIS and decoupled PPO; corrections that read it declare `needs_prox`, and the train
-step then supplies `prox_logp` (`config.loss.prox_estimate`: a recomputing forward or the
-log-linear approximation, see `loglinear_prox`).
+trained has moved from the sampler) drives M2PO, SAT, VCPO and Mu-GRPO's veto. The
+proximal gap `prox - behav` (the sampler against the parameters at the start of this
+update) drives TIS / MIS and decoupled PPO; corrections that read it declare
+`needs_prox`, and the train step then supplies `prox_logp` (`config.loss.prox_estimate`: a
+recomputing forward or the log-linear approximation, see `loglinear_prox`).
 
 Cross-stage IS (CoPRIS): a sequence generated across several parameter versions (partial
 rollouts) carries the concatenation of its per-segment sampler log-probs in
@@ -348,11 +348,14 @@ def negative_advantage_veto(eps_low: float = 0.5, eps_high: float = 1.0) -> Corr
 
   A stale negative-advantage response stops being a sample of the current policy at the
   first token the policy has moved far from; pushing down the tokens from there on is what
-  destabilises training under large staleness, so they leave the update. A dropped token
-  gets weight 0 and its logp is replaced by the detached anchor (`terms.old`: ratio 1),
-  so it adds exactly zero loss and gradient even where exp(logp - old) overflows (a weight
-  of 0 alone gives 0 * inf = NaN). The aggregation normaliser is unchanged, so a row's
-  kept prefix trains exactly as in plain GRPO.
+  destabilises training under large staleness, so they leave the update. The paper's
+  abstract names the veto; the trigger rule (either side of the band, trigger included,
+  the band being the clip interval) is our choice. A dropped token gets weight 0 and its
+  logp is replaced by the detached anchor (`terms.old`: ratio 1), so it adds exactly zero
+  loss and gradient even where exp(logp - old) overflows (a weight of 0 alone gives
+  0 * inf = NaN); the surrogate's clip_fraction and ratio_mean count it at ratio 1. The
+  aggregation normaliser is unchanged, so a row's kept prefix trains exactly as it would
+  without the veto. A KL penalty (config.loss.kl_coef) still applies to dropped tokens.
   """
   def apply(terms: TokenTerms) -> tuple[TokenTerms, dict]:
     keep = veto_keep(terms.stale_log_ratio, terms.advantages, terms.mask, eps_low, eps_high)
