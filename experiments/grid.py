@@ -330,7 +330,8 @@ def main(argv):
   del argv
   spec, out = load_spec(_SPEC.value), _OUT.value
   if _LIST.value:
-    print("\n".join(list_commands(_SPEC.value, spec, out)))
+    for line in list_commands(_SPEC.value, spec, out):
+      print(line)
     return 0
   if _CELL.value:
     cells = {cell.name: cell for cell in spec.cells}
