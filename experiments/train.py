@@ -110,7 +110,7 @@ _RANGES = (
                                             "max_staleness", "weight_decay", "max_grad_norm")]
     + [("rl.learning_rate", 0, False, None)]
     + [(f"loss.{k}", 0, True, None) for k in ("eps_low", "eps_high", "kl_coef", "is_floor",
-                                              "norm_len")]
+                                              "norm_len", "mu_eps_low", "mu_eps_high")]
     + [(f"loss.{k}", 0, False, None) for k in ("is_cap", "m2_tau", "sat_bandwidth",
                                                "vcpo_rho_ref", "vcpo_is_cap")]
     + [("loss.sat_quantile", 0, False, 1.0)]

@@ -14,11 +14,11 @@ log-probs, and which `config.loss` field feeds which factory argument (`m2_tau` 
 so `chain` builds each correction from the loss config and the config names stay flat.
 
 Two log-ratios appear. The staleness proxy `d = sg(logp - behav)` (how far the policy being
-trained has moved from the sampler) drives M2PO, SAT and VCPO. The proximal gap
-`prox - behav` (the sampler against the parameters at the start of this update) drives
-TIS / MIS and decoupled PPO; corrections that read it declare `needs_prox`, and the train
-step then supplies `prox_logp` (`config.loss.prox_estimate`: a recomputing forward or the
-log-linear approximation, see `loglinear_prox`).
+trained has moved from the sampler) drives M2PO, SAT, VCPO and Mu-GRPO's veto. The
+proximal gap `prox - behav` (the sampler against the parameters at the start of this
+update) drives TIS / MIS and decoupled PPO; corrections that read it declare
+`needs_prox`, and the train step then supplies `prox_logp` (`config.loss.prox_estimate`: a
+recomputing forward or the log-linear approximation, see `loglinear_prox`).
 
 Cross-stage IS (CoPRIS): a sequence generated across several parameter versions (partial
 rollouts) carries the concatenation of its per-segment sampler log-probs in
@@ -45,7 +45,8 @@ sg = jax.lax.stop_gradient
 class TokenTerms:
   """What objectives and corrections read, per token [B, T] (group, reward: [B]).
 
-  logp: current log-probs (carry the gradient; corrections only read sg(logp)).
+  logp: current log-probs (carry the gradient; corrections only read sg(logp), except that
+  Mu-GRPO's veto detaches the tokens it drops).
   behav: sampler log-probs (the concatenation across versions for cross-stage sequences).
   prox: proximal log-probs (parameters at the start of this update) or None.
   advantages: per-token advantages. mask: float 0/1 valid completion tokens (the
@@ -316,4 +317,52 @@ def vcpo_baseline() -> Correction:
                                  advantages.group_scale(reward, terms.group), 1e-6)
     return terms.replace(advantages=adv[:, None] * terms.mask), {
         "baseline_shift": jnp.mean(jnp.abs(b - mean))}
+  return apply
+
+
+# --- Mu-GRPO: negative-advantage veto ------------------------------------------------
+
+
+def veto_keep(d: jax.Array, adv: jax.Array, mask: jax.Array, eps_low: float,
+              eps_high: float) -> jax.Array:
+  """Mu-GRPO's negative-advantage veto, 1 keep / 0 drop [B, T].
+
+  In each row the trigger is the first valid token with A < 0 whose ratio exp(d) leaves
+  [1 - eps_low, 1 + eps_high]; the trigger and every later token with A < 0 are dropped.
+  Tokens with A >= 0 are always kept, so a GRPO row (one advantage for all its tokens) is
+  either untouched or loses its suffix from the trigger on; invalid tokens are left to the
+  aggregation mask.
+  """
+  ratio = jnp.exp(d)
+  negative = (adv < 0) & (mask > 0)
+  trigger = negative & ((ratio < 1.0 - eps_low) | (ratio > 1.0 + eps_high))
+  after_trigger = jnp.cumsum(trigger.astype(jnp.int32), axis=1) > 0
+  return 1.0 - (after_trigger & negative).astype(jnp.float32)
+
+
+@register_correction("mu_veto", fields=dict(eps_low="mu_eps_low", eps_high="mu_eps_high"))
+def negative_advantage_veto(eps_low: float = 0.5, eps_high: float = 1.0) -> Correction:
+  """Mu-GRPO (Tian, Xie and Wei, "How Off-Policy Can GRPO Be?", arXiv 2605.17570): the
+  negative-advantage veto (`veto_keep`) on the staleness ratio exp(d), d = sg(logp - behav),
+  with the relaxed band [1 - eps_low, 1 + eps_high] (config.loss.mu_eps_low / mu_eps_high).
+
+  A stale negative-advantage response stops being a sample of the current policy at the
+  first token the policy has moved far from; pushing down the tokens from there on is what
+  destabilises training under large staleness, so they leave the update. The paper's
+  abstract names the veto; the trigger rule (either side of the band, trigger included,
+  the band being the clip interval) is our choice. A dropped token gets weight 0 and its
+  logp is replaced by the detached anchor (`terms.old`: ratio 1), so it adds exactly zero
+  loss and gradient even where exp(logp - old) overflows (a weight of 0 alone gives
+  0 * inf = NaN); the surrogate's clip_fraction and ratio_mean count it at ratio 1. The
+  aggregation normaliser is unchanged, so a row's kept prefix trains exactly as it would
+  without the veto. A KL penalty (config.loss.kl_coef) still applies to dropped tokens.
+  """
+  def apply(terms: TokenTerms) -> tuple[TokenTerms, dict]:
+    keep = veto_keep(terms.stale_log_ratio, terms.advantages, terms.mask, eps_low, eps_high)
+    rows = (terms.mask.sum(axis=1) > 0).astype(jnp.float32)
+    vetoed_rows = (((1.0 - keep) * terms.mask).sum(axis=1) > 0).astype(jnp.float32)
+    return terms.replace(logp=jnp.where(keep > 0, terms.logp, sg(terms.old)),
+                         weight=terms.weight * keep), {
+        "vetoed_fraction": _masked_mean(1.0 - keep, terms.mask),
+        "vetoed_response_fraction": vetoed_rows.sum() / jnp.maximum(rows.sum(), 1.0)}
   return apply

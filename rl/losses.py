@@ -19,6 +19,7 @@ fields of `config.loss`; `config.loss.corrections` appends corrections to any ob
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 from typing import Callable, Mapping, Optional
 
@@ -46,7 +47,10 @@ LOSS_DEFAULTS = dict(
     # about PPO's eps = 0.2 trust region in log space (log 1.2 = 0.18); the M2PO paper's value.
     m2_tau=0.04,
     sat_quantile=0.9, sat_bandwidth=0.1,  # SAT tail quantile of |d| and kernel width
-    vcpo_rho_ref=1.0, vcpo_is_cap=8.0)    # VCPO reference ESS ratio and IS truncation
+    vcpo_rho_ref=1.0, vcpo_is_cap=8.0,    # VCPO reference ESS ratio and IS truncation
+    # Mu-GRPO's relaxed band [1/2, 2] (|log r| <= log 2, symmetric in log space): its clip
+    # interval and its veto's trigger (chosen; the paper's values were not available).
+    mu_eps_low=0.5, mu_eps_high=1.0)
 
 
 def register_loss(name: str) -> Callable[[LossFn], LossFn]:
@@ -199,11 +203,14 @@ def clip_objective(ratio: jax.Array, adv: jax.Array, eps_low, eps_high,
   return -jnp.minimum(ratio * adv, clipped * adv), (ratio * adv > clipped * adv)
 
 
-def clipped_surrogate(terms: corr.TokenTerms, cfg) -> tuple[jax.Array, dict]:
-  """PPO-clip / GRPO: token ratio against prox when supplied (decoupled PPO), else behav."""
+def clipped_surrogate(terms: corr.TokenTerms, cfg,
+                      widths: tuple[str, str] = ("eps_low", "eps_high")) -> tuple[jax.Array, dict]:
+  """PPO-clip / GRPO: token ratio against prox when supplied (decoupled PPO), else behav,
+  clipped with the widths in the config.loss fields `widths` (Mu-GRPO: its relaxed band)."""
   log_ratio = terms.logp - terms.old
   ratio = jnp.exp(log_ratio)
-  per_token, active = clip_objective(ratio, terms.advantages, cfg.eps_low, cfg.eps_high,
+  eps_low, eps_high = (getattr(cfg, field) for field in widths)
+  per_token, active = clip_objective(ratio, terms.advantages, eps_low, eps_high,
                                      terms.clip_scale)
   return per_token, {"clip_fraction": masked_mean(active.astype(jnp.float32), terms.mask),
                      "ratio_mean": masked_mean(ratio, terms.mask)}
@@ -342,6 +349,14 @@ _register("sat", "SAT: PPO-clip against behav whose high-mismatch tokens get a c
 _register("vcpo", "VCPO: truncated-IS (vcpo_is_cap, 8) policy gradient, the off-policy optimal "
           "baseline per group, and the ESS learning-rate scale (metrics['lr_scale']).",
           importance_pg_surrogate("vcpo_is_cap"), corrections=("vcpo_baseline", "vcpo_ess"))
+_register("mu_grpo", "Mu-GRPO (arXiv 2605.17570): PPO-clip with the relaxed interval "
+          "[1 - mu_eps_low, 1 + mu_eps_high] (default [1/2, 2]: keeps the gradients of stale "
+          "tokens that eps 0.2 would clip) and the negative-advantage veto (the 'mu_veto' "
+          "correction: a response with A < 0 loses its tokens from the first one whose ratio "
+          "leaves that interval). The paper trains in a few large stages: many updates per "
+          "rollout batch (rl.num_minibatches; docs/concepts.md).",
+          functools.partial(clipped_surrogate, widths=("mu_eps_low", "mu_eps_high")),
+          corrections=("mu_veto",))
 
 @register_loss("sft")
 def sft_loss(logp: jax.Array, batch: Rollout, *, prox_logp=None, config) -> tuple[jax.Array, dict]:

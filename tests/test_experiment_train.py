@@ -47,3 +47,21 @@ def test_bad_config_gives_a_clear_error(tmp_path, field, value, message):
   config[section][name] = value
   with pytest.raises(ValueError, match=message):
     train_launcher.run(config)
+
+
+def test_mu_grpo_trains_in_large_stages(tmp_path):
+  """docs/concepts.md's stage recipe at tiny size: --config.loss.name=mu_grpo, stages of
+  2 minibatches x 2 epochs = 4 updates on one rollout batch of 4 prompts. Every update after
+  a stage's first trains on older data, so the stage's mean ratio is not 1 (it is exactly 1,
+  with approx_kl_behavior 0, when each rollout batch takes one update)."""
+  config = tiny_run_config(tmp_path, {
+      "loss.name": "mu_grpo", "rollout.prompts_per_step": 4, "rl.num_minibatches": 2,
+      "rl.ppo_epochs": 2, "warm_start.steps": 0, "task.eval_size": 8, "eval.batch_size": 8})
+  summary = train_launcher.run(config)
+  assert summary["steps"] == 2 and summary["nonfinite_updates"] == 0
+  records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  stages = [r for r in records if r.get("phase") == "rl" and "loss" in r]
+  assert len(stages) == 2
+  for stage in stages:
+    assert 0.0 <= stage["vetoed_fraction"] <= 1.0 and "vetoed_response_fraction" in stage
+    assert stage["ratio_mean"] != 1.0 and stage["approx_kl_behavior"] > 0

@@ -32,6 +32,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ({"rl.learning_rate": 0.0}, r"config.rl.learning_rate = 0.0 must be > 0"),
     ({"rollout.top_p": 1.5}, r"config.rollout.top_p = 1.5 must be > 0 and <= 1.0"),
     ({"loss.m2_tau": -0.04}, r"config.loss.m2_tau = -0.04 must be > 0"),
+    ({"loss.mu_eps_high": -0.5}, r"config.loss.mu_eps_high = -0.5 must be >= 0"),
     ({"loss.aggregation": "nosuch"}, r"Unknown config.loss.aggregation 'nosuch'"),
     ({"loss.name": "nosuch"}, r"Unknown loss 'nosuch' \(config.loss.name\)"),
     ({"loss.corrections": ("m2po", "nosuch")}, r"Unknown correction 'nosuch'"),

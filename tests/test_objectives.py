@@ -59,7 +59,8 @@ def grpo_grad(logp, batch, aggregation):
 REDUCTIONS = {
     "grpo": "seq_mean_token_mean", "dapo": "token_mean", "drgrpo": "seq_mean_token_sum_norm",
     "gspo": "seq_mean_token_mean", "gspo_token": "seq_mean_token_mean",
-    "decoupled": "seq_mean_token_mean", "m2po": "token_mean", "sat": "seq_mean_token_mean"}
+    "decoupled": "seq_mean_token_mean", "m2po": "token_mean", "sat": "seq_mean_token_mean",
+    "mu_grpo": "seq_mean_token_mean"}
 
 
 @pytest.mark.parametrize("name", sorted(REDUCTIONS))
@@ -182,11 +183,13 @@ def test_objective_overrides_define_the_method():
 
 def test_registry_has_every_section_1_objective():
   assert {"grpo", "dapo", "drgrpo", "gspo", "gspo_token", "decoupled", "m2po", "sat",
-          "vcpo", "sft"} <= set(losses.LOSSES)
-  assert {"tis", "mis", "m2po", "sat", "vcpo_ess", "vcpo_baseline"} <= set(corrections.CORRECTIONS)
+          "vcpo", "mu_grpo", "sft"} <= set(losses.LOSSES)
+  assert {"tis", "mis", "m2po", "sat", "vcpo_ess", "vcpo_baseline",
+          "mu_veto"} <= set(corrections.CORRECTIONS)
 
 
-@pytest.mark.parametrize("name", ["grpo", "dapo", "gspo", "decoupled", "m2po", "sat", "vcpo"])
+@pytest.mark.parametrize("name", ["grpo", "dapo", "gspo", "decoupled", "m2po", "sat", "vcpo",
+                                  "mu_grpo"])
 def test_objectives_jit(name):
   logp, batch = make_batch(seed=9, behav_shift=0.5)
   fn = losses.get_loss(name)
@@ -205,3 +208,131 @@ def test_built_in_objectives_are_typed_records():
   assert losses.needs_prox(cfg(name="decoupled")) and not losses.needs_prox(cfg(name="grpo"))
   assert not isinstance(losses.get_loss("sft"), losses.Objective)  # a plain registered function
   assert losses.correction_chain(losses.get_loss("sft"), cfg(name="sft")) == ()
+
+
+# --- Mu-GRPO: relaxed clipping and the negative-advantage veto -----------------------
+
+MU_BAND = dict(eps_low=0.5, eps_high=1.0)  # LOSS_DEFAULTS' mu_eps_low / mu_eps_high
+
+
+def ratio_batch(ratios, adv, mask):
+  """(logp, batch) whose token ratios exp(logp - behav) are `ratios` (behav = 0) [B, T]."""
+  mask = np.asarray(mask, bool)
+  b, t = mask.shape
+  batch = Rollout(
+      tokens=jnp.zeros((b, t), jnp.int32), prompt_mask=jnp.zeros((b, t), bool),
+      completion_mask=jnp.asarray(mask), behavior_logp=jnp.zeros((b, t)),
+      version=jnp.zeros((b, t), jnp.int32), group=jnp.zeros((b,), jnp.int32),
+      reward=jnp.zeros((b,)), advantages=jnp.asarray(np.asarray(adv) * mask, jnp.float32))
+  return jnp.log(jnp.asarray(ratios, jnp.float32)), batch
+
+
+def mu_grpo_reference(logp, batch, eps_low, eps_high) -> float:
+  """Slow NumPy Mu-GRPO: walk each row; from the first A < 0 token outside the band on,
+  A < 0 tokens are skipped; the rest take PPO-clip; seq_mean_token_mean."""
+  r = np.exp(np.asarray(logp, np.float64) - np.asarray(batch.behavior_logp, np.float64))
+  adv, mask = np.asarray(batch.advantages), np.asarray(batch.completion_mask)
+  row_losses = []
+  for i in range(mask.shape[0]):
+    total, triggered = 0.0, False
+    for t in np.flatnonzero(mask[i]):
+      a = adv[i, t]
+      triggered |= a < 0 and not 1 - eps_low <= r[i, t] <= 1 + eps_high
+      if not (triggered and a < 0):
+        total -= min(r[i, t] * a, np.clip(r[i, t], 1 - eps_low, 1 + eps_high) * a)
+    if mask[i].any():
+      row_losses.append(total / mask[i].sum())
+  return float(np.mean(row_losses))
+
+
+def test_mu_grpo_hand_computed():
+  """Interval [1/2, 2]. Row 0 (A = 1): 3 clips to 2, 1.5 and 0.4 count as they are (A > 0
+  never clips below). Row 1 (A = -1): 2.5 > 2 triggers at t = 1; only t = 0 counts (1.5).
+  Row 2 (A = -1): 0.3 < 1/2 triggers at t = 0, the whole row goes. Row 3: A = 0. The veto
+  leaves the normalisers alone: (-(2 + 1.5 + 0.4) / 3 + 1.5 / 3 + 0 + 0) / 4 = -0.2."""
+  logp, batch = ratio_batch([[3.0, 1.5, 0.4], [1.5, 2.5, 1.2], [0.3, 1.0, 1.0], [5.0, 0.1, 1.0]],
+                            [[1.0], [-1.0], [-1.0], [0.0]],
+                            [[1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 1, 1]])
+  loss, metrics = losses.get_loss("mu_grpo")(logp, batch, config=cfg(name="mu_grpo"))
+  np.testing.assert_allclose(loss, -0.2, rtol=1e-6)
+  np.testing.assert_allclose(metrics["vetoed_fraction"], 4 / 11, rtol=1e-6)
+  np.testing.assert_allclose(metrics["vetoed_response_fraction"], 2 / 4, rtol=1e-6)
+  _, grad = loss_and_grad("mu_grpo", logp, batch)
+  np.testing.assert_allclose(grad, [[0.0, -1.5 / 12, -0.4 / 12], [1.5 / 12, 0, 0], [0, 0, 0],
+                                    [0, 0, 0]], rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_mu_grpo_matches_slow_numpy_on_stale_batches(seed):
+  logp, batch = make_batch(seed=20 + seed, behav_shift=0.8)
+  loss, metrics = losses.get_loss("mu_grpo")(logp, batch, config=cfg(name="mu_grpo"))
+  assert 0 < metrics["vetoed_fraction"] < 1
+  np.testing.assert_allclose(loss, mu_grpo_reference(logp, batch, **MU_BAND), rtol=1e-5)
+  narrow = dict(mu_eps_low=0.1, mu_eps_high=0.15)  # the band is config.loss.mu_eps_*
+  loss, _ = losses.get_loss("mu_grpo")(logp, batch, config=cfg(name="mu_grpo", **narrow))
+  np.testing.assert_allclose(loss, mu_grpo_reference(logp, batch, 0.1, 0.15), rtol=1e-5)
+
+
+def test_mu_grpo_leaves_rows_with_nonnegative_advantage_alone():
+  """Rows with A >= 0 get grpo's gradient with the relaxed eps, however stale."""
+  logp, batch = make_batch(seed=23, behav_shift=1.5)
+  _, grad = loss_and_grad("mu_grpo", logp, batch)
+  _, want = loss_and_grad("grpo", logp, batch, **MU_BAND)
+  rows = np.asarray(batch.advantages).min(axis=1) >= 0
+  assert rows.any() and np.abs(grad[rows]).sum() > 0
+  np.testing.assert_array_equal(grad[rows], want[rows])
+  assert np.any(grad[~rows] != want[~rows])  # the veto acted on the others
+
+
+def test_mu_grpo_vetoed_suffix_gets_exactly_zero_gradient():
+  logp, batch = make_batch(seed=20, behav_shift=0.8)
+  _, grad = loss_and_grad("mu_grpo", logp, batch)
+  d = np.asarray(logp - batch.behavior_logp) * np.asarray(batch.completion_mask)
+  keep = np.asarray(corrections.veto_keep(jnp.asarray(d), batch.advantages,
+                                          batch.completion_mask, **MU_BAND))
+  assert (keep == 0).any()
+  assert np.all(grad[keep == 0] == 0)
+  # One row: the prefix before the trigger (ratio 3 at t = 2) keeps its gradient.
+  logp, batch = ratio_batch([[1.1, 0.9, 3.0, 1.0, 1.2]], [[-1.0]], np.ones((1, 5)))
+  _, grad = loss_and_grad("mu_grpo", logp, batch)
+  np.testing.assert_allclose(grad, [[1.1 / 5, 0.9 / 5, 0, 0, 0]], rtol=1e-6)
+
+
+@pytest.mark.parametrize("behav_shift", [0.0, 0.05])  # on-policy; stale inside the interval
+def test_mu_grpo_is_grpo_when_nothing_triggers(behav_shift):
+  logp, batch = make_batch(seed=25, behav_shift=behav_shift)
+  eps = dict(eps_low=0.2, eps_high=0.28)
+  got = loss_and_grad("mu_grpo", logp, batch, mu_eps_low=0.2, mu_eps_high=0.28)
+  want = loss_and_grad("grpo", logp, batch, **eps)
+  _, metrics = losses.get_loss("mu_grpo")(logp, batch, config=cfg(
+      name="mu_grpo", mu_eps_low=0.2, mu_eps_high=0.28))
+  assert metrics["vetoed_fraction"] == 0
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+  np.testing.assert_allclose(got[1], want[1], rtol=1e-6, atol=1e-9)
+  assert np.abs(got[1]).sum() > 0
+
+
+def test_mu_grpo_with_empty_masks():
+  logp, batch = make_batch(seed=26, behav_shift=0.8)
+  empty = batch.replace(completion_mask=jnp.zeros_like(batch.completion_mask),
+                        advantages=jnp.zeros_like(batch.advantages))
+  loss, metrics = losses.get_loss("mu_grpo")(logp, empty, config=cfg(name="mu_grpo"))
+  assert float(loss) == 0.0 and all(np.isfinite(float(v)) for v in metrics.values())
+  _, grad = loss_and_grad("mu_grpo", logp, empty)
+  assert np.all(grad == 0)
+
+
+def test_mu_grpo_is_finite_at_extreme_log_ratios():
+  """Rows with A < 0 at log-ratios +-1e4 (exp overflows): vetoed, so loss and gradient stay
+  finite where grpo's loss is inf. Rows with A > 0 at +-60: clipped or ~0. (At a log-ratio
+  past float32's exp range, 88, a clipped A > 0 token's gradient is 0 * inf = NaN in grpo
+  and here alike; the train step skips such an update.)"""
+  logp, batch = ratio_batch(np.ones((4, 3)), [[-1.0], [-1.0], [1.0], [1.0]], np.ones((4, 3)))
+  logp = jnp.asarray([[0.1, 1e4, -1e4], [-1e4, 0.0, 1e4], [60.0, -60.0, 0.0], [-60.0, 60.0, 0.2]])
+  loss, metrics = losses.get_loss("mu_grpo")(logp, batch, config=cfg(name="mu_grpo"))
+  _, grad = loss_and_grad("mu_grpo", logp, batch)
+  assert np.isfinite(float(loss)) and np.all(np.isfinite(grad))
+  # approx_kl_behavior measures the batch as sampled: inf here, as the data is.
+  assert all(np.isfinite(float(v)) for k, v in metrics.items() if k != "approx_kl_behavior")
+  np.testing.assert_allclose(metrics["vetoed_fraction"], 5 / 12, rtol=1e-6)
+  assert not np.isfinite(loss_and_grad("grpo", logp, batch)[0])

@@ -109,8 +109,9 @@ def get_config() -> ml_collections.ConfigDict:
                                       # (0 = rollout.max_new_tokens, the generation budget)
   c.loss.kl_coef = 0.0                # k3 KL to a reference policy (0 = none)
   # Off-policy corrections (rl/corrections.py) appended to the objective's own, in order:
-  # 'tis' | 'mis' | 'm2po' | 'sat' | 'vcpo_baseline' | 'vcpo_ess'. Objectives fix the fields
-  # that define them (e.g. dapo: eps 0.2/0.28, token_mean), overriding the values here.
+  # 'tis' | 'mis' | 'm2po' | 'sat' | 'vcpo_baseline' | 'vcpo_ess' | 'mu_veto'. Objectives fix
+  # the fields that define them (e.g. dapo: eps 0.2/0.28, token_mean), overriding the values
+  # here.
   c.loss.corrections = ()
   c.loss.prox_estimate = "recompute"  # proximal log-probs: "recompute" (a forward) | "loglinear"
   c.loss.is_cap = 5.0                 # TIS truncation / MIS upper bound (decoupled PPO cap)
@@ -120,6 +121,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.loss.sat_bandwidth = 0.1          # SAT: kernel exp(-(|d| - q) / bandwidth)
   c.loss.vcpo_rho_ref = 1.0           # VCPO: lr scale sqrt(ESS ratio / rho_ref)
   c.loss.vcpo_is_cap = 8.0            # VCPO: truncation of the IS weight
+  c.loss.mu_eps_low = 0.5             # mu_grpo relaxed clip: ratio >= 1 - mu_eps_low where A < 0;
+                                      # a response with A < 0 is vetoed from its first token
+                                      # outside [1 - mu_eps_low, 1 + mu_eps_high]
+  c.loss.mu_eps_high = 1.0            # mu_grpo relaxed clip: ratio <= 1 + mu_eps_high where A > 0
+                                      # (default interval [1/2, 2])
 
   c.advantage = ml_collections.ConfigDict()
   c.advantage.name = "grpo"           # rl/advantages.py registry: grpo | drgrpo | rloo | median

@@ -1,0 +1,148 @@
+"""experiments/grid.py: cells run as subprocesses N at a time; a grid killed midway and rerun
+runs no finished cell again, resumes the interrupted one in its workdir and ends with the
+results of an uninterrupted run; job-array lines, failed cells and the table of means.
+
+The cells are tests/grid_cell.py, a stand-in that takes a fraction of a second."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from experiments import grid
+
+_REPO = pathlib.Path(__file__).resolve().parent.parent
+_ENV = dict(os.environ, PYTHONPATH=str(_REPO))
+NAMES = ("a_s0", "a_s1", "b_s0", "b_s1")
+
+
+def write_spec(folder, entries) -> pathlib.Path:
+  path = folder / "grid.json"
+  path.write_text(json.dumps({"cells": entries}))
+  return path
+
+
+def stand_in(name, scale, hold_file, **seed):
+  """A spec entry of tests/grid_cell.py cells; seed 1 holds after its first step until
+  `hold_file` exists."""
+  return {"name": name, "module": "tests.grid_cell", **(seed or {"seeds": [0, 1]}),
+          "flags": {"steps": 3, "scale": scale, "hold_seed": 1, "hold_file": str(hold_file)}}
+
+
+def run_grid(spec, out, *extra, check=True) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "-m", "experiments.grid", f"--spec={spec}",
+                         f"--out={out}", *extra], cwd=_REPO, env=_ENV, capture_output=True,
+                        text=True, check=check, timeout=300)
+
+
+def steps_log(out, name) -> list[str]:
+  path = out / "runs" / name / "steps.log"
+  return path.read_text().split("\n")[:-1] if path.exists() else []
+
+
+def read(path):
+  return json.loads(path.read_text())
+
+
+def test_a_killed_grid_resumes_without_running_a_cell_twice(tmp_path):
+  hold = tmp_path / "release"
+  spec = write_spec(tmp_path, [stand_in("a", 1.0, hold), stand_in("b", 2.5, hold)])
+  out = tmp_path / "out"
+  process = subprocess.Popen([sys.executable, "-m", "experiments.grid", f"--spec={spec}",
+                              f"--out={out}", "--workers=1"], cwd=_REPO, env=_ENV,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+  try:  # a_s0 finished; a_s1 is held after its first step
+    deadline = time.time() + 120
+    while not ((out / "a_s0.json").exists() and "step 0" in steps_log(out, "a_s1")):
+      assert process.poll() is None and time.time() < deadline, "the grid did not get there"
+      time.sleep(0.02)
+  finally:
+    os.killpg(process.pid, signal.SIGKILL)  # the grid and its running cell
+    process.wait()
+  assert not (out / "a_s1.json").exists()
+
+  hold.touch()
+  run_grid(spec, out, "--workers=1")
+  full = ["start", "step 0", "step 1", "step 2"]
+  assert steps_log(out, "a_s0") == full  # finished before the kill: not run again
+  assert steps_log(out, "a_s1") == ["start", "step 0", "start", "step 1", "step 2"]  # resumed
+  assert steps_log(out, "b_s0") == full and steps_log(out, "b_s1") == full
+
+  fresh = tmp_path / "fresh"
+  run_grid(spec, fresh, "--workers=2")
+  for name in NAMES:
+    got, want = read(out / f"{name}.json"), read(fresh / f"{name}.json")
+    assert got["command"][-1] == f"--config.workdir={out / 'runs' / name}"
+    for result in (got, want):
+      del result["wall_s"], result["command"]  # the attempt's time; the out folder
+    assert got == want
+  table = (out / "results.md").read_text()
+  assert table == (fresh / "results.md").read_text()
+  assert "| scale=1.0 | 0, 1 | 1.5 ± 0.71 | 3 ± 0 |" in table  # score (seed + 1) * scale
+  assert "| scale=2.5 | 0, 1 | 3.75 ± 1.8 | 3 ± 0 |" in table
+
+
+def test_job_array_lines_failed_cells_and_the_plot(tmp_path):
+  spec = write_spec(tmp_path, [
+      stand_in("ok", 2.0, tmp_path, seed=0),
+      {"name": "broken", "module": "tests.no_such_module", "seed": 0}])
+  out = tmp_path / "out"
+  lines = run_grid(spec, out, "--list").stdout.splitlines()
+  assert [line.rsplit("--cell=", 1)[1] for line in lines] == ["ok", "broken"]
+  subprocess.run(lines[0], shell=True, check=True, env=_ENV, timeout=300)  # one array task
+  assert read(out / "ok.json")["summary"]["score"] == 2.0
+  assert [line.rsplit("--cell=", 1)[1] for line in run_grid(spec, out, "--list").stdout
+          .splitlines()] == ["broken"]
+
+  failed = run_grid(spec, out, check=False)
+  assert failed.returncode == 1 and "broken" in failed.stderr
+  assert not (out / "broken.json").exists()
+  assert "No module named" in (out / "logs" / "broken.log").read_text()
+  assert steps_log(out, "ok") == ["start", "step 0", "step 1", "step 2"]  # not rerun
+  run_grid(spec, out, "--render", "--plot", "--metrics=score,steps")
+  table = (out / "results.md").read_text()
+  assert "1 of 2 cells finished" in table and "| tests.grid_cell | 0 | 2 | 3 |" in table
+  assert (out / "results.png").stat().st_size > 0
+
+
+def test_render_groups_seeds_and_labels_settings():
+  spec = grid.parse_spec({"cells": [
+      {"name": "x", "module": "m", "seeds": [0, 1, 2], "flags": {"lr": 1, "k": 0}},
+      {"name": "y", "module": "m", "seeds": [0], "flags": {"k": 0, "lr": 2}}]})
+  assert [c.name for c in spec.cells] == ["x_s0", "x_s1", "x_s2", "y_s0"]
+  summaries = [{"acc": 0.5, "time_s": {"rl": 2.0}}, {"acc": 0.7, "time_s": {"rl": 4.0}},
+               {"acc": 0.6, "time_s": {"rl": 6.0}}, {"acc": 0.9, "note": "n/a"}]
+  results = [{"name": c.name, "module": c.module, "flags": dict(c.flags), "seed": c.seed,
+              "summary": s} for c, s in zip(spec.cells, summaries)]
+  assert grid.default_metrics(results) == ["acc"]
+  table = grid.render_table(spec, results, ["acc", "time_s.rl"])
+  assert "| lr=1 | 0, 1, 2 | 0.6 ± 0.1 | 4 ± 2 |" in table
+  assert "| lr=2 | 0 | 0.9 | - |" in table
+
+
+@pytest.mark.parametrize("entries,message", [
+    ([{"name": "x", "module": "m", "seed": 0}, {"name": "x", "module": "m", "seed": 1}],
+     "appears 2 times"),
+    ([{"name": "x", "module": "m", "seed": 0, "seeds": [1]}], "exactly one of"),
+    ([{"name": "x/y", "module": "m", "seed": 0}], "letters, digits"),
+])
+def test_bad_specs_are_refused(entries, message):
+  with pytest.raises(ValueError, match=message):
+    grid.parse_spec({"cells": entries})
+
+
+def test_a_python_spec_and_custom_seed_and_workdir_flags(tmp_path):
+  path = tmp_path / "grid_spec.py"
+  path.write_text("SPEC = {'seed_flag': 'seed', 'workdir_flag': 'dir', 'cells': [\n"
+                  "    {'name': f'lr{lr}', 'module': 'm', 'seed': 3, 'flags': {'lr': lr}}\n"
+                  "    for lr in (1, 2)]}\n")
+  spec = grid.load_spec(str(path))
+  assert [c.name for c in spec.cells] == ["lr1", "lr2"]
+  assert grid.command(spec.cells[1], spec, "out")[2:] == [
+      "m", "--lr=2", "--seed=3", f"--dir={os.path.join('out', 'runs', 'lr2')}"]
