@@ -4,8 +4,11 @@
     python -m experiments.eval --config.workdir=runs/short --steps=all --num_samples=16 --k=1,4,16
 
 Takes the same `--config` (file and overrides) as experiments/train.py, so the task,
-model and prompt settings are the run's; checkpoints are read from
-`<config.workdir>/checkpoints` (written by experiments/train.py through rl/checkpoint.py).
+model and prompt settings are the run's: the policy is resolved as the launcher resolves it
+(`load_policy`: a preset with the character tokenizer, or `config.model.checkpoint` with its
+tokenizer and chat template), and the run's checkpoints, read from
+`<config.workdir>/checkpoints` (written by experiments/train.py through rl/checkpoint.py), are
+restored on top. With no checkpoint there it prints a usage line and exits with status 1.
 For each checkpoint it reports greedy exact match (the launcher's held-out accuracy),
 and from `num_samples` completions per example at `--temperature` the unbiased pass@k
 (Chen et al. 2021), mean reward and mean completion length. Results go to
@@ -18,7 +21,8 @@ import dataclasses
 import functools
 import json
 import os
-from typing import Sequence
+import sys
+from typing import Any, NoReturn, Sequence
 
 from absl import app
 from absl import flags
@@ -27,8 +31,8 @@ import jax
 import ml_collections
 
 from experiments import train as train_launcher
-from models import transformer
 from models.config import ModelConfig
+from models.hf_tokenizer import HFTokenizer
 from models.tokenizer import CharTokenizer
 from rl import checkpoint
 from rl import evaluation
@@ -48,30 +52,45 @@ _NUM_EXAMPLES = flags.DEFINE_integer("num_examples", None,
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 
 
+USAGE = ("usage: python -m experiments.eval --config.workdir=<the run's workdir> "
+         "[--config=<the run's config file>] [--steps=latest|all|300,350] [--num_samples=16] "
+         "[--k=1,4,16]")
+
+
+class NoCheckpointsError(ValueError):
+  """The workdir holds no checkpoint: there is nothing to evaluate."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Policy:
-  """What a run's config fixes about its policy: task, tokenizer and model shapes."""
+  """What a run's config fixes about its policy: task, tokenizer, model shapes, and the
+  parameters' shapes and dtypes (`params_like`, the template checkpoints restore into)."""
   task: Task
-  tokenizer: CharTokenizer
+  tokenizer: CharTokenizer | HFTokenizer
   model_config: ModelConfig
+  params_like: Any
 
 
 def build_policy(config: ml_collections.ConfigDict) -> Policy:
-  """The task, tokenizer and model config of a run, as experiments/train.py builds them."""
-  tokenizer = CharTokenizer()
+  """The task and policy of a run, resolved by the launcher's own `load_policy` (preset or
+  pretrained checkpoint, tokenizer, chat template); the initial weights give only shapes."""
+  tokenizer, model_config, params = train_launcher.load_policy(config, jax.random.PRNGKey(0))
   task = make_task(config.task.name, config.task.prompt_style, seed=config.seed,
                    eval_size=config.task.eval_size, **config.task.difficulty)
-  return Policy(task=task, tokenizer=tokenizer,
-                model_config=train_launcher.build_model_config(config, tokenizer))
+  return Policy(task=task, tokenizer=tokenizer, model_config=model_config,
+                params_like=jax.eval_shape(lambda: params))
 
 
 def checkpoint_steps(config: ml_collections.ConfigDict, which: str = "latest") -> list[int]:
-  """Steps named by `which` ('latest', 'all', or '300,350') among the run's checkpoints."""
-  manager = checkpoint.make_manager(os.path.join(config.workdir, "checkpoints"))
-  available = sorted(manager.all_steps())
+  """Steps named by `which` ('latest', 'all', or '300,350') among the run's checkpoints.
+
+  Raises NoCheckpointsError when there is none (without creating the directory)."""
+  directory = os.path.join(config.workdir, "checkpoints")
+  available = (sorted(checkpoint.make_manager(directory).all_steps())
+               if os.path.isdir(directory) else [])
   if not available:
-    raise ValueError(f"No checkpoints in {config.workdir}/checkpoints: train first "
-                     "(python -m experiments.train) or pass the run's --config.workdir.")
+    raise NoCheckpointsError(f"No checkpoints in {directory}: train first (python -m "
+                             "experiments.train) or pass the run's --config.workdir.")
   if which == "latest":
     return available[-1:]
   if which == "all":
@@ -94,10 +113,9 @@ def load_params(config: ml_collections.ConfigDict, policy: Policy, step: int):
   phase = checkpoint.read_meta(manager, step)["phase"]
   _, optimizer = train_launcher.make_context(config, policy.task, policy.tokenizer,
                                              policy.model_config, phase)
-  params = jax.eval_shape(functools.partial(transformer.init_params, policy.model_config),
-                          jax.random.PRNGKey(0))
   like = loop.LoopState(
-      train=jax.eval_shape(functools.partial(train.init_train_state, optimizer=optimizer), params),
+      train=jax.eval_shape(functools.partial(train.init_train_state, optimizer=optimizer),
+                           policy.params_like),
       rng=jax.random.PRNGKey(0))
   state, _ = checkpoint.restore(manager, step, like)
   return state.train.params
@@ -149,11 +167,12 @@ def run(config: ml_collections.ConfigDict, *, steps: str = "latest", num_samples
   if not 1 <= num_examples <= config.task.eval_size:
     raise ValueError(f"--num_examples={num_examples} must be in [1, config.task.eval_size="
                      f"{config.task.eval_size}].")
+  chosen = checkpoint_steps(config, steps)  # before loading any weights
   policy = build_policy(config)
   rows = [evaluate_checkpoint(config, policy, step, num_samples=num_samples, ks=ks,
                               temperature=temperature, num_examples=num_examples, seed=seed,
                               progress=progress)
-          for step in checkpoint_steps(config, steps)]
+          for step in chosen]
   out = os.path.join(config.workdir, "eval")
   os.makedirs(out, exist_ok=True)
   with open(os.path.join(out, "eval.json"), "w") as f:
@@ -163,14 +182,24 @@ def run(config: ml_collections.ConfigDict, *, steps: str = "latest", num_samples
   return rows
 
 
+def exit_with_usage(message: str) -> NoReturn:
+  """Prints `message` and the usage line on stderr and exits with status 1 (no traceback)."""
+  sys.stderr.write(f"{message}\n{USAGE}\n")
+  sys.exit(1)
+
+
 def main(argv):
-  del argv
+  if len(argv) > 1:
+    exit_with_usage(f"Unexpected arguments {argv[1:]}: name the run with --config.workdir.")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
   config = train_launcher._CONFIG.value  # pylint: disable=protected-access  (the run's --config)
-  rows = run(config, steps=_STEPS.value, num_samples=_NUM_SAMPLES.value,
-             ks=[int(k) for k in _K.value], temperature=_TEMPERATURE.value,
-             num_examples=_NUM_EXAMPLES.value, seed=_SEED.value)
+  try:
+    rows = run(config, steps=_STEPS.value, num_samples=_NUM_SAMPLES.value,
+               ks=[int(k) for k in _K.value], temperature=_TEMPERATURE.value,
+               num_examples=_NUM_EXAMPLES.value, seed=_SEED.value)
+  except NoCheckpointsError as error:
+    exit_with_usage(f"Nothing to evaluate. {error}")
   print(markdown_table(rows), end="")
   print(f"Written to {os.path.join(config.workdir, 'eval')}/eval.json and eval.md")
 

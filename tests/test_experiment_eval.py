@@ -1,14 +1,20 @@
 """experiments/eval.py on a tiny run: it restores the run's checkpoints (both phases), its
 greedy numbers equal the launcher's own held-out evaluations, and it writes JSON + markdown.
-The run also leaves TensorBoard event files next to metrics.jsonl."""
+The run also leaves TensorBoard event files next to metrics.jsonl. With nothing to evaluate
+the command prints its usage. (A run from a pretrained checkpoint: tests/test_pretrained.py.)"""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from experiments import eval as eval_launcher
 from experiments import train as train_launcher
 from tests.launcher_config import tiny_run_config
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def tiny_config(workdir):
@@ -48,5 +54,31 @@ def test_eval_restores_checkpoints_and_matches_the_launchers_evaluations(tmp_pat
 
 
 def test_eval_without_checkpoints_says_to_train_first(tmp_path):
-  with pytest.raises(ValueError, match="train first"):
+  # main() turns this error into the usage message (the subprocess test below).
+  with pytest.raises(eval_launcher.NoCheckpointsError, match="train first"):
     eval_launcher.run(tiny_config(tmp_path), progress=False)
+  assert not (tmp_path / "checkpoints").exists()  # a reader creates nothing
+  (tmp_path / "checkpoints").mkdir()  # a workdir whose checkpoints are all gone
+  with pytest.raises(eval_launcher.NoCheckpointsError, match="train first"):
+    eval_launcher.run(tiny_config(tmp_path), progress=False)
+
+
+def test_no_flags_and_no_checkpoints_print_usage_without_a_traceback(tmp_path):
+  # The default workdir (runs/default, relative to the working directory) holds nothing.
+  result = subprocess.run([sys.executable, "-m", "experiments.eval"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=_REPO, JAX_PLATFORMS="cpu"))
+  assert result.returncode == 1
+  assert "Traceback" not in result.stdout + result.stderr
+  assert "Nothing to evaluate. No checkpoints in runs/default/checkpoints" in result.stderr
+  assert "usage: python -m experiments.eval --config.workdir=" in result.stderr
+  assert not (tmp_path / "runs").exists()  # a reader creates nothing
+
+
+def test_positional_arguments_print_usage(capsys):
+  with pytest.raises(SystemExit) as exited:
+    eval_launcher.main(["eval", "runs/short"])
+  assert exited.value.code == 1
+  err = capsys.readouterr().err
+  assert "Unexpected arguments ['runs/short']: name the run with --config.workdir" in err
+  assert eval_launcher.USAGE in err

@@ -1,4 +1,5 @@
-"""models.pretrained (checkpoint specs) and the launcher's `config.model.checkpoint`."""
+"""models.pretrained (checkpoint specs), the launcher's `config.model.checkpoint`, and
+experiments/eval.py on a run trained from a checkpoint."""
 
 import importlib.util
 import json
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 import transformers
 
+from experiments import eval as eval_launcher
 from experiments import train as launcher
 from experiments.configs import chain_sum_compact
 from models import gguf_checkpoint
@@ -54,26 +56,48 @@ def test_installed_smollm2_wheel_is_found():
   assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-def test_launcher_trains_a_pretrained_checkpoint(tmp_path):
-  folder = _hf_folder(tmp_path / "hf")
+def _pretrained_run_config(tmp_path, checkpoint_spec):
+  """The compact chain_sum run from `checkpoint_spec`, in full prompts with the chat
+  template: one warm-start step (so the weights move) and one GRPO step."""
   c = chain_sum_compact.get_config()
   c.workdir = str(tmp_path / "run")
-  c.model.checkpoint = str(folder)
+  c.model.checkpoint = str(checkpoint_spec)
   c.model.chat_template = True
   c.task.prompt_style = "full"
   c.task.eval_size = 4
   c.rollout.prompt_len = 160
-  c.rollout.max_new_tokens = 4
+  c.rollout.max_new_tokens = 8  # the longest answer with EOS, for the warm start
   c.rollout.prompts_per_step = 2
   c.rollout.group_size = 2
-  c.warm_start.steps = 0
+  c.warm_start.steps = 1
+  c.warm_start.batch_size = 2
+  c.warm_start.warmup_steps = 0  # a first step at full rate
   c.rl.steps = 1
   c.eval.batch_size = 4
+  return c
+
+
+def test_launcher_trains_a_pretrained_checkpoint_and_eval_restores_it(tmp_path):
+  folder = _hf_folder(tmp_path / "hf")
+  c = _pretrained_run_config(tmp_path, folder)
   summary = launcher.run(c)
-  assert summary["steps"] == 1
+  assert summary["steps"] == 2
   tokenizer, model_config, params = launcher.load_policy(c, jax.random.PRNGKey(0))
   assert model_config.vocab_size == tokenizer.vocab_size and tokenizer.chat
   loaded = hf_checkpoint.load_hf(str(folder))[1]
   np.testing.assert_array_equal(np.asarray(params["embed"]), np.asarray(loaded["embed"]))
   records = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")]
-  assert [r["step"] for r in records if "reward_mean" in r] == [1]
+  assert [r["step"] for r in records if "reward_mean" in r] == [2]
+  evals = {r["step"]: r for r in records if "eval_accuracy" in r}
+
+  # experiments.eval with the run's config: the checkpoint's model, tokenizer and chat
+  # template, with the run's trained weights restored on top.
+  rows = eval_launcher.run(c, steps="all", num_samples=2, ks=(1, 2), progress=False)
+  assert [r["step"] for r in rows] == [1, 2] == sorted(evals)
+  for row in rows:
+    assert row["greedy_accuracy"] == evals[row["step"]]["eval_accuracy"]
+    assert row["greedy_length"] == pytest.approx(evals[row["step"]]["eval_length"])
+  policy = eval_launcher.build_policy(c)
+  assert policy.tokenizer.chat and policy.model_config == model_config
+  trained = eval_launcher.load_params(c, policy, 2)
+  assert not np.array_equal(np.asarray(trained["embed"]), np.asarray(loaded["embed"]))
