@@ -150,6 +150,11 @@ def check_names(config: ml_collections.ConfigDict) -> None:
   if not config.model.get("checkpoint") and config.model.preset not in PRESETS:
     raise ValueError(f"Unknown config.model.preset {config.model.preset!r}; known: "
                      f"{sorted(PRESETS)}.")
+  if config.model.get("tokenizer") and not config.model.get("checkpoint"):
+    raise ValueError(f"config.model.tokenizer = {config.model.tokenizer!r} is the tokenizer "
+                     "of a pretrained checkpoint; set config.model.checkpoint too, or leave "
+                     "config.model.tokenizer empty (a from-scratch run uses the character "
+                     "tokenizer).")
   if config.model.dtype not in ("float32", "bfloat16"):
     raise ValueError(f"config.model.dtype = {config.model.dtype!r}; use 'float32' or "
                      "'bfloat16'.")
@@ -265,12 +270,18 @@ def _with_room(config, model_config):
 
 
 def load_policy(config, rng):
-  """(tokenizer, model_config, initial params): from `config.model.checkpoint` when set,
-  else a from-scratch `config.model.preset` with the character tokenizer."""
+  """(tokenizer, model_config, initial params): from `config.model.checkpoint` (with
+  `config.model.tokenizer`, if set) when set, else a from-scratch `config.model.preset`
+  with the character tokenizer. experiments/eval.py resolves a run's policy here too."""
   checkpoint_spec = config.model.get("checkpoint")
   if checkpoint_spec:
     model_config, params, tokenizer = load_pretrained(
-        checkpoint_spec, config.model.dtype, chat=config.model.get("chat_template", False))
+        checkpoint_spec, config.model.dtype, chat=config.model.get("chat_template", False),
+        tokenizer=config.model.get("tokenizer") or None)
+    if tokenizer is None:
+      raise ValueError(f"{checkpoint_spec} has no tokenizer.json; pass "
+                       "config.model.tokenizer=<path> (a tokenizer.json file or a Hugging "
+                       "Face folder that holds one, e.g. the base model's).")
     return tokenizer, _with_room(config, model_config), params
   tokenizer = CharTokenizer()
   model_config = build_model_config(config, tokenizer)

@@ -60,10 +60,14 @@ class HFTokenizer:
                          f"(0..{self.vocab_size - 1}).")
 
   @classmethod
-  def from_pretrained(cls, directory: str, chat: bool = False) -> "HFTokenizer":
+  def from_pretrained(cls, location: str, chat: bool = False) -> "HFTokenizer":
     """Reads `tokenizer.json`, `tokenizer_config.json` (special tokens, `add_bos_token`,
-    `chat_template`) and `chat_template.jinja` (transformers 5) from a HF folder."""
-    path = os.path.join(directory, "tokenizer.json")
+    `chat_template`) and `chat_template.jinja` (transformers 5) from a HF folder;
+    `location` is the folder or its tokenizer.json file (the others are read beside it)."""
+    if os.path.isfile(location):
+      directory, path = os.path.dirname(location), location
+    else:
+      directory, path = location, os.path.join(location, "tokenizer.json")
     if not os.path.exists(path):
       raise ValueError(f"{directory}: no tokenizer.json; save the tokenizer with "
                        "save_pretrained (a fast tokenizer) next to the weights.")

