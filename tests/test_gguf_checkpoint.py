@@ -13,6 +13,7 @@ import tokenizers
 from tokenizers import decoders, models as tok_models, pre_tokenizers, trainers
 
 from models import gguf_checkpoint
+from models.pretrained import load_pretrained
 from sampling.sampler import SamplingConfig, generate
 from tests.hf_reference import arbor_logits, hf_logits, random_hf_model, random_tokens
 
@@ -182,6 +183,8 @@ def test_gguf_tokenizer_matches_source_tokenizer(tmp_path):
     assert tok.decode(tok.encode(text)) == source.decode(source.encode(text).ids)
   ids = tok.encode("hello", add_bos=True)
   assert ids[0] == tok.bos_id and tok.encode(tok.decode(ids), add_bos=True) == ids
+  _, _, own = load_pretrained(str(path))  # the launcher's entry: the file's own tokenizer
+  assert own.encode(_CORPUS[1], add_bos=True) == tok.encode(_CORPUS[1], add_bos=True)
 
 
 def _nan_in(target):
