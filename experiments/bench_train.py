@@ -15,7 +15,8 @@ Four measurements, on the B1 decoder (f32) unless stated, best of --repeats afte
      at G = 8 and 16, prompts 4x longer than responses;
   4. the SwiGLU MLP's gradient: `transformer.swiglu` (hand-written backward) vs autodiff of
      the same expression, at the train step's shape and at the chain_sum run's (tiny model,
-     256 rows x 18 tokens; experiments/configs/chain_sum_compact.py), best of --repeats x 3 calls, alternating the two.
+     256 rows x 18 tokens; experiments/configs/chain_sum_compact.py), best of --repeats x 3
+     calls, alternating the two.
 Peers are skipped when the environment variable CI is set. Writes bench_train.json,
 bench_train.md and bench_train.png to --out.
 """

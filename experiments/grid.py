@@ -83,11 +83,6 @@ class Cell:
   flags: tuple[tuple[str, str], ...]
   seed: int
 
-  @property
-  def setting(self) -> dict[str, str]:
-    """What the seeds of one setting share: the module and the flags."""
-    return {"module": self.module, **dict(self.flags)}
-
 
 @dataclasses.dataclass(frozen=True)
 class Spec:

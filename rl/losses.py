@@ -203,8 +203,8 @@ def clip_objective(ratio: jax.Array, adv: jax.Array, eps_low, eps_high,
   return -jnp.minimum(ratio * adv, clipped * adv), (ratio * adv > clipped * adv)
 
 
-def clipped_surrogate(terms: corr.TokenTerms, cfg,
-                      widths: tuple[str, str] = ("eps_low", "eps_high")) -> tuple[jax.Array, dict]:
+def clipped_surrogate(terms: corr.TokenTerms, cfg, widths: tuple[str, str] = ("eps_low", "eps_high")
+                      ) -> tuple[jax.Array, dict]:
   """PPO-clip / GRPO: token ratio against prox when supplied (decoupled PPO), else behav,
   clipped with the widths in the config.loss fields `widths` (Mu-GRPO: its relaxed band)."""
   log_ratio = terms.logp - terms.old
