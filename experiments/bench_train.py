@@ -3,6 +3,7 @@
     python -m experiments.bench_train                 # B1 shapes, Arbor + Tunix + TRL
     python -m experiments.bench_train --peers=        # Arbor only
     python -m experiments.bench_train --smoke         # tiny shapes, one repetition (CI)
+    python -m experiments.bench_train --only=lora     # LoRA vs full train step alone
 
 Four measurements, on the B1 decoder (f32) unless stated, best of --repeats after compiling:
   1. train step: forward + backward + AdamW on a [16, 80] batch (GRPO loss), tokens/s and
@@ -16,9 +17,15 @@ Four measurements, on the B1 decoder (f32) unless stated, best of --repeats afte
   4. the SwiGLU MLP's gradient: `transformer.swiglu` (hand-written backward) vs autodiff of
      the same expression, at the train step's shape and at the chain_sum run's (tiny model,
      256 rows x 18 tokens; experiments/configs/chain_sum_compact.py), best of --repeats x 3
-     calls, alternating the two.
+     calls, alternating the two;
+  5. LoRA vs full weights (docs/lora.md): the train step of item 1 training all weights and
+     training rank-r adapters on every projection (--lora_ranks), the cases alternated in
+     each repetition, best of --repeats; with the bytes of trained parameters, frozen base
+     and optimiser state, and XLA's temporary buffer bytes of the compiled step (its peak
+     working memory beyond arguments and outputs, available on CPU), plus the device's peak
+     bytes in use where the backend reports it (GPU / TPU).
 Peers are skipped when the environment variable CI is set. Writes bench_train.json,
-bench_train.md and bench_train.png to --out.
+bench_train.md and bench_train.png to --out (--only=lora: bench_train_lora.*, item 5 only).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import numpy as np
 from experiments import peers
 from experiments.measure import load, matmul_peak_flops, timed, write_results
 from experiments.peers import PEER_LABELS, peer_shape
+from models import lora as lora_lib
 from models import transformer
 from models.config import ModelConfig, get_preset
 from rl import advantages
@@ -48,6 +56,8 @@ _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repetitions per case (best 
 _OUT = flags.DEFINE_string("out", "runs/bench_train", "Output directory.")
 _PEERS = flags.DEFINE_list("peers", ["tunix", "torch"], "Peers to run (tunix, torch); empty: none.")
 _PEER_ENVS = flags.DEFINE_string("peer_envs", "runs/peer_envs", "Where peer virtualenvs live.")
+_ONLY = flags.DEFINE_enum("only", "", ["", "lora"], "Run one measurement alone (lora: item 5).")
+_LORA_RANKS = flags.DEFINE_list("lora_ranks", ["8", "64"], "Adapter ranks of the LoRA cases.")
 
 GRPO_LABELS = dict(PEER_LABELS, torch="TRL")  # the torch peer's GRPO step is TRL's trainer
 GRPO = ml_collections.FrozenConfigDict(dict(
@@ -97,6 +107,81 @@ def time_train_step(config: ModelConfig, batch: Rollout, repeats: int,
   first = timed(run)
   best = min(timed(run) for _ in range(repeats))
   return best, max(first - best, 0.0)
+
+
+def tree_bytes(tree) -> int:
+  """Bytes of a pytree's array leaves (None: 0)."""
+  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
+def _step_memory(step, state, batch) -> dict:
+  """XLA's memory analysis of the compiled step: temporary buffers (its working memory
+  beyond arguments and outputs), arguments and outputs, in bytes."""
+  analysis = step.lower(state, batch).compile().memory_analysis()
+  if analysis is None:
+    return {}
+  return dict(temp_bytes=int(analysis.temp_size_in_bytes),
+              argument_bytes=int(analysis.argument_size_in_bytes),
+              output_bytes=int(analysis.output_size_in_bytes))
+
+
+def _device_peak_bytes() -> int | None:
+  """Peak device bytes in use so far, where the backend reports it (not CPU)."""
+  stats = jax.devices()[0].memory_stats()
+  return None if not stats or "peak_bytes_in_use" not in stats else int(stats["peak_bytes_in_use"])
+
+
+def lora_vs_full(config: ModelConfig, batch: Rollout, ranks, repeats: int) -> list[dict]:
+  """Train step (GRPO loss, AdamW) on full weights and with rank-r adapters on every
+  projection (alpha = 2r), the cases alternated in each repetition; best seconds, compile
+  seconds, state and step memory per case."""
+  optimizer = train.make_optimizer(1e-5)
+  cases = [("full", None)] + [(f"lora r={r}", lora_lib.LoraConfig(int(r), 2.0 * int(r),
+                                                                   lora_lib.TARGETS))
+                              for r in ranks]
+  rows, runs = [], []
+  for name, lora in cases:
+    params = transformer.init_params(config, jax.random.PRNGKey(0))
+    state = train.init_train_state(params, optimizer, lora=lora, model_config=config,
+                                   lora_rng=jax.random.PRNGKey(1))
+    step = train.make_train_step(config, optimizer, GRPO)
+    row = dict(case=name, rank=0 if lora is None else lora.rank,
+               trained_params=int(sum(x.size for x in jax.tree.leaves(state.params))),
+               trained_bytes=tree_bytes(state.params), frozen_bytes=tree_bytes(state.frozen),
+               opt_state_bytes=tree_bytes(state.opt_state), **_step_memory(step, state, batch))
+    holder = {"state": state}
+
+    def run(step=step, holder=holder):
+      holder["state"], metrics = step(holder["state"], batch)
+      jax.block_until_ready(metrics)
+
+    row["compile_s"] = timed(run)
+    row["device_peak_bytes"] = _device_peak_bytes()
+    rows.append(row)
+    runs.append(run)
+  best = [float("inf")] * len(cases)
+  for _ in range(repeats):
+    for i, run in enumerate(runs):
+      best[i] = min(best[i], timed(run))
+  for row, seconds in zip(rows, best):
+    row.update(best_s=seconds, time_ratio=seconds / best[0],
+               state_bytes=row["trained_bytes"] + row["frozen_bytes"] + row["opt_state_bytes"])
+    row["state_ratio"] = row["state_bytes"] / rows[0]["state_bytes"]
+  return rows
+
+
+def lora_markdown(rows: list[dict], batch: int, length: int) -> list[str]:
+  lines = [f"**LoRA vs full weights** (train step, {batch} x {length} tokens, adapters on "
+           "every projection, best of the alternated repetitions)", "",
+           "| case | trained params | trained MiB | frozen MiB | optimiser MiB | state vs full "
+           "| step temp MiB | step s | vs full |", "|---|---|---|---|---|---|---|---|---|"]
+  mib = lambda b: f"{b / 2 ** 20:.2f}" if b is not None else "-"
+  for r in rows:
+    lines.append(f"| {r['case']} | {r['trained_params']} | {mib(r['trained_bytes'])} | "
+                 f"{mib(r['frozen_bytes'])} | {mib(r['opt_state_bytes'])} | "
+                 f"{r['state_ratio']:.2f}x | {mib(r.get('temp_bytes'))} | {r['best_s']:.4f} | "
+                 f"{r['time_ratio']:.2f}x |")
+  return lines + [""]
 
 
 class WordTokenizer:
@@ -214,7 +299,31 @@ def markdown(result: dict) -> str:
   for r in result["mlp_backward"]:
     lines.append(f"| {r['rows']} x {r['length']} | {r['d_model']} | {r['mlp_dim']} | "
                  f"{r['autodiff_s']:.4f} | {r['custom_s']:.4f} | {r['speedup']:.2f}x |")
+  if "lora" in result:
+    lines += [""] + lora_markdown(result["lora"], *result["lora_shape"])
   return "\n".join(lines) + "\n"
+
+
+def lora_only_markdown(result: dict) -> str:
+  return "\n".join(lora_markdown(result["lora"], *result["lora_shape"]))
+
+
+def lora_plot(result: dict, path: str) -> None:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  rows = result["lora"]
+  fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+  names = [r["case"] for r in rows]
+  left.bar(names, [r["best_s"] for r in rows], color="C0")
+  left.set_ylabel("seconds per train step (best)")
+  left.set_title("Train step: LoRA vs full")
+  right.bar(names, [r["state_bytes"] / 2 ** 20 for r in rows], color="C1")
+  right.set_ylabel("MiB (trained + frozen + optimiser state)")
+  right.set_title("Train state memory")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
 
 
 def plot(result: dict, path: str) -> None:
@@ -251,6 +360,7 @@ def main(argv):
     g = dict(prompts=2, group_size=2, prompt_len=4, new_tokens=4)
     shared_cases = [(2, 2, 8, 2)]
     mlp_cases = [(4, 8, 32, 64)]
+    lora_ranks = ["2"]
   else:
     config = get_preset("b1")
     repeats, peak_size = _REPEATS.value, 2048
@@ -262,13 +372,23 @@ def main(argv):
     # (rows, tokens, d_model, mlp_dim): the train step's shape, the chain_sum run's GRPO batch.
     mlp_cases = [(*step_shape, config.d_model, config.mlp_dim),
                  (256, 18, tiny.d_model, tiny.mlp_dim)]
+    lora_ranks = _LORA_RANKS.value
+  batch, length = step_shape
+  step_batch = random_rollout(config, batch, 1, length // 5, length - length // 5)
+  if _ONLY.value == "lora":
+    load_before = load()
+    lora = lora_vs_full(config, step_batch, lora_ranks, repeats)
+    result = {"device": str(jax.devices()[0]), "config": str(config), "repeats": repeats,
+              "load_before": load_before, "load_after": load(),
+              "matmul_peak_flops": matmul_peak_flops(peak_size, repeats), "lora": lora,
+              "lora_shape": [batch, length]}
+    write_results(_OUT.value, "bench_train_lora", result, lora_only_markdown, lora_plot)
+    return
   peer_names = peers.peers_enabled(_PEERS.value)
   load_before = load()
   peak = matmul_peak_flops(peak_size, repeats)
 
-  batch, length = step_shape
-  best, compile_s = time_train_step(config, random_rollout(config, batch, 1, length // 5,
-                                                           length - length // 5), repeats)
+  best, compile_s = time_train_step(config, step_batch, repeats)
   train_step = dict(batch=batch, length=length, best_s=best, compile_s=compile_s,
                     tokens_per_s=batch * length / best)
   train_step["utilisation"] = (train_flops_per_token(config, length / 2)
@@ -300,11 +420,16 @@ def main(argv):
   for r in mlp_backward:
     print(f"SwiGLU gradient {r['rows']}x{r['length']}: {r['speedup']:.2f}x", flush=True)
 
+  lora = lora_vs_full(config, step_batch, lora_ranks, repeats)
+  for r in lora[1:]:
+    print(f"LoRA {r['case']}: step {r['time_ratio']:.2f}x full, state {r['state_ratio']:.2f}x",
+          flush=True)
+
   result = {"device": str(jax.devices()[0]), "matmul_peak_flops": peak, "config": str(config),
             "repeats": repeats, "frameworks": ["arbor"] + peer_names, "peer_versions": versions,
             "load_before": load_before, "load_after": load(), "train_step": train_step,
             "grpo_step": grpo_step, "prefix_shared": prefix_shared,
-            "mlp_backward": mlp_backward}
+            "mlp_backward": mlp_backward, "lora": lora, "lora_shape": [batch, length]}
   write_results(_OUT.value, "bench_train", result, markdown, plot)
 
 

@@ -37,7 +37,6 @@ from models.tokenizer import CharTokenizer
 from rl import checkpoint
 from rl import evaluation
 from rl import loop
-from rl import train
 from rl.tasks import Task, make_task
 from sampling.sampler import SamplingConfig
 
@@ -108,17 +107,20 @@ def load_params(config: ml_collections.ConfigDict, policy: Policy, step: int):
 
   The checkpoint holds the whole LoopState; its optimiser state has the structure of the
   phase that saved it (warm start or RL), so the expected state is built for that phase.
+  Under LoRA (an RL checkpoint of a run with config.lora.rank > 0) the adapters are merged
+  into the frozen base.
   """
   manager = checkpoint.make_manager(os.path.join(config.workdir, "checkpoints"))
   phase = checkpoint.read_meta(manager, step)["phase"]
   _, optimizer = train_launcher.make_context(config, policy.task, policy.tokenizer,
                                              policy.model_config, phase)
   like = loop.LoopState(
-      train=jax.eval_shape(functools.partial(train.init_train_state, optimizer=optimizer),
-                           policy.params_like),
+      train=jax.eval_shape(functools.partial(
+          train_launcher.new_train_state, config, policy.model_config, optimizer=optimizer,
+          phase=phase), policy.params_like),
       rng=jax.random.PRNGKey(0))
   state, _ = checkpoint.restore(manager, step, like)
-  return state.train.params
+  return state.train.policy_params()
 
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, policy: Policy, step: int, *,

@@ -40,6 +40,8 @@ import tqdm
 
 from experiments import config_flag
 from experiments import metrics
+from experiments.configs import default as default_config
+from models import lora as lora_lib
 from models import transformer
 from models.config import PRESETS, get_preset
 from models.pretrained import load_pretrained
@@ -114,6 +116,7 @@ _RANGES = (
     + [(f"loss.{k}", 0, False, None) for k in ("is_cap", "m2_tau", "sat_bandwidth",
                                                "vcpo_rho_ref", "vcpo_is_cap")]
     + [("loss.sat_quantile", 0, False, 1.0)]
+    + [("lora.rank", 0, True, None), ("lora.alpha", 0, False, None)]
     + [("eval.every", 1, True, None), ("eval.batch_size", 1, True, None),
        ("checkpoint.every", 1, True, None), ("checkpoint.max_to_keep", 1, True, None)])
 
@@ -191,6 +194,34 @@ def check_composition(config: ml_collections.ConfigDict) -> None:
                      "mesh.fsdp = mesh.tensor = 1.")
 
 
+def lora_config(config: ml_collections.ConfigDict) -> lora_lib.LoraConfig | None:
+  """The RL phase's LoRA settings (models/lora.py), or None when config.lora.rank = 0.
+
+  Raises ValueError for a bad rank, alpha or target name, and for alpha or targets changed
+  while LoRA is off (they would be accepted and then ignored)."""
+  lora = config.lora
+  if isinstance(lora.rank, bool) or not isinstance(lora.rank, int):
+    raise ValueError(f"config.lora.rank = {lora.rank!r} must be an integer (0 = LoRA off).")
+  if lora.rank == 0:
+    defaults = default_config.get_config().lora
+    changed = [name for name in ("alpha", "targets") if _as_tuple(lora[name])
+               != _as_tuple(defaults[name])]
+    if changed:
+      raise ValueError(f"config.lora.{changed[0]} = {lora[changed[0]]!r} has no effect with "
+                       "config.lora.rank = 0 (LoRA off, RL trains full weights); set "
+                       f"config.lora.rank > 0 to train adapters, or leave config.lora."
+                       f"{changed[0]} at its default {defaults[changed[0]]!r}.")
+    return None
+  targets = lora.targets
+  if isinstance(targets, str):  # --config.lora.targets=q,v
+    targets = tuple(t.strip() for t in targets.split(",") if t.strip())
+  return lora_lib.LoraConfig(rank=lora.rank, alpha=float(lora.alpha), targets=tuple(targets))
+
+
+def _as_tuple(value):
+  return tuple(value) if isinstance(value, (list, tuple)) else value
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the inconsistent fields and how to fix them. `run` calls it
   before anything else, so a bad config fails before the first training step."""
@@ -228,6 +259,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"config.rollout.train_length_buckets = {r.train_length_buckets}: every "
                      "bucket must be a positive number of completion slots.")
   check_composition(config)
+  lora_config(config)
   selection.check_config(config.selection, prompts_per_step=r.prompts_per_step,
                          group_size=r.group_size, pool_size=config.task.train_pool)
 
@@ -332,7 +364,8 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None):
                                num_microbatches=config.rl.num_microbatches, **updates,
                                temperature=config.rollout.temperature if phase == RL else 1.0,
                                shared_prefix=shared_prefix, mesh=mesh,
-                               length_buckets=length_buckets(config))
+                               length_buckets=length_buckets(config),
+                               lora=phase_lora(config, phase))
   sharded = {} if mesh is None else dict(
       generate_fn=make_generate(model_config, sampling_config, mesh),
       publish=reshard.make_publish(mesh, jax.eval_shape(
@@ -350,6 +383,32 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None):
         ctx, tree_policy=build_fork_policy(config.rollout.tree),
         tree_advantage_fn=advantages.get_tree_advantage_fn(config.rollout.tree.advantage))
   return ctx, optimizer
+
+
+def phase_lora(config, phase: str) -> lora_lib.LoraConfig | None:
+  """LoRA settings of `phase`: the RL phase's (`lora_config`); the warm start trains full
+  weights."""
+  return lora_config(config) if phase == RL else None
+
+
+def lora_rng(seed: int) -> jax.Array:
+  """The key the adapters' A matrices are drawn from: folded from the parameter key, so
+  the launcher's other keys (and runs without LoRA) are unchanged."""
+  init_rng, _ = jax.random.split(jax.random.PRNGKey(seed))
+  return jax.random.fold_in(init_rng, 1)
+
+
+def new_train_state(config, model_config, params, optimizer, phase: str, mesh=None):
+  """The fresh TrainState of `phase` over `params`: full weights, or under LoRA in the RL
+  phase adapters over `params` frozen; with a mesh, in the trainer's sharded layout. Eval
+  builds the shapes of a checkpoint's state here too."""
+  lora = phase_lora(config, phase)
+  init = lambda p: train.init_train_state(p, optimizer, lora=lora, model_config=model_config,
+                                          lora_rng=lora_rng(config.seed))
+  if mesh is None:
+    return init(params)
+  return jax.jit(init, out_shardings=train.train_state_shardings(
+      model_config, optimizer, mesh, lora=lora))(params)
 
 
 def make_rl_producer(config, ctx, store):
@@ -443,6 +502,8 @@ class _Run:
         f.write(config.to_json_best_effort(indent=2, sort_keys=True))
     init_rng, loop_rng = jax.random.split(jax.random.PRNGKey(config.seed))
     self.tokenizer, self.model_config, params = load_policy(config, init_rng)
+    if lora_config(config) is not None:  # before the warm start, not after it
+      lora_lib.check_rank(self.model_config, lora_config(config))
     self.task = make_task(config.task.name, config.task.prompt_style, seed=config.seed,
                           eval_size=config.task.eval_size, **config.task.difficulty)
     self.eval_examples = self.task.examples("eval", config.task.eval_size)
@@ -451,7 +512,7 @@ class _Run:
                      for phase in (WARM_START, RL)}
     if self.mesh is not None:  # a global array, so every process checkpoints the same key
       loop_rng = multihost.replicate(loop_rng, self.mesh)
-    train_state = self.new_train_state(params, self.contexts[WARM_START][1])
+    train_state = self.new_train_state(params, WARM_START)
     self.state = loop.LoopState(
         train=train_state, rng=loop_rng, history=self.history(train_state.params),
         selection=selection.init_state(config.task.train_pool, config.selection))
@@ -474,13 +535,22 @@ class _Run:
     self.done = 0
     self.bar = None
 
-  def new_train_state(self, params, optimizer):
-    """init_train_state(params); with a mesh, placed in the trainer's sharded layout."""
-    init = lambda p: train.init_train_state(p, optimizer)
-    if self.mesh is None:
-      return init(params)
-    return jax.jit(init, out_shardings=train.train_state_shardings(
-        self.model_config, optimizer, self.mesh))(params)
+  def new_train_state(self, params, phase: str):
+    """The fresh TrainState of `phase` over `params` (module-level `new_train_state`)."""
+    return new_train_state(self.config, self.model_config, params, self.contexts[phase][1],
+                           phase, self.mesh)
+
+  def state_like(self, meta: dict) -> loop.LoopState:
+    """The shapes of the LoopState a checkpoint with `meta` holds: its phase's TrainState
+    (under LoRA the RL phase trains adapters over a frozen base, the warm start does not)."""
+    if meta["phase"] == WARM_START or lora_config(self.config) is None:
+      return self.state
+    train_like = jax.eval_shape(
+        lambda: new_train_state(self.config, self.model_config, self.state.train.params,
+                                self.contexts[RL][1], RL))
+    history = (None if self.state.history is None
+               else jax.eval_shape(self.history, train_like.params))
+    return self.state.replace(train=train_like, history=history)
 
   def history(self, params):
     """Simulated staleness's parameter history (None without staleness)."""
@@ -490,7 +560,7 @@ class _Run:
   def restore_or_start(self) -> None:
     """Resumes from the newest checkpoint (config.resume), or clears what a fresh run
     overwrites; then opens the progress bar at the step reached."""
-    restored = (checkpoint.restore_latest(self.manager, self.state)
+    restored = (checkpoint.restore_latest(self.manager, self.state_like)
                 if self.config.resume else None)
     if restored is not None:
       step, state, meta = restored
@@ -554,9 +624,10 @@ class _Run:
     eval_started = time.perf_counter()
     config = self.config
     result = evaluation.evaluate(
-        self.state.train.params, self.eval_examples, task=self.task, tokenizer=self.tokenizer,
-        prompt_len=config.rollout.prompt_len, max_new_tokens=config.rollout.max_new_tokens,
-        model_config=self.model_config, batch_size=config.eval.batch_size, mesh=self.mesh)
+        self.state.train.policy_params(), self.eval_examples, task=self.task,
+        tokenizer=self.tokenizer, prompt_len=config.rollout.prompt_len,
+        max_new_tokens=config.rollout.max_new_tokens, model_config=self.model_config,
+        batch_size=config.eval.batch_size, mesh=self.mesh)
     self.meta["time_s"]["eval"] += time.perf_counter() - eval_started
     record = _eval_record(result, self.done, self.meta["phase"], label)
     self.meta["evals"].append(record)
@@ -601,10 +672,10 @@ class _Run:
     if phase == WARM_START:
       self.evaluate("warm_start_end")
       self.meta["phase"] = RL
-      params = self.state.train.params
+      train_state = self.new_train_state(self.state.train.params, RL)
       self.state = loop.LoopState(
-          train=self.new_train_state(params, self.contexts[RL][1]), rng=self.state.rng,
-          history=self.history(params), selection=self.state.selection,
+          train=train_state, rng=self.state.rng,
+          history=self.history(train_state.params), selection=self.state.selection,
           data_cursor=self.state.data_cursor, iteration=0)
       self.save()
 

@@ -56,9 +56,10 @@ class ParamChannel:
       return self._params, self._version
 
 
-def _detached(published, trainer_params):
-  """`published` with every leaf that aliases a trainer leaf replaced by a copy."""
-  trainer_ids = {id(x) for x in jax.tree.leaves(trainer_params)}
+def _detached(published, trainer_state):
+  """`published` with every leaf that aliases a leaf of the trainer's state (its parameters,
+  or under LoRA the frozen base a merge passes through) replaced by a copy."""
+  trainer_ids = {id(x) for x in jax.tree.leaves(trainer_state)}
   copied = jax.tree.map(lambda x: jnp.copy(x) if id(x) in trainer_ids else x, published)
   return jax.block_until_ready(copied)
 
@@ -78,7 +79,7 @@ def run_async(state: LoopState, ctx: LoopContext, produce: Producer, num_steps: 
     raise ValueError(f"max_staleness={max_staleness} must be >= 0 (config.rl.max_staleness).")
   base = int(state.train.step)
   channel = ParamChannel()
-  channel.publish(_detached(publish(state.train.params), state.train.params), base)
+  channel.publish(_detached(publish(state.train.policy_params()), state.train), base)
   batches: queue.Queue = queue.Queue()
 
   def producer():
@@ -111,7 +112,7 @@ def run_async(state: LoopState, ctx: LoopContext, produce: Producer, num_steps: 
         raise RuntimeError(f"Batch for trainer step {step} has staleness {stale} > "
                            f"max_staleness={max_staleness}; the producer broke the bound.")
       train, metrics = loop.train_on(state.train, item, ctx, step)
-      channel.publish(_detached(publish(train.params), train.params), step + 1)
+      channel.publish(_detached(publish(train.policy_params()), train), step + 1)
       state = state.replace(train=train, iteration=state.iteration + 1)
       history.append(metrics)
       if on_step is not None:

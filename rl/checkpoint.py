@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-from typing import Any
+from typing import Any, Callable
 
 from absl import logging
 import jax
@@ -86,11 +86,14 @@ def _restore_step(manager: ocp.CheckpointManager, step: int, abstract: Any) -> t
   return state, meta
 
 
-def restore_latest(manager: ocp.CheckpointManager, like: Any) -> tuple[int, Any, dict] | None:
+def restore_latest(manager: ocp.CheckpointManager,
+                   like: Any | Callable[[dict], Any]) -> tuple[int, Any, dict] | None:
   """(step, state, meta) of the newest checkpoint that restores intact, or None when the
   directory holds no checkpoint.
 
-  `like` is a pytree of the expected structure (values ignored, shapes and dtypes used).
+  `like` is a pytree of the expected structure (values ignored, shapes and dtypes used), or
+  a function of a step's meta returning one (when the structure depends on the step, e.g.
+  its phase).
   Steps that fail are moved aside to `<step>.corrupt` (so the run can save those step
   numbers again) after a warning; if every step fails, raises ValueError.
   """
@@ -98,10 +101,11 @@ def restore_latest(manager: ocp.CheckpointManager, like: Any) -> tuple[int, Any,
   steps = sorted(manager.all_steps(), reverse=True)
   if not steps:
     return None
-  abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
   failures = []
   for step in steps:
     try:
+      state_like = like(read_meta(manager, step)) if callable(like) else like
+      abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state_like)
       state, meta = _restore_step(manager, step, abstract)
     except Exception as error:  # pylint: disable=broad-except  (any failure: try an older step)
       logging.warning("Checkpoint step %d in %s does not restore (%s); trying an older step.",

@@ -333,7 +333,8 @@ def grpo_iteration(state: LoopState, ctx: LoopContext,
   `produce` is the sampling strategy (default `make_producer(ctx)`: uniform or selected
   independent samples, or trees). With ctx.staleness = k > 0 the producer samples with the
   parameters of iteration max(t - k, 0) (state.history) and the tokens carry that version;
-  with ctx.publish the parameters are handed over in the sampler's layout.
+  with ctx.publish the parameters are handed over in the sampler's layout. Under LoRA the
+  history holds adapters, and the sampler gets them merged into the frozen base.
   """
   produce = produce or make_producer(ctx)
   rng, sample_rng = jax.random.split(state.rng)
@@ -343,6 +344,7 @@ def grpo_iteration(state: LoopState, ctx: LoopContext,
       raise ValueError(f"LoopContext.staleness={ctx.staleness} needs LoopState.history = "
                        f"init_history(params, {ctx.staleness}).")
     params, version, history = stale_params(history, state.iteration, params, version)
+  params = state.train.policy_params(params)  # under LoRA: the adapters merged into the base
   if ctx.publish is not None:
     params = ctx.publish(params)
   train_step = int(state.train.step)

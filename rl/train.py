@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from models import lora as lora_lib
 from models import transformer
 from models.config import ModelConfig
 from rl import corrections
@@ -26,11 +27,26 @@ from sharding import rules as sharding_rules
 
 @flax.struct.dataclass
 class TrainState:
-  """step: updates applied; params; opt_state; nonfinite_updates: updates skipped."""
+  """step: updates applied; params: the trained parameters; opt_state; nonfinite_updates:
+  updates skipped.
+
+  With LoRA (Hu et al. 2021; models/lora.py) `params` holds only the adapters, `frozen` the
+  base weights they adapt (no gradient, no optimiser state) and `lora_scale` alpha / r;
+  `policy_params()` is the policy either way. Without LoRA, frozen is None.
+  """
   step: jax.Array
   params: Any
   opt_state: Any
   nonfinite_updates: jax.Array
+  frozen: Any = None
+  lora_scale: float = flax.struct.field(pytree_node=False, default=0.0)
+
+  def policy_params(self, params=None):
+    """The policy's full parameters: `params` (default self.params) merged into the frozen
+    base under LoRA, else `params` itself."""
+    params = self.params if params is None else params
+    return params if self.frozen is None else lora_lib.merge(self.frozen, params,
+                                                             self.lora_scale)
 
 
 def make_optimizer(learning_rate: float, *, warmup_steps: int = 0, decay_steps: int = 0,
@@ -53,10 +69,21 @@ def make_optimizer(learning_rate: float, *, warmup_steps: int = 0, decay_steps: 
       optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay))
 
 
-def init_train_state(params, optimizer: optax.GradientTransformation) -> TrainState:
+def init_train_state(params, optimizer: optax.GradientTransformation, *,
+                     lora: lora_lib.LoraConfig | None = None,
+                     model_config: ModelConfig | None = None,
+                     lora_rng: jax.Array | None = None) -> TrainState:
+  """A fresh TrainState training `params`; with `lora` (which needs `model_config` and
+  `lora_rng`) `params` become the frozen base and only new adapters are trained."""
+  frozen, scale = None, 0.0
+  if lora is not None:
+    if model_config is None or lora_rng is None:
+      raise ValueError("init_train_state(lora=...) needs model_config and lora_rng.")
+    frozen, scale = params, lora.scale
+    params = lora_lib.init_adapters(model_config, lora, lora_rng)
   return TrainState(step=jnp.zeros((), jnp.int32), params=params,
                     opt_state=optimizer.init(params),
-                    nonfinite_updates=jnp.zeros((), jnp.int32))
+                    nonfinite_updates=jnp.zeros((), jnp.int32), frozen=frozen, lora_scale=scale)
 
 
 def policy_logprobs(params, batch: Rollout, model_config: ModelConfig,
@@ -152,6 +179,7 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
                     mesh: jax.sharding.Mesh | None = None,
                     rules: sharding_rules.Rules = sharding_rules.TRAINER_RULES,
                     length_buckets: Sequence[int] = (),
+                    lora: lora_lib.LoraConfig | None = None,
                     ) -> Callable[[TrainState, Rollout], tuple[TrainState, dict]]:
   """Builds the jitted train step for the objective `loss_config.name`.
 
@@ -198,6 +226,12 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
   batch of short sequences does not pay for the longest allowed one; the step compiles
   once per bucket used. The cut slots are masked everywhere, so the results are the same.
   Single-process runs only (a multi-process batch is a global array; it is not cut).
+
+  LoRA (a TrainState from `init_train_state(..., lora=...)`): the step differentiates the
+  loss of the merged policy with respect to the adapters only, so the optimiser state and
+  updates cover the adapters and the frozen base passes through unchanged. The step reads
+  LoRA from the state; `lora` is needed only with a mesh, to lay out that state (the
+  frozen base like the parameters it replaces, the adapters and their moments replicated).
   """
   if num_minibatches < 1 or ppo_epochs < 1:
     raise ValueError(f"num_minibatches = {num_minibatches} and ppo_epochs = {ppo_epochs} must "
@@ -212,12 +246,14 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
       lambda x: jax.lax.with_sharding_constraint(x, rows))
   num_updates = num_minibatches * ppo_epochs
 
-  def logprobs(params, rollout: Rollout) -> jax.Array:
-    return policy_logprobs(params, rollout, model_config, temperature, residual_hook,
+  def logprobs(policy, rollout: Rollout) -> jax.Array:
+    return policy_logprobs(policy, rollout, model_config, temperature, residual_hook,
                            shared_prefix=shared_prefix)
 
-  def objective(params, micro: Rollout, version, prox_version):
-    logp = logprobs(params, micro)
+  def objective(params, state: TrainState, micro: Rollout, version, prox_version):
+    # Under LoRA the adapters are merged inside the differentiated function, so gradients
+    # reach A and B only; the frozen base is a constant here.
+    logp = logprobs(state.policy_params(params), micro)
     prox = micro.prox_logp
     if prox is None and prox_estimate == "loglinear":
       prox = corrections.loglinear_prox(logp, micro.behavior_logp, micro.version,
@@ -227,10 +263,10 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
 
   grad_fn = jax.value_and_grad(objective, has_aux=True)
 
-  def recompute_prox(params, batch: Rollout) -> Rollout:
-    """The batch with prox_logp = log-probs under `params`, one microbatch at a time."""
+  def recompute_prox(policy, batch: Rollout) -> Rollout:
+    """The batch with prox_logp = log-probs under `policy`, one microbatch at a time."""
     pieces = _split_rows(batch, num_minibatches * num_microbatches)
-    prox = jax.lax.map(lambda piece: logprobs(params, piece), pieces)
+    prox = jax.lax.map(lambda piece: logprobs(policy, piece), pieces)
     return batch.replace(prox_logp=jax.lax.stop_gradient(prox.reshape(batch.tokens.shape)))
 
   def update(state: TrainState, minibatch: Rollout, prox_version) -> tuple[TrainState, dict]:
@@ -242,7 +278,7 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
 
     def accumulate(grads, one_and_share):
       one, share = one_and_share
-      (loss, metrics), g = grad_fn(state.params, one, state.step, prox_version)
+      (loss, metrics), g = grad_fn(state.params, state, one, state.step, prox_version)
       grads = jax.tree.map(lambda a, b: a + b * share, grads, g)
       return grads, (loss * share, metrics)
 
@@ -258,7 +294,7 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
     updates = jax.tree.map(lambda u: u * lr_scale, updates)
     params = optax.apply_updates(state.params, updates)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-    new_state = TrainState(
+    new_state = state.replace(
         step=state.step + finite.astype(jnp.int32),
         params=keep(params, state.params),
         opt_state=keep(opt_state, state.opt_state),
@@ -270,7 +306,7 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
   def step(state: TrainState, batch: Rollout) -> tuple[TrainState, dict]:
     prox_version = state.step  # the version before this batch's first update
     if batch.prox_logp is None and prox_estimate == "recompute":
-      batch = recompute_prox(state.params, batch)
+      batch = recompute_prox(state.policy_params(), batch)
     minibatches = _split_rows(batch, num_minibatches)
 
     def one_update(state, index):
@@ -283,7 +319,7 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
   if mesh is None:
     jitted = jax.jit(step, donate_argnums=0)
   else:
-    state_shardings = train_state_shardings(model_config, optimizer, mesh, rules)
+    state_shardings = train_state_shardings(model_config, optimizer, mesh, rules, lora=lora)
     sharded_step = jax.jit(step, donate_argnums=0, in_shardings=(state_shardings, rows),
                            out_shardings=(state_shardings, sharding_rules.replicated(mesh)))
     # Several processes: a host-built batch becomes a global array, each process giving
@@ -321,20 +357,28 @@ def trim_to_bucket(batch: Rollout, buckets: Sequence[int]) -> Rollout:
 
 def train_state_shardings(model_config: ModelConfig, optimizer: optax.GradientTransformation,
                           mesh: jax.sharding.Mesh,
-                          rules: sharding_rules.Rules = sharding_rules.TRAINER_RULES) -> TrainState:
-  """NamedShardings of a TrainState of this model and optimiser (computed from shapes)."""
+                          rules: sharding_rules.Rules = sharding_rules.TRAINER_RULES, *,
+                          lora: lora_lib.LoraConfig | None = None) -> TrainState:
+  """NamedShardings of a TrainState of this model and optimiser (computed from shapes).
+
+  Under LoRA the frozen base (`frozen/layers/q`, ...) matches the parameters' rules; the
+  adapters (`params/layers/q/a`, ...) fall to the catch-all and are replicated.
+  """
   abstract = jax.eval_shape(
       lambda: init_train_state(transformer.init_params(model_config, jax.random.PRNGKey(0)),
-                               optimizer))
+                               optimizer, lora=lora, model_config=model_config,
+                               lora_rng=jax.random.PRNGKey(0)))
   return sharding_rules.tree_shardings(abstract, mesh, rules)
 
 
 def shard_train_state(state: TrainState, model_config: ModelConfig,
                       optimizer: optax.GradientTransformation, mesh: jax.sharding.Mesh,
-                      rules: sharding_rules.Rules = sharding_rules.TRAINER_RULES) -> TrainState:
+                      rules: sharding_rules.Rules = sharding_rules.TRAINER_RULES, *,
+                      lora: lora_lib.LoraConfig | None = None) -> TrainState:
   """`state` (host or single-device values) moved to its sharded layout on `mesh`; each
   device keeps only its shards. The result may share buffers with `state` (jax.device_put
   reuses a buffer already on the right device), and the train step donates its input, so
   do not use `state` afterwards. Multi-process runs build the state inside a jit with
   `out_shardings=train_state_shardings(...)` instead, so no process holds all of it."""
-  return jax.device_put(state, train_state_shardings(model_config, optimizer, mesh, rules))
+  return jax.device_put(state, train_state_shardings(model_config, optimizer, mesh, rules,
+                                                     lora=lora))

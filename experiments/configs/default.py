@@ -102,6 +102,14 @@ def get_config() -> ml_collections.ConfigDict:
                                       # with num_minibatches * ppo_epochs > 1)
   c.rl.prefix_shared_forward = False  # run each group's prompt once in the loss forward/backward
 
+  # LoRA (Hu et al. 2021; docs/lora.md): the RL phase trains low-rank adapters on the chosen
+  # projections of the warm-started (or loaded) policy, whose weights stay frozen. The warm
+  # start always trains full weights.
+  c.lora = ml_collections.ConfigDict()
+  c.lora.rank = 0                     # adapter rank r (0 = off: RL trains full weights)
+  c.lora.alpha = 16.0                 # the update A @ B is scaled by alpha / r
+  c.lora.targets = ("q", "k", "v", "o", "gate", "up", "down")  # adapted projections
+
   c.loss = ml_collections.ConfigDict()
   c.loss.name = "grpo"                # rl/losses.py registry
   c.loss.eps_low = 0.2                # PPO clip: ratio >= 1 - eps_low where A < 0

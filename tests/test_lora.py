@@ -1,0 +1,277 @@
+"""LoRA (Hu et al. 2021; models/lora.py): the merge against NumPy, gradients against finite
+differences, the optimiser state over adapters only, the frozen base, sharding, HF export
+and the launcher's validation."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from experiments import train as launcher
+from models import hf_checkpoint
+from models import lora as lora_lib
+from models import transformer
+from models.config import ModelConfig
+from rl import train
+from rl.types import Rollout
+from sharding import mesh as mesh_lib
+from tests.launcher_config import tiny_run_config
+
+CONFIG = ModelConfig(vocab_size=51, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                     mlp_dim=48, max_seq_len=16, qkv_bias=True)
+LORA = lora_lib.LoraConfig(rank=3, alpha=6.0, targets=lora_lib.TARGETS)
+GRPO = ml_collections.FrozenConfigDict(dict(
+    name="grpo", eps_low=0.2, eps_high=0.2, aggregation="seq_mean_token_mean", norm_len=4.0,
+    kl_coef=0.0))
+
+
+def random_rollout(seed=0, batch=8, length=8):
+  rng = np.random.default_rng(seed)
+  tokens = jnp.asarray(rng.integers(3, 51, (batch, length)), jnp.int32)
+  completion = jnp.asarray(np.arange(length)[None] >= 3).repeat(batch, 0)
+  adv = jnp.asarray(rng.normal(size=(batch, 1)), jnp.float32) * completion
+  return Rollout(tokens=tokens, prompt_mask=~completion, completion_mask=completion,
+                 behavior_logp=jnp.full((batch, length), -3.0) * completion,
+                 version=jnp.zeros((batch, length), jnp.int32), group=jnp.arange(batch) // 2,
+                 reward=jnp.zeros((batch,)), advantages=adv)
+
+
+def _base():
+  return transformer.init_params(CONFIG, jax.random.PRNGKey(0))
+
+
+def _nonzero_adapters(seed=1):
+  """Adapters with B drawn too (at initialisation B = 0 and the gradient of A is zero)."""
+  adapters = lora_lib.init_adapters(CONFIG, LORA, jax.random.PRNGKey(seed))
+  keys = iter(jax.random.split(jax.random.PRNGKey(seed + 100), len(LORA.targets)))
+  return {"layers": {t: dict(a, b=0.1 * jax.random.normal(next(keys), a["b"].shape))
+                     for t, a in adapters["layers"].items()}}
+
+
+def _logits(params, batch):
+  return transformer.forward(params, batch.tokens,
+                             transformer.positions_from_mask(batch.token_mask),
+                             batch.token_mask, CONFIG)[0]
+
+
+def test_adapted_logits_equal_the_base_exactly_at_init():
+  base, batch = _base(), random_rollout()
+  state = train.init_train_state(base, train.make_optimizer(1e-3), lora=LORA,
+                                 model_config=CONFIG, lora_rng=jax.random.PRNGKey(1))
+  np.testing.assert_array_equal(np.asarray(_logits(state.policy_params(), batch)),
+                                np.asarray(_logits(base, batch)))
+  # A is drawn (std 1 / sqrt(D_in)), B is zero.
+  q = state.params["layers"]["q"]
+  assert float(jnp.abs(q["b"]).max()) == 0.0
+  np.testing.assert_allclose(float(jnp.std(q["a"])), 1 / math.sqrt(CONFIG.d_model), rtol=0.2)
+
+
+def test_merge_matches_numpy():
+  base, adapters = _base(), _nonzero_adapters()
+  merged = lora_lib.merge(base, adapters, LORA.scale)
+  for name, w in base["layers"].items():
+    got = np.asarray(merged["layers"][name])
+    if name in LORA.targets:
+      a = np.asarray(adapters["layers"][name]["a"], np.float64)
+      b = np.asarray(adapters["layers"][name]["b"], np.float64)
+      want = np.asarray(w, np.float64) + LORA.scale * np.stack(
+          [a[i] @ b[i] for i in range(CONFIG.n_layers)])
+      np.testing.assert_allclose(got, want, rtol=0, atol=1e-6, err_msg=name)
+    else:  # norms and biases pass through
+      np.testing.assert_array_equal(got, np.asarray(w), err_msg=name)
+  np.testing.assert_array_equal(np.asarray(merged["embed"]), np.asarray(base["embed"]))
+
+
+def _loss(adapters, base, batch):
+  """Mean completion log-prob of the adapted policy: smooth, O(1)."""
+  params = lora_lib.merge(base, adapters, LORA.scale)
+  logp = transformer.sequence_logprobs(params, batch.tokens, batch.token_mask, CONFIG)
+  return jnp.sum(logp * batch.completion_mask) / jnp.sum(batch.completion_mask)
+
+
+def test_adapter_gradients_match_finite_differences():
+  base, adapters, batch = _base(), _nonzero_adapters(), random_rollout(batch=4)
+  grads = jax.grad(_loss)(adapters, base, batch)
+  rng = np.random.default_rng(0)
+  eps = 1e-2
+  for target in ("q", "v", "o", "gate", "down"):
+    for leaf in ("a", "b"):
+      # Central differences along a unit direction in one leaf, half the autodiff gradient's
+      # direction and half a random one, so the slope is large (float32: the truncation
+      # error is O(eps^2), rounding O(1e-7 / eps)).
+      value = adapters["layers"][target][leaf]
+      g = np.asarray(grads["layers"][target][leaf])
+      noise = rng.normal(size=value.shape)
+      direction = g / np.linalg.norm(g) + noise / np.linalg.norm(noise)
+      direction = (direction / np.linalg.norm(direction)).astype(np.float32)
+
+      def moved(sign, target=target, leaf=leaf, value=value, direction=direction):
+        layers = dict(adapters["layers"])
+        layers[target] = dict(layers[target], **{leaf: value + sign * eps * direction})
+        return float(_loss({"layers": layers}, base, batch))
+
+      numeric = (moved(1) - moved(-1)) / (2 * eps)
+      analytic = float(jnp.vdot(grads["layers"][target][leaf], direction))
+      assert abs(analytic) > 1e-3, (target, leaf)  # the check can fail
+      np.testing.assert_allclose(analytic, numeric, rtol=2e-2, atol=2e-4,
+                                 err_msg=f"{target}/{leaf}")
+
+
+def test_adapter_gradients_are_the_chain_rule_of_the_dense_gradient():
+  """dA = s dW B^T, dB = s A^T dW for the merged weight's gradient dW, in float64 NumPy."""
+  base, adapters, batch = _base(), _nonzero_adapters(), random_rollout(batch=4)
+  grads = jax.grad(_loss)(adapters, base, batch)
+  merged = lora_lib.merge(base, adapters, LORA.scale)
+  dense = jax.grad(lambda p: _loss({"layers": {}}, p, batch))(merged)
+  for target in LORA.targets:
+    d_w = np.asarray(dense["layers"][target], np.float64)
+    a = np.asarray(adapters["layers"][target]["a"], np.float64)
+    b = np.asarray(adapters["layers"][target]["b"], np.float64)
+    want_a = LORA.scale * np.einsum("lio,lro->lir", d_w, b)
+    want_b = LORA.scale * np.einsum("lir,lio->lro", a, d_w)
+    for leaf, want in (("a", want_a), ("b", want_b)):
+      got = np.asarray(grads["layers"][target][leaf])
+      np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max(),
+                                 err_msg=f"{target}/{leaf}")
+
+
+def test_adapter_count_and_optimiser_state_cover_adapters_only():
+  lora = lora_lib.LoraConfig(rank=2, alpha=4.0, targets=("q", "v", "down"))
+  # By hand: L * r * (D_in + D_out); q [32, 32], v [32, 16], down [48, 32].
+  want = 2 * 2 * ((32 + 32) + (32 + 16) + (48 + 32))
+  assert lora_lib.adapter_count(CONFIG, lora) == want == 768
+  state = train.init_train_state(_base(), train.make_optimizer(1e-3), lora=lora,
+                                 model_config=CONFIG, lora_rng=jax.random.PRNGKey(1))
+  assert sum(x.size for x in jax.tree.leaves(state.params)) == want
+  moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 0]
+  assert sum(x.size for x in moments) == 2 * want  # Adam's mu and nu, nothing else
+  names = {jax.tree_util.keystr(p) for p, x in jax.tree_util.tree_leaves_with_path(state.opt_state)
+           if x.ndim > 0}
+  assert all(n.endswith(("['a']", "['b']")) for n in names), names
+  full = train.init_train_state(_base(), train.make_optimizer(1e-3))
+  full_moments = sum(x.size for x in jax.tree.leaves(full.opt_state) if x.ndim > 0)
+  assert full_moments == 2 * sum(x.size for x in jax.tree.leaves(_base()))
+
+
+def _lora_state(optimizer, base=None):
+  return train.init_train_state(jax.tree.map(jnp.copy, base or _base()), optimizer, lora=LORA,
+                                model_config=CONFIG, lora_rng=jax.random.PRNGKey(1))
+
+
+def test_train_step_updates_adapters_and_leaves_the_base_unchanged():
+  optimizer = train.make_optimizer(1e-2)
+  step = train.make_train_step(CONFIG, optimizer, GRPO)
+  base, batch = _base(), random_rollout()
+  state = _lora_state(optimizer, base)
+  before = jax.device_get(state.params)
+  for _ in range(2):  # the first update moves B only (A's gradient is zero while B = 0)
+    state, metrics = step(state, batch)
+  assert float(metrics["update_skipped"]) == 0.0 and int(state.step) == 2
+  for got, want in zip(jax.tree.leaves(state.frozen), jax.tree.leaves(base)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  for target in LORA.targets:
+    for leaf in ("a", "b"):
+      assert not np.array_equal(np.asarray(state.params["layers"][target][leaf]),
+                                before["layers"][target][leaf]), (target, leaf)
+  assert not np.allclose(np.asarray(_logits(state.policy_params(), batch)),
+                         np.asarray(_logits(base, batch)))
+
+
+def test_first_update_is_adam_on_the_hand_computed_gradient_of_b():
+  """One step from B = 0 (A's gradient is zero there): B moves by -lr * sign(dB) (Adam's
+  first step, no clipping at this gradient norm), dB = s A^T dW from the dense gradient."""
+  lr = 1e-3
+  optimizer = train.make_optimizer(lr, max_grad_norm=0.0)
+  loss_config = ml_collections.FrozenConfigDict(dict(name="sft", aggregation="token_mean",
+                                                     norm_len=1.0))
+  step = train.make_train_step(CONFIG, optimizer, loss_config)
+  base, batch = _base(), random_rollout()
+  state = _lora_state(optimizer, base)
+  adapters = jax.device_get(state.params)
+  new_state, _ = step(state, batch)
+
+  def sft_loss(params):
+    logp = transformer.sequence_logprobs(params, batch.tokens, batch.token_mask, CONFIG)
+    return -jnp.sum(logp * batch.completion_mask) / jnp.sum(batch.completion_mask)
+
+  dense = jax.grad(sft_loss)(base)
+  for target in LORA.targets:
+    d_b = LORA.scale * np.einsum("lir,lio->lro", adapters["layers"][target]["a"],
+                                 np.asarray(dense["layers"][target], np.float64))
+    want = -lr * d_b / (np.abs(d_b) + 1e-8)  # Adam, step 1: m / sqrt(v) = sign(g)
+    np.testing.assert_allclose(np.asarray(new_state.params["layers"][target]["b"]), want,
+                               rtol=1e-3, atol=1e-3 * lr, err_msg=target)
+    np.testing.assert_array_equal(np.asarray(new_state.params["layers"][target]["a"]),
+                                  adapters["layers"][target]["a"])
+
+
+def test_microbatched_lora_step_equals_the_full_batch_step():
+  optimizer = train.make_optimizer(1e-2)
+  batch = random_rollout()
+  states = {}
+  for micro in (1, 4):
+    step = train.make_train_step(CONFIG, optimizer, GRPO, num_microbatches=micro)
+    states[micro], _ = step(_lora_state(optimizer), batch)
+  for a, b in zip(jax.tree.leaves(states[1].params), jax.tree.leaves(states[4].params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+
+
+def test_sharded_lora_step_matches_the_single_device_step():
+  if jax.device_count() < 8:
+    pytest.fail("Needs the 8 virtual CPU devices tests/conftest.py configures.")
+  optimizer = train.make_optimizer(1e-2)
+  batch = random_rollout()
+  single, _ = train.make_train_step(CONFIG, optimizer, GRPO)(_lora_state(optimizer), batch)
+  mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=2, fsdp=2, tensor=2))
+  sharded_step = train.make_train_step(CONFIG, optimizer, GRPO, mesh=mesh, lora=LORA)
+  state = train.shard_train_state(_lora_state(optimizer), CONFIG, optimizer, mesh, lora=LORA)
+  assert state.frozen["layers"]["q"].sharding.spec == jax.sharding.PartitionSpec(
+      None, "fsdp", "tensor")  # the frozen base is laid out like the parameters
+  assert state.params["layers"]["q"]["a"].sharding.is_fully_replicated
+  sharded, _ = sharded_step(state, batch)
+  for a, b in zip(jax.tree.leaves(single), jax.tree.leaves(sharded)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
+
+
+def test_merged_export_loads_as_the_adapted_policy(tmp_path):
+  base, adapters, batch = _base(), _nonzero_adapters(), random_rollout()
+  state = _lora_state(train.make_optimizer(1e-3), base).replace(params=adapters)
+  hf_checkpoint.save_hf(str(tmp_path), state.policy_params(), CONFIG)
+  config, loaded = hf_checkpoint.load_hf(str(tmp_path))
+  assert config.qkv_bias and config.n_layers == CONFIG.n_layers
+  adapted = np.asarray(_logits(state.policy_params(), batch))
+  np.testing.assert_array_equal(np.asarray(_logits(loaded, batch)), adapted)
+  assert np.abs(adapted - np.asarray(_logits(base, batch))).max() > 1e-3
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"lora.rank": -1}, r"config.lora.rank = -1 must be >= 0"),
+    ({"lora.rank": 4, "lora.alpha": 0.0}, r"config.lora.alpha = 0.0 must be > 0"),
+    ({"lora.rank": 4, "lora.targets": ("q", "qq")}, r"config.lora.targets"),
+    ({"lora.rank": 4, "lora.targets": ()}, r"config.lora.targets"),
+    ({"lora.alpha": 8.0}, r"config.lora.alpha = 8.0 has no effect with config.lora.rank = 0"),
+    ({"lora.targets": ("q",)}, r"config.lora.targets .* has no effect"),
+])
+def test_launcher_refuses_inconsistent_lora_settings(overrides, message, tmp_path):
+  with pytest.raises(ValueError, match=message):
+    launcher.validate(tiny_run_config(tmp_path, overrides))
+
+
+def test_launcher_refuses_a_rank_above_a_projection_before_the_warm_start(tmp_path):
+  # The tiny preset's k / v projections are [128, 64].
+  config = tiny_run_config(tmp_path, {"lora.rank": 65, "lora.targets": ("v",)})
+  with pytest.raises(ValueError, match=r"LoRA rank 65 exceeds min\(D_in, D_out\) = 64 of "
+                                       r"projection 'v'"):
+    launcher.run(config)
+  assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_lora_config_reads_targets_in_canonical_order(tmp_path):
+  config = tiny_run_config(tmp_path, {"lora.rank": 2, "lora.targets": ("down", "q")})
+  assert launcher.lora_config(config) == lora_lib.LoraConfig(2, 16.0, ("q", "down"))
+  assert launcher.lora_config(tiny_run_config(tmp_path)) is None
+  assert launcher.phase_lora(config, launcher.WARM_START) is None
+
