@@ -212,10 +212,10 @@ def lora_config(config: ml_collections.ConfigDict) -> lora_lib.LoraConfig | None
                        f"config.lora.rank > 0 to train adapters, or leave config.lora."
                        f"{changed[0]} at its default {defaults[changed[0]]!r}.")
     return None
-  targets = lora.targets
-  if isinstance(targets, str):  # --config.lora.targets=q,v
-    targets = tuple(t.strip() for t in targets.split(",") if t.strip())
-  return lora_lib.LoraConfig(rank=lora.rank, alpha=float(lora.alpha), targets=tuple(targets))
+  # --config.lora.targets=q,v arrives as ('q,v',); "('q', 'v')" as a tuple.
+  items = (lora.targets,) if isinstance(lora.targets, str) else lora.targets
+  targets = tuple(t.strip() for item in items for t in str(item).split(",") if t.strip())
+  return lora_lib.LoraConfig(rank=lora.rank, alpha=float(lora.alpha), targets=targets)
 
 
 def _as_tuple(value):
@@ -543,13 +543,24 @@ class _Run:
   def state_like(self, meta: dict) -> loop.LoopState:
     """The shapes of the LoopState a checkpoint with `meta` holds: its phase's TrainState
     (under LoRA the RL phase trains adapters over a frozen base, the warm start does not)."""
-    if meta["phase"] == WARM_START or lora_config(self.config) is None:
+    lora = lora_config(self.config)
+    if meta["phase"] == WARM_START or lora is None:
       return self.state
+    optimizer = self.contexts[RL][1]
     train_like = jax.eval_shape(
-        lambda: new_train_state(self.config, self.model_config, self.state.train.params,
-                                self.contexts[RL][1], RL))
+        lambda p: new_train_state(self.config, self.model_config, p, optimizer, RL),
+        self.state.train.params)
     history = (None if self.state.history is None
                else jax.eval_shape(self.history, train_like.params))
+    if self.mesh is not None:  # restore straight into the trainer's layout
+      placed = lambda like, sharding: jax.ShapeDtypeStruct(like.shape, like.dtype,
+                                                           sharding=sharding)
+      train_like = jax.tree.map(placed, train_like, train.train_state_shardings(
+          self.model_config, optimizer, self.mesh, lora=lora))
+      if history is not None:  # adapters and versions: small, replicated
+        history = jax.tree.map(
+            lambda like: placed(like, jax.sharding.NamedSharding(
+                self.mesh, jax.sharding.PartitionSpec())), history)
     return self.state.replace(train=train_like, history=history)
 
   def history(self, params):

@@ -17,12 +17,14 @@ from tests.launcher_config import tiny_run_config
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def tiny_config(workdir):
-  return tiny_run_config(workdir, {"checkpoint.max_to_keep": 5})
+def tiny_config(workdir, overrides=None):
+  return tiny_run_config(workdir, {"checkpoint.max_to_keep": 5, **(overrides or {})})
 
 
-def test_eval_restores_checkpoints_and_matches_the_launchers_evaluations(tmp_path):
-  config = tiny_config(tmp_path)
+# LoRA: the RL checkpoint holds adapters over a frozen base; eval merges them.
+@pytest.mark.parametrize("overrides", [{}, {"lora.rank": 2}], ids=["full", "lora"])
+def test_eval_restores_checkpoints_and_matches_the_launchers_evaluations(overrides, tmp_path):
+  config = tiny_config(tmp_path, overrides)
   train_launcher.run(config)
   assert list(tmp_path.glob("events.out.tfevents.*")), "no TensorBoard file next to metrics.jsonl"
   records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]

@@ -2,7 +2,12 @@
 differences, the optimiser state over adapters only, the frozen base, sharding, HF export
 and the launcher's validation."""
 
+import functools
+import json
 import math
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -10,11 +15,16 @@ import ml_collections
 import numpy as np
 import pytest
 
+from experiments import eval as eval_launcher
 from experiments import train as launcher
+from experiments.configs import chain_sum_compact
 from models import hf_checkpoint
 from models import lora as lora_lib
 from models import transformer
 from models.config import ModelConfig
+from rl import checkpoint
+from rl import evaluation
+from rl import loop
 from rl import train
 from rl.types import Rollout
 from sharding import mesh as mesh_lib
@@ -272,6 +282,74 @@ def test_launcher_refuses_a_rank_above_a_projection_before_the_warm_start(tmp_pa
 def test_lora_config_reads_targets_in_canonical_order(tmp_path):
   config = tiny_run_config(tmp_path, {"lora.rank": 2, "lora.targets": ("down", "q")})
   assert launcher.lora_config(config) == lora_lib.LoraConfig(2, 16.0, ("q", "down"))
+  comma = tiny_run_config(tmp_path, {"lora.rank": 2, "lora.targets": ("v,q", " up")})
+  assert launcher.lora_config(comma).targets == ("q", "v", "up")  # --config.lora.targets=v,q
   assert launcher.lora_config(tiny_run_config(tmp_path)) is None
   assert launcher.phase_lora(config, launcher.WARM_START) is None
 
+
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A short chain_sum run whose RL phase trains rank-4 adapters, through the command line.
+_LAUNCHER_RUN = {
+    "lora.rank": 4, "warm_start.steps": 4, "warm_start.batch_size": 8, "rl.steps": 3,
+    "rollout.prompts_per_step": 4, "rollout.group_size": 4, "task.eval_size": 16,
+    "eval.batch_size": 16, "eval.every": 3, "checkpoint.every": 1000}
+
+
+def _launcher_config(workdir):
+  config = chain_sum_compact.get_config()
+  config.workdir = str(workdir)
+  for path, value in _LAUNCHER_RUN.items():
+    *parents, leaf = path.split(".")
+    node = config
+    for name in parents:
+      node = node[name]
+    node[leaf] = value
+  return config
+
+
+def _restore_rl_state(config, policy, step):
+  """The LoopState of RL checkpoint `step` (adapters, their AdamW state, frozen base)."""
+  manager = checkpoint.make_manager(os.path.join(config.workdir, "checkpoints"))
+  _, optimizer = launcher.make_context(config, policy.task, policy.tokenizer,
+                                       policy.model_config, launcher.RL)
+  like = loop.LoopState(train=jax.eval_shape(
+      functools.partial(launcher.new_train_state, config, policy.model_config,
+                        optimizer=optimizer, phase=launcher.RL), policy.params_like),
+                        rng=jax.random.PRNGKey(0))
+  return checkpoint.restore(manager, step, like)[0]
+
+
+def test_launcher_lora_run_trains_adapters_only_and_eval_merges_them(tmp_path):
+  flags = [f"--config.{path}={value}" for path, value in _LAUNCHER_RUN.items()]
+  subprocess.run([sys.executable, "-m", "experiments.train",
+                  "--config=experiments/configs/chain_sum_compact.py",
+                  f"--config.workdir={tmp_path}", *flags],
+                 cwd=_REPO, env=dict(os.environ, PYTHONPATH=_REPO), check=True, timeout=1800,
+                 capture_output=True)
+  records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  assert len([r for r in records if r["phase"] == "rl" and "reward_mean" in r]) == 3
+  summary = json.loads((tmp_path / "summary.json").read_text())
+
+  config = _launcher_config(tmp_path)
+  policy = eval_launcher.build_policy(config)
+  base = eval_launcher.load_params(config, policy, 4)  # the hand-over: B = 0, merged = base
+  final = _restore_rl_state(config, policy, 7).train
+  for got, want in zip(jax.tree.leaves(final.frozen), jax.tree.leaves(base)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # the base is frozen
+  count = lora_lib.adapter_count(policy.model_config, launcher.lora_config(config))
+  assert sum(x.size for x in jax.tree.leaves(final.params)) == count
+  assert sum(x.size for x in jax.tree.leaves(final.opt_state) if x.ndim > 0) == 2 * count
+  # eval's merged policy of the last checkpoint is trained and reproduces the run's final
+  # evaluation.
+  merged = eval_launcher.load_params(config, policy, 7)
+  assert not np.array_equal(np.asarray(merged["layers"]["q"]), np.asarray(base["layers"]["q"]))
+  result = evaluation.evaluate(
+      merged, policy.task.examples("eval", config.task.eval_size), task=policy.task,
+      tokenizer=policy.tokenizer, prompt_len=config.rollout.prompt_len,
+      max_new_tokens=config.rollout.max_new_tokens, model_config=policy.model_config,
+      batch_size=config.eval.batch_size)
+  assert result.accuracy == summary["final_accuracy"]
+  assert result.mean_length == pytest.approx(
+      [r for r in records if r.get("event") == "eval"][-1]["eval_length"])

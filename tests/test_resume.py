@@ -26,11 +26,11 @@ from tests.launcher_config import tiny_run_config
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _tiny_config(workdir):
+def _tiny_config(workdir, overrides=None):
   return tiny_run_config(workdir, {
       "task.eval_size": 8, "eval.batch_size": 8, "rollout.prompts_per_step": 4,
       "rollout.group_size": 2, "warm_start.steps": 2, "rl.steps": 4, "checkpoint.every": 1,
-      "checkpoint.max_to_keep": 2})
+      "checkpoint.max_to_keep": 2, **(overrides or {})})
 
 
 # Runs the launcher in a child process that SIGKILLs itself when orbax is about to rename
@@ -69,12 +69,15 @@ def _without_clock(record: dict) -> dict:
   return {k: v for k, v in record.items() if not k.startswith("time_")}
 
 
-def test_killed_during_save_resumes_bit_for_bit(tmp_path):
-  reference = _tiny_config(tmp_path / "reference")
+# LoRA: the kill falls in the RL phase, so the resume restores adapters, their optimiser
+# state and the frozen base (a checkpoint structure other than the warm start's).
+@pytest.mark.parametrize("overrides", [{}, {"lora.rank": 2}], ids=["full", "lora"])
+def test_killed_during_save_resumes_bit_for_bit(overrides, tmp_path):
+  reference = _tiny_config(tmp_path / "reference", overrides)
   launcher.run(reference)
   total = reference.warm_start.steps + reference.rl.steps
 
-  resumed = _tiny_config(tmp_path / "resumed")
+  resumed = _tiny_config(tmp_path / "resumed", overrides)
   kill_step = total // 2 + 1  # the run dies saving step N/2 + 1, so resumes from N/2
   env = dict(os.environ, PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
   child = subprocess.run([sys.executable, "-c", _KILLED_RUN, resumed.to_json(), str(kill_step)],

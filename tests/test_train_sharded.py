@@ -1,5 +1,6 @@
 """The launcher on a data=2, fsdp=2, tensor=2 mesh of virtual CPU devices reproduces the
-single-device run (same metrics within float tolerance, same greedy evaluations)."""
+single-device run (same metrics within float tolerance, same greedy evaluations), with full
+weights and with LoRA."""
 
 import json
 import os
@@ -12,10 +13,11 @@ from experiments import train as launcher
 from tests.launcher_config import tiny_run_config
 
 
-def _config(workdir, data, fsdp, tensor):
+def _config(workdir, data, fsdp, tensor, overrides=None):
   return tiny_run_config(workdir, {
       "task.eval_size": 8, "eval.batch_size": 8, "eval.every": 1, "warm_start.steps": 1,
-      "rl.steps": 1, "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor})
+      "rl.steps": 1, "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor,
+      **(overrides or {})})
 
 
 def _records(workdir):
@@ -23,12 +25,15 @@ def _records(workdir):
     return [json.loads(line) for line in f]
 
 
-def test_sharded_run_matches_single_device_run(tmp_path):
+# LoRA: the frozen base sharded like the weights, adapters replicated, the merged policy
+# published to the sampler.
+@pytest.mark.parametrize("overrides", [{}, {"lora.rank": 2}], ids=["full", "lora"])
+def test_sharded_run_matches_single_device_run(overrides, tmp_path):
   if jax.device_count() < 8:
     pytest.fail("Needs the 8 virtual CPU devices tests/conftest.py configures.")
   single, sharded = str(tmp_path / "single"), str(tmp_path / "sharded")
-  launcher.run(_config(single, 1, 1, 1))
-  launcher.run(_config(sharded, 2, 2, 2))
+  launcher.run(_config(single, 1, 1, 1, overrides))
+  launcher.run(_config(sharded, 2, 2, 2, overrides))
   want, got = _records(single), _records(sharded)
   assert [(r["step"], r.get("event")) for r in got] == [(r["step"], r.get("event")) for r in want]
   for w, g in zip(want, got):
@@ -41,6 +46,9 @@ def test_sharded_run_matches_single_device_run(tmp_path):
       else:
         assert g[key] == value, key
   assert os.path.exists(os.path.join(sharded, "summary.json"))
+  if overrides:  # the RL checkpoint restores into the sharded layout and training goes on
+    longer = _config(sharded, 2, 2, 2, dict(overrides, **{"rl.steps": 2}))
+    assert launcher.run(longer)["steps"] == 3
 
 
 def test_mesh_config_errors_name_the_fix(tmp_path):
