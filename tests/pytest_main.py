@@ -33,10 +33,10 @@ def main(argv: list[str]) -> int:
   if len(argv) < 2:
     print(f"usage: {argv[0]} tests/test_x.py [more test files]", file=sys.stderr)
     return 2
-  # The workspace root of the runfiles tree, not the folder of this file, starts sys.path,
-  # as the working directory does under `python -m pytest`: Python put this file's real
-  # (symlink-resolved) folder there, which would make tests/*.py importable as top-level
-  # modules beside their tests.* names.
+  # Python started sys.path with this file's real folder: tests/ in the source tree, since
+  # it resolves the runfiles symlink. Put the workspace root of the runfiles tree there
+  # instead, as `python -m pytest` puts its working directory, so that every import
+  # resolves in the runfiles tree, among the files BUILD declares.
   sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   try:
     import pytest  # pylint: disable=import-outside-toplevel
