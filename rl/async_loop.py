@@ -104,9 +104,9 @@ def run_async(state: LoopState, ctx: LoopContext, produce: Producer, num_steps: 
       batches.put(error)
 
   thread = threading.Thread(target=producer, name="arbor-producer", daemon=True)
+  step_started = time.perf_counter()
   thread.start()
   history = []
-  step_started = time.perf_counter()
   try:
     for i in range(num_steps):
       item = batches.get()
