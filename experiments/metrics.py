@@ -222,7 +222,8 @@ def make_writers(logdir: str, *, tensorboard: bool = True, wandb_project: str = 
   if tensorboard:
     writers.append(TensorBoardWriter(logdir))
   if wandb_project:
-    writers.append(WandbWriter(wandb_project, name=run_name or os.path.basename(logdir),
+    writers.append(WandbWriter(wandb_project,
+                               name=run_name or os.path.basename(os.path.normpath(logdir)),
                                config=config, directory=logdir))
   return writers
 
@@ -287,14 +288,6 @@ def config_markdown(config_json: str) -> str:
   return "\n".join("    " + line for line in config_json.splitlines())
 
 
-def _pyplot():
-  """matplotlib.pyplot on the Agg backend, imported on first use (about 1 s)."""
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  return plt
-
-
 def length_stats(counts) -> dict[str, float]:
   """Median, 95th percentile, max and mean of a length histogram (counts[n] = rows of n
   tokens); {} when it is empty. Percentiles are the smallest length covering the fraction."""
@@ -310,6 +303,14 @@ def length_stats(counts) -> dict[str, float]:
           "rows": total}
 
 
+def _figure(**kwargs):
+  """A matplotlib Figure outside pyplot: no backend is chosen or switched (a notebook keeps
+  its inline one), savefig renders with Agg, and nothing needs closing. matplotlib loads
+  on first use (about 1 s)."""
+  from matplotlib import figure  # pylint: disable=import-outside-toplevel
+  return figure.Figure(**kwargs)
+
+
 def run_figure(records: list[dict]) -> Any:
   """A matplotlib Figure: train reward (GRPO steps), held-out accuracy against global step
   (with its standard error; the warm start's and RL's evaluations are one curve) and, for
@@ -318,9 +319,9 @@ def run_figure(records: list[dict]) -> Any:
   train = [r for r in records if "reward_mean" in r]
   evals = [r for r in records if "eval_accuracy" in r]
   sized = [r for r in evals if r.get("eval_accuracy_by_size")]
-  plt = _pyplot()
   panels = 3 if sized else 2
-  fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 3.8))
+  fig = _figure(figsize=(5 * panels, 3.8))
+  axes = fig.subplots(1, panels)
   ax_reward, ax_acc = axes[:2]
   ax_reward.plot([r["step"] for r in train], [r["reward_mean"] for r in train], lw=0.8,
                  label="mean reward")
@@ -347,6 +348,4 @@ def run_figure(records: list[dict]) -> Any:
 
 def plot_run(records: list[dict], path: str) -> None:
   """Saves `run_figure(records)` as a PNG."""
-  fig = run_figure(records)
-  fig.savefig(path, dpi=110)
-  _pyplot().close(fig)
+  run_figure(records).savefig(path, dpi=110)
