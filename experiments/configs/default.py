@@ -154,6 +154,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval.every = 30                   # GRPO steps between held-out evaluations
   c.eval.batch_size = 250             # prompts per greedy decoding batch
 
+  # Where metrics go besides metrics.jsonl (experiments/metrics.py; always written).
+  c.metrics = ml_collections.ConfigDict()
+  c.metrics.tensorboard = True        # TensorBoard event files next to metrics.jsonl
+  c.metrics.wandb_project = ""        # Weights & Biases project ("" = off; pip install wandb)
+
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 100            # iterations between checkpoints (and at phase ends)
   c.checkpoint.max_to_keep = 2        # newest checkpoints kept in workdir/checkpoints
