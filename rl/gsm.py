@@ -2,15 +2,16 @@
 
 Items come from reasoning-gym's `gsm_symbolic` generators (templated GSM8K problems with
 fresh names and numbers; integer answers), generated offline. The prompt is the question
-followed by `Options.instruction` (by default: reason step by step, then give the answer in
-`\\boxed{}`); `Example.answer` is the generator's worked solution ending in
+followed by `Options.instruction` (by default: reason step by step, then give the answer, a
+number, inside `\\boxed{}`); `Example.answer` is the generator's worked solution ending in
 `\\boxed{answer}` (for a warm start). The whole completion is scored, up to an
 end-of-sequence marker: `rl.math_answer` extracts the final answer (last box, else last
 '####' line, else last number) and math-verify decides whether it equals the reference.
 
 Reward: 1 for a correct answer, else 0. With `format_reward = w > 0` it is
-`(1 - w) * correct + w * formatted`, where `formatted` means the answer was given in a box
-or on a '####' line (not only as the last number of the text): a correct boxed answer
+`(1 - w) * correct + w * formatted`, where `formatted` means the answer is a number given in
+a box or on a '####' line (not only as the last number of the text; not a box holding
+anything but a plain numeral, such as a copied '\\boxed{answer}'): a correct boxed answer
 scores 1, a correct bare number 1 - w, a wrong boxed answer w. `exact_match` is correctness
 alone. Scoring runs in rl.scoring's worker with `reward_timeout_s` per completion (math-verify
 can take a second on a hostile box before its own timeout fires).
@@ -41,8 +42,9 @@ from rl.tasks import Example
 NAME = "gsm_symbolic"
 PROMPT_STYLES = ("full",)
 DEFAULT_EVAL_SIZE = 200
-DEFAULT_INSTRUCTION = ("Solve the problem step by step. Then write the final answer, a "
-                       "number without units, as \\boxed{answer} on the last line.")
+# The box is shown empty: SmolLM2-135M copies a filled-in example ("\\boxed{answer}") verbatim.
+DEFAULT_INSTRUCTION = ("Solve the problem step by step. At the end, write the final answer "
+                       "(a number without units) inside \\boxed{}.")
 
 _EVAL_SEED_OFFSET = 2**62
 _TRAIN_SEED_STRIDE = 2**40

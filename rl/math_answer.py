@@ -207,6 +207,9 @@ def equivalent(answer: Answer, gold: str) -> bool:
 
 
 def is_formatted(answer: Answer | None) -> bool:
-  """True for an answer given in a final-answer format (a box or a '####' line), not one
-  found only as the last number of the text."""
-  return answer is not None and answer.source in ("boxed", "####")
+  """True for a number given in a final-answer format: a box or a '####' line holding a
+  plain numeral (not '\\boxed{answer}', a copied placeholder), not a number found only as
+  the last one of the text."""
+  return (answer is not None and answer.source in ("boxed", "####")
+          and len(answer.text) <= MAX_ANSWER_CHARS
+          and parse_number(clean(answer.text)) is not None)

@@ -130,6 +130,17 @@ def test_equivalence(answer, gold, equal):
   assert math_answer.equivalent(answer, gold) is equal
 
 
+@pytest.mark.parametrize("completion,formatted", [
+    ("\\boxed{72}", True), ("\\boxed{\\$1,234.50}", True), ("\\boxed{\\frac{3}{4}}", True),
+    ("#### 72", True), ("work\n#### -3 apples", True),
+    ("\\boxed{answer}", False),  # SmolLM2 copies a placeholder from the instruction
+    ("\\boxed{2 \\cdot 36}", False), ("\\boxed{}", False), ("the answer is 72", False),
+    ("nothing", False), ("\\boxed{" + "1" * 200 + "}", False),
+])
+def test_formatted_means_a_number_in_a_box_or_on_a_hashes_line(completion, formatted):
+  assert math_answer.is_formatted(math_answer.extract_answer(completion)) is formatted
+
+
 def test_a_reference_that_is_not_a_numeral_is_an_error():
   with pytest.raises(ValueError, match="not a numeral"):
     math_answer.equivalent(Answer("1", "boxed"), "x + 1")
@@ -190,13 +201,14 @@ def test_reward_and_exact_match_through_the_scoring_worker():
       f"It is {wrong}.",                                       # wrong, bare
       f"\\boxed{{{gold}}}<|im_end|>\\boxed{{{wrong}}}",        # text after EOS is ignored
       "no answer here",
+      "\\boxed{answer}",                                       # a copied placeholder
   ]
   examples = [example] * len(completions)
   plain = scoring.score(task, completions, examples)
-  assert plain.rewards.tolist() == [1, 1, 1, 0, 0, 1, 0]
-  assert plain.exact.tolist() == [True, True, True, False, False, True, False]
+  assert plain.rewards.tolist() == [1, 1, 1, 0, 0, 1, 0, 0]
+  assert plain.exact.tolist() == [True, True, True, False, False, True, False, False]
   shaped = scoring.score(boxed_task, completions, examples)
-  assert shaped.rewards.tolist() == pytest.approx([1, 0.8, 1, 0.2, 0, 1, 0])
+  assert shaped.rewards.tolist() == pytest.approx([1, 0.8, 1, 0.2, 0, 1, 0, 0])
   assert shaped.exact.tolist() == plain.exact.tolist()  # exact match ignores the format
   assert plain.timeouts == plain.errors == shaped.timeouts == shaped.errors == 0
 

@@ -177,6 +177,20 @@ def test_misbehaving_scorers_give_zero_and_are_counted():
   assert again.rewards.tolist() == [0.5] and again.timeouts == again.errors == 0
 
 
+def test_slow_scorer_leaves_no_stale_message_for_the_next_request():
+  # Each 20 ms result outlasts the worker's 10 ms flush interval, so the last one goes back
+  # on its own; the worker used to send an empty message after it, which then answered the
+  # next request (a task load: IndexError) in place of its own reply.
+  scorer = scoring.Scorer()
+  try:
+    for seconds in (0.02, 0.03, 0.02):  # three tasks: a load, then a batch, each time
+      task = scoring_tasks.SlowTask(seconds=seconds)
+      scores = scorer.score(task, ["a", "b", "c"], [None] * 3)
+      assert scores.rewards.tolist() == [1.0] * 3 and scores.errors == scores.timeouts == 0
+  finally:
+    scorer.close()
+
+
 def test_tasks_use_their_exact_match_and_time_limit():
   class Limit(scoring_tasks.MisbehavingTask):
     pass
