@@ -5,8 +5,9 @@ experiments/configs/smollm2_gsm.py shrunk by flags to what a CPU-only CI affords
 held-out problem, groups of 2 completions of 8 tokens, one prompt per step. Most of the
 time is loading the GGUF (twice: train, then eval) and compiling; 8 tokens hold no answer,
 so the rewards are 0 here (the scorer's cases are tests/test_math_task.py's). Measured on
-the 2-core test machine while other jobs ran: 7.6 minutes with a warm JAX compilation cache
-(about 4 CPU-minutes), 12.8 minutes cold (5.4 CPU-minutes).
+the shared 2-core test machine: 12.8 minutes with a cold JAX compilation cache (5.4
+CPU-minutes), 3.4 to 7.6 minutes with a warm one (2.8 to 4 CPU-minutes), by the load of
+other jobs.
 """
 
 import json
