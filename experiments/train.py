@@ -248,6 +248,14 @@ def validate(config: ml_collections.ConfigDict) -> None:
   check_metrics(config)
   selection.check_config(config.selection, prompts_per_step=r.prompts_per_step,
                          group_size=r.group_size, pool_size=config.task.train_pool)
+  build_task(config)  # a task's own settings (difficulty fields, prompt style) fail here
+
+
+def build_task(config: ml_collections.ConfigDict):
+  """The run's task: config.task.name with its prompt style, seed, eval_size and difficulty
+  fields (rl.tasks.make_task; a bad field or value is a ValueError naming it)."""
+  return tasks.make_task(config.task.name, config.task.prompt_style, seed=config.seed,
+                         eval_size=config.task.eval_size, **config.task.difficulty)
 
 
 def build_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh | None:
@@ -491,8 +499,7 @@ class _Run:
         f.write(self.config_json)
     init_rng, loop_rng = jax.random.split(jax.random.PRNGKey(config.seed))
     self.tokenizer, self.model_config, params = load_policy(config, init_rng)
-    self.task = tasks.make_task(config.task.name, config.task.prompt_style, seed=config.seed,
-                          eval_size=config.task.eval_size, **config.task.difficulty)
+    self.task = build_task(config)
     self.eval_examples = self.task.examples("eval", config.task.eval_size)
     self.contexts = {phase: make_context(config, self.task, self.tokenizer, self.model_config,
                                          phase, self.mesh)
