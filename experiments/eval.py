@@ -37,7 +37,7 @@ from models.tokenizer import CharTokenizer
 from rl import checkpoint
 from rl import evaluation
 from rl import loop
-from rl.tasks import Task, make_task
+from rl.tasks import Task
 from sampling.sampler import SamplingConfig
 
 _STEPS = flags.DEFINE_string("steps", "latest",
@@ -74,8 +74,7 @@ def build_policy(config: ml_collections.ConfigDict) -> Policy:
   """The task and policy of a run, resolved by the launcher's own `load_policy` (preset or
   pretrained checkpoint, tokenizer, chat template); the initial weights give only shapes."""
   tokenizer, model_config, params = train_launcher.load_policy(config, jax.random.PRNGKey(0))
-  task = make_task(config.task.name, config.task.prompt_style, seed=config.seed,
-                   eval_size=config.task.eval_size, **config.task.difficulty)
+  task = train_launcher.build_task(config)
   return Policy(task=task, tokenizer=tokenizer, model_config=model_config,
                 params_like=jax.eval_shape(lambda: params))
 

@@ -30,7 +30,7 @@ exits 1, and a rerun tries it again.
 `--render` (also done after every grid run) writes <out>/results.md: one row per setting
 (a cell's module and flags: everything but its name and seed), each metric's mean +- sample
 standard deviation over the seeds that finished. `--metrics` picks summary fields (dotted
-paths, e.g. time_s.rl); by default, the numeric top-level fields every finished cell has.
+paths, e.g. time_s.train); by default, the numeric top-level fields every finished cell has.
 `--plot` adds <out>/results.png.
 
 On a cluster, hand the cells to a job array instead of the local pool: `--list` prints one

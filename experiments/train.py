@@ -3,18 +3,21 @@
     python -m experiments.train                                   # the embedded default
     python -m experiments.train --config=experiments/configs/default.py --config.rl.steps=50
 
-Writes to config.workdir: metrics.jsonl (one line per iteration and per evaluation),
-TensorBoard event files of the same scalars (`tensorboard --logdir runs`), plot.png (train
-reward and held-out accuracy against step), checkpoints/ (orbax), and summary.json.
-A rerun with the same workdir resumes from the newest checkpoint.
+Writes to config.workdir: metrics.jsonl (one line per iteration and per evaluation, with
+the step's learning rate, phase times and token rates), TensorBoard event files of the
+same scalars and the resolved config as text (`tensorboard --logdir runs`; held-out
+accuracy is one `eval/accuracy` curve across both phases), plot.png (train reward and
+held-out accuracy against step), checkpoints/ (orbax), config.json and summary.json. With
+config.metrics.wandb_project set the scalars also go to Weights & Biases (pip install
+wandb). A rerun with the same workdir resumes from the newest checkpoint.
 
 With `config.model.checkpoint` set (a HF folder, a .gguf file, or "smollm2") the policy and
 tokenizer are loaded from it instead of being initialised from scratch with the character
 tokenizer (docs/checkpoints.md).
 
 Resume is exact: a run of N steps equals a run killed at any moment (SIGKILL included)
-and rerun, bit for bit in parameters and in metrics.jsonl (except the wall-clock seconds in
-the time_* fields). The checkpoint meta stores the
+and rerun, bit for bit in parameters and in metrics.jsonl (except the wall-clock fields:
+the seconds in time_* and the rates in *_per_s). The checkpoint meta stores the
 number of metrics records written, and a resumed run first cuts metrics.jsonl back to it.
 
     python -m experiments.train --config.mesh.data=2 --config.mesh.fsdp=2 --config.mesh.tensor=2
@@ -34,36 +37,40 @@ import time
 from absl import app
 from absl import flags
 from absl import logging
-import jax
 import ml_collections
 import tqdm
 
 from experiments import config_flag
+from experiments import lazy
 from experiments import metrics
 from experiments.configs import default as default_config
-from models import lora as lora_lib
-from models import transformer
-from models.config import PRESETS, get_preset
-from models.pretrained import load_pretrained
-from models.tokenizer import CharTokenizer
-from rl import advantages
-from rl import async_loop
-from rl import checkpoint
-from rl import evaluation
-from rl import loop
-from rl import losses
-from rl import partial_rollout
-from rl import selection
-from rl import train
-from rl import trajectory_store
-from rl.tasks import PROMPT_STYLES, make_task, task_names
-from rl.rollout import make_generate
-from sampling import tree as tree_lib
-from sampling.partial import PartialConfig
-from sampling.sampler import SamplingConfig
-from sharding import mesh as mesh_lib
-from sharding import multihost
-from sharding import reshard
+
+# JAX, orbax, reasoning-gym and the model code load on first use (experiments/lazy.py), so
+# `--help` and flag errors answer at once; a run imports them when it starts.
+jax = lazy.module("jax")
+transformer = lazy.module("models.transformer")
+model_configs = lazy.module("models.config")
+lora_lib = lazy.module("models.lora")
+pretrained = lazy.module("models.pretrained")
+tokenizers = lazy.module("models.tokenizer")
+advantages = lazy.module("rl.advantages")
+async_loop = lazy.module("rl.async_loop")
+checkpoint = lazy.module("rl.checkpoint")
+evaluation = lazy.module("rl.evaluation")
+loop = lazy.module("rl.loop")
+losses = lazy.module("rl.losses")
+partial_rollout = lazy.module("rl.partial_rollout")
+selection = lazy.module("rl.selection")
+train = lazy.module("rl.train")
+trajectory_store = lazy.module("rl.trajectory_store")
+tasks = lazy.module("rl.tasks")
+rollout_lib = lazy.module("rl.rollout")
+tree_lib = lazy.module("sampling.tree")
+partial_lib = lazy.module("sampling.partial")
+sampler_lib = lazy.module("sampling.sampler")
+mesh_lib = lazy.module("sharding.mesh")
+multihost = lazy.module("sharding.multihost")
+reshard = lazy.module("sharding.reshard")
 
 _DEFAULT_CONFIG = os.path.join(os.path.dirname(__file__), "configs", "default.py")
 _CONFIG = config_flag.define_config_file("config", _DEFAULT_CONFIG, "Run configuration file.")
@@ -144,15 +151,15 @@ def check_names(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError for a name no registry knows: task, prompt style, model preset and
   dtype, objective, aggregation, corrections, proximal estimate, advantage estimator, tree
   policy and tree advantage, partial-rollout resume mode."""
-  if config.task.name not in task_names():
+  if config.task.name not in tasks.task_names():
     raise ValueError(f"Unknown task {config.task.name!r} (config.task.name); known tasks: "
-                     f"{', '.join(task_names())} (rl.tasks.register_task adds one).")
-  if config.task.prompt_style not in PROMPT_STYLES:
+                     f"{', '.join(tasks.task_names())} (rl.tasks.register_task adds one).")
+  if config.task.prompt_style not in tasks.PROMPT_STYLES:
     raise ValueError(f"config.task.prompt_style = {config.task.prompt_style!r}; use one of "
-                     f"{PROMPT_STYLES}.")
-  if not config.model.get("checkpoint") and config.model.preset not in PRESETS:
+                     f"{tasks.PROMPT_STYLES}.")
+  if not config.model.get("checkpoint") and config.model.preset not in model_configs.PRESETS:
     raise ValueError(f"Unknown config.model.preset {config.model.preset!r}; known: "
-                     f"{sorted(PRESETS)}.")
+                     f"{sorted(model_configs.PRESETS)}.")
   if config.model.get("tokenizer") and not config.model.get("checkpoint"):
     raise ValueError(f"config.model.tokenizer = {config.model.tokenizer!r} is the tokenizer "
                      "of a pretrained checkpoint; set config.model.checkpoint too, or leave "
@@ -222,6 +229,16 @@ def _as_tuple(value):
   return tuple(value) if isinstance(value, (list, tuple)) else value
 
 
+def check_metrics(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError when config.metrics asks for W&B and wandb is not installed (W&B is
+  optional: Arbor does not depend on it)."""
+  if config.metrics.wandb_project:
+    try:
+      metrics.import_wandb()
+    except ImportError as error:
+      raise ValueError(str(error)) from None
+
+
 def validate(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the inconsistent fields and how to fix them. `run` calls it
   before anything else, so a bad config fails before the first training step."""
@@ -260,8 +277,17 @@ def validate(config: ml_collections.ConfigDict) -> None:
                      "bucket must be a positive number of completion slots.")
   check_composition(config)
   lora_config(config)
+  check_metrics(config)
   selection.check_config(config.selection, prompts_per_step=r.prompts_per_step,
                          group_size=r.group_size, pool_size=config.task.train_pool)
+  build_task(config)  # a task's own settings (difficulty fields, prompt style) fail here
+
+
+def build_task(config: ml_collections.ConfigDict):
+  """The run's task: config.task.name with its prompt style, seed, eval_size and difficulty
+  fields (rl.tasks.make_task; a bad field or value is a ValueError naming it)."""
+  return tasks.make_task(config.task.name, config.task.prompt_style, seed=config.seed,
+                         eval_size=config.task.eval_size, **config.task.difficulty)
 
 
 def build_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh | None:
@@ -291,7 +317,7 @@ def build_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh | None:
 def build_model_config(config, tokenizer):
   """The preset's shapes, with the tokenizer's vocabulary (the policy is trained from
   scratch) and room for prompt + completion."""
-  model_config = get_preset(config.model.preset, dtype=config.model.dtype,
+  model_config = model_configs.get_preset(config.model.preset, dtype=config.model.dtype,
                             vocab_size=tokenizer.vocab_size)
   return _with_room(config, model_config)
 
@@ -307,7 +333,7 @@ def load_policy(config, rng):
   with the character tokenizer. experiments/eval.py resolves a run's policy here too."""
   checkpoint_spec = config.model.get("checkpoint")
   if checkpoint_spec:
-    model_config, params, tokenizer = load_pretrained(
+    model_config, params, tokenizer = pretrained.load_pretrained(
         checkpoint_spec, config.model.dtype, chat=config.model.get("chat_template", False),
         tokenizer=config.model.get("tokenizer") or None)
     if tokenizer is None:
@@ -315,7 +341,7 @@ def load_policy(config, rng):
                        "config.model.tokenizer=<path> (a tokenizer.json file or a Hugging "
                        "Face folder that holds one, e.g. the base model's).")
     return tokenizer, _with_room(config, model_config), params
-  tokenizer = CharTokenizer()
+  tokenizer = tokenizers.CharTokenizer()
   model_config = build_model_config(config, tokenizer)
   return tokenizer, model_config, transformer.init_params(model_config, rng)
 
@@ -337,20 +363,21 @@ def rl_loss_config(config) -> ml_collections.FrozenConfigDict:
 def make_context(config, task, tokenizer, model_config, phase, mesh=None):
   """The LoopContext (and optimizer) of one phase of the run (sharded over `mesh`, if any)."""
   if phase == WARM_START:
-    optimizer = train.make_optimizer(
-        config.warm_start.learning_rate, warmup_steps=config.warm_start.warmup_steps,
-        decay_steps=max(config.warm_start.steps - config.warm_start.warmup_steps, 1),
-        end_lr_fraction=0.1, max_grad_norm=config.rl.max_grad_norm)
+    rate = dict(learning_rate=config.warm_start.learning_rate,
+                warmup_steps=config.warm_start.warmup_steps,
+                decay_steps=max(config.warm_start.steps - config.warm_start.warmup_steps, 1),
+                end_lr_fraction=0.1)
+    optimizer = train.make_optimizer(**rate, max_grad_norm=config.rl.max_grad_norm)
     loss_config = ml_collections.FrozenConfigDict(dict(
         name="sft", aggregation="token_mean", norm_len=1.0))
     prompts = config.warm_start.batch_size
   else:
-    optimizer = train.make_optimizer(config.rl.learning_rate, warmup_steps=config.rl.warmup_steps,
-                                      weight_decay=config.rl.weight_decay,
-                                      max_grad_norm=config.rl.max_grad_norm)
+    rate = dict(learning_rate=config.rl.learning_rate, warmup_steps=config.rl.warmup_steps)
+    optimizer = train.make_optimizer(**rate, weight_decay=config.rl.weight_decay,
+                                     max_grad_norm=config.rl.max_grad_norm)
     loss_config = rl_loss_config(config)
     prompts = config.rollout.prompts_per_step
-  sampling_config = SamplingConfig(
+  sampling_config = sampler_lib.SamplingConfig(
       max_new_tokens=config.rollout.max_new_tokens, temperature=config.rollout.temperature,
       top_k=config.rollout.top_k, top_p=config.rollout.top_p,
       stop_tokens=(tokenizer.eos_id,), pad_id=tokenizer.pad_id)
@@ -365,9 +392,10 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None):
                                temperature=config.rollout.temperature if phase == RL else 1.0,
                                shared_prefix=shared_prefix, mesh=mesh,
                                length_buckets=length_buckets(config),
+                               learning_rate=train.learning_rate_schedule(**rate),
                                lora=phase_lora(config, phase))
   sharded = {} if mesh is None else dict(
-      generate_fn=make_generate(model_config, sampling_config, mesh),
+      generate_fn=rollout_lib.make_generate(model_config, sampling_config, mesh),
       publish=reshard.make_publish(mesh, jax.eval_shape(
           lambda: transformer.init_params(model_config, jax.random.PRNGKey(0)))))
   ctx = loop.LoopContext(
@@ -422,7 +450,7 @@ def make_rl_producer(config, ctx, store):
   if r.kind == "partial":
     slots = r.num_slots or 2 * r.prompts_per_step * r.group_size
     rollouts = partial_rollout.for_task(
-        ctx, PartialConfig(num_slots=slots, group_size=r.group_size, resume=r.resume,
+        ctx, partial_lib.PartialConfig(num_slots=slots, group_size=r.group_size, resume=r.resume,
                            decode_window=r.decode_window),
         max_staleness=config.rl.max_staleness)
     produce = partial_rollout.producer(ctx, rollouts)
@@ -440,6 +468,8 @@ def make_rl_producer(config, ctx, store):
 
 
 TIME_PARTS = ("warm_start", "rollout", "train", "eval")
+ROLLOUT_PARTS = ("sample", "score")  # the rollout time's parts (rl.loop.produce_timed)
+TOKEN_COUNTS = ("warm_start_trained", "sampled", "trained")
 
 
 def add_counts(counts: list[int], more) -> list[int]:
@@ -463,11 +493,36 @@ def accuracy_by_size_table(warm: dict, final: dict) -> dict[str, dict]:
 def _new_meta() -> dict:
   """Run-level records kept in the checkpoint meta, so a resumed run reports the whole run:
   held-out evaluations, the histogram of RL rollout completion lengths, the prompts
-  selection skipped, and the wall time spent in each part (seconds; compilation counts
-  where it happens)."""
+  selection skipped, the wall time spent in each part (seconds; compilation counts where
+  it happens; the rollout time also split into sample and score) and the real tokens
+  sampled and trained."""
   return {"phase": WARM_START, "data_cursor": 0, "iteration": 0, "evals": [],
-          "completion_length_counts": [], "time_s": dict.fromkeys(TIME_PARTS, 0.0),
-          "prompts_skipped": 0}
+          "completion_length_counts": [],
+          "time_s": dict.fromkeys(TIME_PARTS + ROLLOUT_PARTS, 0.0),
+          "prompts_skipped": 0, "tokens": dict.fromkeys(TOKEN_COUNTS, 0)}
+
+
+def _upgrade_meta(meta: dict) -> dict:
+  """A restored meta with the records added since its checkpoint was written, zeroed."""
+  meta.setdefault("prompts_skipped", 0)
+  for part in ROLLOUT_PARTS:
+    meta["time_s"].setdefault(part, 0.0)
+  meta.setdefault("tokens", {})
+  for name in TOKEN_COUNTS:
+    meta["tokens"].setdefault(name, 0)
+  return meta
+
+
+def throughput_summary(meta: dict) -> dict:
+  """The run's rollout time split into sample and score (parts of time_s.rollout), the
+  real tokens sampled and trained (RL, and the warm start's trained), and the RL rates:
+  sampled tokens per second of sampling, trained tokens per second of RL training."""
+  time_s, tokens = meta["time_s"], meta["tokens"]
+  per_second = lambda count, seconds: count / seconds if seconds > 0 else 0.0
+  return {"rollout_time_s": {part: time_s[part] for part in ROLLOUT_PARTS},
+          "tokens": dict(tokens),
+          "sampled_tokens_per_s": per_second(tokens["sampled"], time_s["sample"]),
+          "trained_tokens_per_s": per_second(tokens["trained"], time_s["train"])}
 
 
 def _eval_record(result, step: int, phase: str, label: str) -> dict:
@@ -497,15 +552,15 @@ class _Run:
     self.mesh = build_mesh(config)
     self.primary = multihost.is_primary()
     os.makedirs(config.workdir, exist_ok=True)
+    self.config_json = config.to_json_best_effort(indent=2, sort_keys=True)
     if self.primary:  # the resolved config of the latest launch, to reproduce the run
       with open(os.path.join(config.workdir, "config.json"), "w") as f:
-        f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+        f.write(self.config_json)
     init_rng, loop_rng = jax.random.split(jax.random.PRNGKey(config.seed))
     self.tokenizer, self.model_config, params = load_policy(config, init_rng)
     if lora_config(config) is not None:  # before the warm start, not after it
       lora_lib.check_rank(self.model_config, lora_config(config))
-    self.task = make_task(config.task.name, config.task.prompt_style, seed=config.seed,
-                          eval_size=config.task.eval_size, **config.task.difficulty)
+    self.task = build_task(config)
     self.eval_examples = self.task.examples("eval", config.task.eval_size)
     self.contexts = {phase: make_context(config, self.task, self.tokenizer, self.model_config,
                                          phase, self.mesh)
@@ -520,11 +575,16 @@ class _Run:
     self.manager = checkpoint.make_manager(os.path.join(config.workdir, "checkpoints"),
                                            config.checkpoint.max_to_keep,
                                            remove_unfinished=True)
-    self.log = metrics.MetricsLog(os.path.join(config.workdir, "metrics.jsonl"))
     if not config.resume and self.manager.latest_step() is not None:
       raise ValueError(f"config.resume=False but {config.workdir} already holds checkpoints "
                        f"(latest step {self.manager.latest_step()}); use a new "
                        "config.workdir or resume=True.")
+    self.log = metrics.MetricsLog(
+        os.path.join(config.workdir, "metrics.jsonl"),
+        writers=metrics.make_writers(
+            config.workdir, tensorboard=config.metrics.tensorboard,
+            wandb_project=config.metrics.wandb_project,
+            config=json.loads(self.config_json)) if self.primary else [])
     # Unfinished partial rollouts and the replay ring live in a zarr3 trajectory store.
     self.store = None
     if config.rollout.kind == "partial" or config.rollout.replay_size:
@@ -575,7 +635,7 @@ class _Run:
                 if self.config.resume else None)
     if restored is not None:
       step, state, meta = restored
-      meta.setdefault("prompts_skipped", 0)  # checkpoints written before it was recorded
+      meta = _upgrade_meta(meta)  # checkpoints written before some records existed
       self.state = state.replace(data_cursor=meta["data_cursor"], iteration=meta["iteration"])
       self.meta = meta
       if self.primary:
@@ -595,6 +655,8 @@ class _Run:
         self.store.truncate_after(-1)
     self.done = ((0 if self.meta["phase"] == WARM_START else self.phase_steps[WARM_START])
                  + self.state.iteration)
+    if self.primary:  # once per launch, at the step it starts from
+      self.log.write_text(self.done, "config", metrics.config_markdown(self.config_json))
     self.bar = tqdm.tqdm(total=sum(self.phase_steps.values()), initial=self.done,
                          desc=self.meta["phase"], dynamic_ncols=True, disable=not self.primary)
 
@@ -608,7 +670,7 @@ class _Run:
     checkpoint.save(self.manager, self.done, state,
                     dict(self.meta, data_cursor=state.data_cursor, iteration=state.iteration,
                          log_records=len(self.log.read()), **extra))
-    self.log.close()  # TensorBoard events up to the checkpoint reach disk with it
+    self.log.flush()  # TensorBoard events up to the checkpoint reach disk with it
     if self.rollouts is not None:
       self.store.prune(self.manager.all_steps())
 
@@ -621,8 +683,14 @@ class _Run:
       self.meta["completion_length_counts"] = add_counts(self.meta["completion_length_counts"],
                                                          counts)
     self.meta["prompts_skipped"] += int(step_metrics.get("prompts_skipped", 0))
-    for part in ("rollout", "train"):
-      self.meta["time_s"][part] += float(step_metrics.get(f"time_{part}_s", 0.0))
+    tokens = self.meta["tokens"]
+    if phase == WARM_START:  # its time is counted whole, in advance()
+      tokens["warm_start_trained"] += int(step_metrics.get("trained_tokens", 0))
+    else:
+      for part in ("rollout", "train") + ROLLOUT_PARTS:
+        self.meta["time_s"][part] += float(step_metrics.get(f"time_{part}_s", 0.0))
+      tokens["sampled"] += int(step_metrics.get("sampled_tokens", 0))
+      tokens["trained"] += int(step_metrics.get("trained_tokens", 0))
     record = {"step": self.done, "phase": phase,
               **{k: float(v) for k, v in step_metrics.items()}}
     if self.primary:
@@ -639,11 +707,12 @@ class _Run:
         tokenizer=self.tokenizer, prompt_len=config.rollout.prompt_len,
         max_new_tokens=config.rollout.max_new_tokens, model_config=self.model_config,
         batch_size=config.eval.batch_size, mesh=self.mesh)
-    self.meta["time_s"]["eval"] += time.perf_counter() - eval_started
+    eval_s = time.perf_counter() - eval_started
+    self.meta["time_s"]["eval"] += eval_s
     record = _eval_record(result, self.done, self.meta["phase"], label)
     self.meta["evals"].append(record)
-    if self.primary:
-      self.log.write(record)
+    if self.primary:  # its wall time goes to the log only: meta's records stay clock-free
+      self.log.write(dict(record, time_eval_s=eval_s))
     self.bar.write(f"[step {self.done}] {label}: held-out accuracy {result.accuracy:.3f}, "
                    f"mean reward {result.mean_reward:.3f}")
 
@@ -703,13 +772,14 @@ class _Run:
     if self.primary:
       with open(os.path.join(self.config.workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
-      self.log.close()
+      self.log.close()  # every writer's events on disk, the W&B run finished
       metrics.plot_run(self.log.read(), os.path.join(self.config.workdir, "plot.png"))
     return summary
 
   def summary(self) -> dict:
     """Held-out accuracies (warm start and final, with standard errors and by size), steps,
-    wall time and its split, rollout lengths and the selection / partial counts."""
+    wall time and its split, rollout lengths, the selection / partial counts, and the
+    tokens sampled and trained with their rates (`throughput_summary`)."""
     meta = self.meta
     warm = next(e for e in meta["evals"] if e["event"] == "warm_start_end")
     final = meta["evals"][-1]
@@ -719,11 +789,12 @@ class _Run:
                "final_accuracy_stderr": final["eval_accuracy_stderr"],
                "warm_start_reward": warm["eval_reward"], "final_reward": final["eval_reward"],
                "steps": self.done, "wall_time_s": time.time() - self.started,
-               "time_s": dict(meta["time_s"]),
+               "time_s": {part: meta["time_s"][part] for part in TIME_PARTS},
                "rollout_completion_length": metrics.length_stats(
                    meta["completion_length_counts"]),
                "prompts_skipped": meta["prompts_skipped"],
-               "nonfinite_updates": int(multihost.fetch(self.state.train.nonfinite_updates))}
+               "nonfinite_updates": int(multihost.fetch(self.state.train.nonfinite_updates)),
+               **throughput_summary(meta)}
     if "eval_accuracy_by_size" in final:
       summary["accuracy_by_size"] = accuracy_by_size_table(warm, final)
     if self.rollouts is not None:
@@ -761,6 +832,8 @@ def main(argv):
   if lengths:
     print(f"Rollout completion lengths (tokens): median {lengths['median']}, p95 "
           f"{lengths['p95']}, max {lengths['max']}")
+  print(f"Throughput: {summary['sampled_tokens_per_s']:.0f} tokens/s sampled, "
+        f"{summary['trained_tokens_per_s']:.0f} tokens/s trained (RL)")
   split = ", ".join(f"{part} {seconds:.0f} s" for part, seconds in summary["time_s"].items())
   print(f"Wall time: {summary['wall_time_s']:.0f} s ({split}); outputs in "
         f"{_CONFIG.value.workdir}")

@@ -74,6 +74,11 @@ def run_async(state: LoopState, ctx: LoopContext, produce: Producer, num_steps: 
   flight: the returned state's RNG, data cursor and selection history are where the
   producer stopped, and a checkpoint of it resumes exactly. `on_step(state, metrics)` is
   called after each step (logging, progress) from the trainer thread.
+
+  Each step's time_step_s is the trainer thread's time since the previous step ended
+  (waiting for the batch, training, publishing; `on_step` excluded). The batch's
+  time_sample_s / time_score_s were spent by the producer thread, overlapping earlier
+  train steps, so here they need not sum to less than time_step_s.
   """
   if max_staleness < 0:
     raise ValueError(f"max_staleness={max_staleness} must be >= 0 (config.rl.max_staleness).")
@@ -90,7 +95,8 @@ def run_async(state: LoopState, ctx: LoopContext, produce: Producer, num_steps: 
         params, version = channel.wait_for(base + i - max_staleness)
         waited = time.perf_counter() - started
         rng, sample_rng = jax.random.split(rng)
-        produced = produce(params, version, base + i, sample_rng, cursor, selection)
+        produced = loop.produce_timed(produce, params, version, base + i, sample_rng, cursor,
+                                      selection)
         cursor, selection = produced.cursor, produced.selection
         produced.metrics.update(sampled_version=version, producer_wait_s=waited)
         batches.put(produced)
@@ -99,6 +105,7 @@ def run_async(state: LoopState, ctx: LoopContext, produce: Producer, num_steps: 
       batches.put(error)
 
   thread = threading.Thread(target=producer, name="arbor-producer", daemon=True)
+  step_started = time.perf_counter()
   thread.start()
   history = []
   try:
@@ -114,9 +121,11 @@ def run_async(state: LoopState, ctx: LoopContext, produce: Producer, num_steps: 
       train, metrics = loop.train_on(state.train, item, ctx, step)
       channel.publish(_detached(publish(train.policy_params()), train), step + 1)
       state = state.replace(train=train, iteration=state.iteration + 1)
+      metrics["time_step_s"] = time.perf_counter() - step_started
       history.append(metrics)
       if on_step is not None:
         on_step(state, metrics)
+      step_started = time.perf_counter()
     item = batches.get()
     if isinstance(item, BaseException):
       raise item

@@ -34,6 +34,7 @@ import numpy as np
 from models.config import ModelConfig
 from rl import rollout as rollout_lib
 from rl import selection as selection_lib
+from rl import timing
 from rl.tasks import Task
 from rl.train import TrainState
 from rl.types import Rollout
@@ -149,7 +150,11 @@ def sft_iteration(state: LoopState, ctx: LoopContext,
   (`length_grouped_examples`): W consecutive batches' worth of train examples, sorted by
   answer length, so each batch holds answers of similar length and a train step built with
   `length_buckets` runs short batches at a short length.
+
+  Metrics: the train step's, with its time and trained tokens (`train_throughput`), and
+  the step's wall time `time_step_s` (batch building included).
   """
+  started = time.perf_counter()
   if length_window > 1:
     examples = length_grouped_examples(ctx.task, state.data_cursor, ctx.prompts_per_step,
                                        length_window)
@@ -157,10 +162,14 @@ def sft_iteration(state: LoopState, ctx: LoopContext,
     examples = ctx.task.examples("train", ctx.prompts_per_step, state.data_cursor)
   batch = rollout_lib.supervised_batch(ctx.tokenizer, examples, ctx.prompt_len,
                                        ctx.sampling_config.max_new_tokens)
+  train_started = time.perf_counter()
   train, metrics = ctx.train_step(state.train, batch)
+  metrics = jax.device_get(metrics)
+  metrics.update(train_throughput(batch, time.perf_counter() - train_started))
   new_state = state.replace(train=train, data_cursor=state.data_cursor + len(examples),
                             iteration=state.iteration + 1)
-  return new_state, jax.device_get(metrics)
+  metrics["time_step_s"] = time.perf_counter() - started
+  return new_state, metrics
 
 
 def length_grouped_examples(task: Task, cursor: int, batch_size: int, window: int) -> list:
@@ -314,14 +323,51 @@ def staleness(rollout: Rollout, train_step: int) -> int:
   return int(train_step - generated.min()) if generated.size else 0
 
 
+def per_second(count: float, seconds: float) -> float:
+  """count / seconds (0 for an empty interval)."""
+  return float(count) / seconds if seconds > 0 else 0.0
+
+
+def train_throughput(batch: Rollout, seconds: float) -> dict:
+  """time_train_s, trained_tokens (the batch's real completion tokens: no padding, no
+  prompt, and a tree's shared prefix once) and trained_tokens_per_s."""
+  tokens = int(np.asarray(batch.completion_mask).sum())
+  return dict(time_train_s=seconds, trained_tokens=tokens,
+              trained_tokens_per_s=per_second(tokens, seconds))
+
+
+def sampled_tokens(metrics: dict) -> int:
+  """Tokens a producer generated for its batch: a partial-rollout pool's decoded this step
+  (generated_tokens), else the batch's real completion tokens (decoded_tokens; a tree's
+  decoded nodes, every selection round's rows)."""
+  return int(metrics.get("generated_tokens", metrics.get("decoded_tokens", 0)))
+
+
+def produce_timed(produce: Producer, *args) -> Produced:
+  """`produce(*args)`, with its wall time split into phases in the batch's metrics:
+  time_rollout_s (all of it) = time_sample_s (generation, prompt encoding, advantages) +
+  time_score_s (the task's reward scoring, rl.timing's "score" phase); and
+  sampled_tokens_per_s = sampled_tokens / time_sample_s."""
+  started = time.perf_counter()
+  with timing.phases() as parts:
+    produced = produce(*args)
+  total = time.perf_counter() - started
+  score_s = parts.get("score", 0.0)
+  tokens = sampled_tokens(produced.metrics)
+  produced.metrics.update(time_rollout_s=total, time_score_s=score_s,
+                          time_sample_s=total - score_s, sampled_tokens=tokens,
+                          sampled_tokens_per_s=per_second(tokens, total - score_s))
+  return produced
+
+
 def train_on(train: TrainState, produced: Produced, ctx: LoopContext,
              train_step: int) -> tuple[TrainState, dict]:
-  """One train step on a produced batch; the train metrics, the batch's statistics and its
-  staleness."""
+  """One train step on a produced batch; the train metrics, its time and trained tokens
+  (`train_throughput`), the batch's statistics and its staleness."""
   started = time.perf_counter()
   new_train, metrics = ctx.train_step(train, produced.rollout)
   metrics = jax.device_get(metrics)
-  metrics["time_train_s"] = time.perf_counter() - started
+  metrics.update(train_throughput(produced.rollout, time.perf_counter() - started))
   metrics.update(produced.metrics, staleness=float(staleness(produced.rollout, train_step)))
   return new_train, metrics
 
@@ -335,7 +381,12 @@ def grpo_iteration(state: LoopState, ctx: LoopContext,
   parameters of iteration max(t - k, 0) (state.history) and the tokens carry that version;
   with ctx.publish the parameters are handed over in the sampler's layout. Under LoRA the
   history holds adapters, and the sampler gets them merged into the frozen base.
+
+  Metrics: the batch's (with its phase times, `produce_timed`), the train step's
+  (`train_on`) and the iteration's wall time `time_step_s`, which bounds the sum of
+  time_rollout_s and time_train_s.
   """
+  started = time.perf_counter()
   produce = produce or make_producer(ctx)
   rng, sample_rng = jax.random.split(state.rng)
   params, version, history = state.train.params, state.train.step, state.history
@@ -348,12 +399,10 @@ def grpo_iteration(state: LoopState, ctx: LoopContext,
   if ctx.publish is not None:
     params = ctx.publish(params)
   train_step = int(state.train.step)
-  started = time.perf_counter()
-  produced = produce(params, int(version), train_step, sample_rng, state.data_cursor,
-                     state.selection)
-  rollout_s = time.perf_counter() - started
+  produced = produce_timed(produce, params, int(version), train_step, sample_rng,
+                           state.data_cursor, state.selection)
   train, metrics = train_on(state.train, produced, ctx, train_step)
-  metrics["time_rollout_s"] = rollout_s
   new_state = state.replace(train=train, rng=rng, history=history, selection=produced.selection,
                             data_cursor=produced.cursor, iteration=state.iteration + 1)
+  metrics["time_step_s"] = time.perf_counter() - started
   return new_state, metrics

@@ -14,6 +14,7 @@ import numpy as np
 from models import transformer
 from models.config import ModelConfig
 from rl import scoring
+from rl import timing
 from rl.tasks import Example, Task
 from rl.types import Rollout
 from sampling import sampler
@@ -164,8 +165,10 @@ def decode_completions(tokenizer: Tokenizer, tokens: np.ndarray, completion_mask
 def score(task: Task, examples: Sequence[Example], completions: Sequence[str]) -> scoring.Scores:
   """Rewards and exact-match flags from the task's scorer, run in rl.scoring's worker
   process under a time limit: a completion whose scorer hangs, raises, crashes or returns
-  a non-finite value gets reward 0 and is counted (Scores.timeouts / Scores.errors)."""
-  return scoring.score(task, completions, examples)
+  a non-finite value gets reward 0 and is counted (Scores.timeouts / Scores.errors). Its
+  wall time counts as the "score" phase (rl.timing), whichever producer calls it."""
+  with timing.phase("score"):
+    return scoring.score(task, completions, examples)
 
 
 def sample_and_score(params, examples: Sequence[Example], *, task: Task, tokenizer: Tokenizer,

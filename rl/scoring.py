@@ -123,7 +123,8 @@ def serve(fd: int, page_fd: int) -> None:
       if time.monotonic() - last > _FLUSH_S:
         conn.send(("results", done))
         done, last = [], time.monotonic()
-    conn.send(("results", done))
+    if done:  # an empty message would outlive the batch and answer the next request
+      conn.send(("results", done))
 
 
 def _die_with_parent() -> None:

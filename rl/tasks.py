@@ -25,9 +25,14 @@ Prompt styles. `compact` fits the character tokenizer (`models.tokenizer.CharTok
 chain_sum / basic_arithmetic become "4-1=" with answer "3"; countdown becomes
 "67,50,20,82:119=" with answer "82+20+67-50". `full` uses reasoning-gym's question and
 answer text verbatim, for subword tokenizers.
+
+Two tasks have classes of their own, built by `make_task` like the others: `running_sum`
+(rl/running_sum.py, Arbor's testbed) and `gsm_symbolic` (rl/gsm.py: reasoning-gym's GSM8K-style
+word problems, scored on the final answer of a chain of thought, `full` prompts only).
 """
 
 import dataclasses
+import importlib
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -124,6 +129,11 @@ _SPECS = {
 }
 
 
+# Tasks with a class of their own (module, class name), imported when built.
+_OWN_CLASSES = {"running_sum": ("rl.running_sum", "RunningSumTask"),
+                "gsm_symbolic": ("rl.gsm", "GsmTask")}
+
+
 def register_task(name: str, *, key: Callable[[dict], Hashable],
                   compact_prompt: Callable[[dict], str], compact_answer: Callable[[dict], str],
                   default_eval_size: int = 1000,
@@ -138,7 +148,7 @@ def register_task(name: str, *, key: Callable[[dict], Hashable],
   these functions must be importable: define them at module level, not as lambdas.
   docs/add_task.md walks through an example.
   """
-  if name in _SPECS:
+  if name in _SPECS or name in _OWN_CLASSES:
     raise ValueError(f"Task {name!r} is already registered.")
   if name not in _RG_DATASETS:
     raise ValueError(f"{name!r} is not a reasoning-gym dataset; known datasets: "
@@ -150,7 +160,7 @@ def register_task(name: str, *, key: Callable[[dict], Hashable],
 
 def task_names() -> tuple[str, ...]:
   """Names `make_task` accepts: the built-in tasks and those added by `register_task`."""
-  return tuple(sorted((*_SPECS, "running_sum")))
+  return tuple(sorted((*_SPECS, *_OWN_CLASSES)))
 
 
 TASK_NAMES = task_names()  # the built-in tasks
@@ -280,12 +290,15 @@ def make_task(name: str, prompt_style: str = "compact", *, seed: int = 0,
   """Builds the task `name`; `difficulty` kwargs go to its reasoning-gym config.
 
   Example: `make_task("chain_sum", min_terms=2, max_terms=3, max_digits=2)`.
-  `eval_size` defaults per task (1000; 100 for countdown, whose items are slow to make).
+  `eval_size` defaults per task (1000; 100 for countdown, whose items are slow to make; 500
+  for running_sum; 200 for gsm_symbolic).
   """
-  if name == "running_sum":  # Arbor's own generator, not a reasoning-gym dataset
-    from rl import running_sum  # pylint: disable=import-outside-toplevel
-    return running_sum.RunningSumTask(prompt_style, seed, 500 if eval_size is None else eval_size,
-                                      **difficulty)
+  if name in _OWN_CLASSES:  # running_sum (Arbor's testbed), gsm_symbolic (rl/gsm.py)
+    module, class_name = _OWN_CLASSES[name]
+    task_class = getattr(importlib.import_module(module), class_name)
+    if eval_size is None:
+      return task_class(prompt_style, seed, **difficulty)
+    return task_class(prompt_style, seed, eval_size, **difficulty)
   if name not in _SPECS:
     raise ValueError(f"Unknown task {name!r}; known tasks: {', '.join(task_names())} "
                      "(rl.tasks.register_task adds one).")

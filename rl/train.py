@@ -52,21 +52,29 @@ class TrainState:
 def make_optimizer(learning_rate: float, *, warmup_steps: int = 0, decay_steps: int = 0,
                    end_lr_fraction: float = 1.0, weight_decay: float = 0.0, b1: float = 0.9,
                    b2: float = 0.999, max_grad_norm: float = 1.0) -> optax.GradientTransformation:
-  """AdamW with global-norm clipping and a warmup + linear-decay schedule.
+  """AdamW with global-norm clipping and the `learning_rate_schedule` of the same arguments.
 
-  The learning rate rises linearly over `warmup_steps`, then decays linearly to
-  `end_lr_fraction * learning_rate` over `decay_steps` (0: constant). A decaying rate keeps
-  the supervised warm start from swinging between checkpoints (docs/benchmarks.md).
+  A decaying rate keeps the supervised warm start from swinging between checkpoints
+  (docs/benchmarks.md).
   """
-  schedule = optax.join_schedules(
+  schedule = learning_rate_schedule(learning_rate, warmup_steps=warmup_steps,
+                                    decay_steps=decay_steps, end_lr_fraction=end_lr_fraction)
+  return optax.chain(
+      optax.clip_by_global_norm(max_grad_norm) if max_grad_norm else optax.identity(),
+      optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay))
+
+
+def learning_rate_schedule(learning_rate: float, *, warmup_steps: int = 0, decay_steps: int = 0,
+                           end_lr_fraction: float = 1.0) -> optax.Schedule:
+  """The optax schedule of `make_optimizer`: the rate rises linearly over `warmup_steps`,
+  then decays linearly to `end_lr_fraction * learning_rate` over `decay_steps` (0:
+  constant). Pass it to `make_train_step` to log the rate each update applies."""
+  return optax.join_schedules(
       [optax.linear_schedule(0.0 if warmup_steps else learning_rate, learning_rate,
                              max(warmup_steps, 1)),
        optax.linear_schedule(learning_rate, learning_rate * end_lr_fraction,
                              max(decay_steps, 1))],
       boundaries=[warmup_steps])
-  return optax.chain(
-      optax.clip_by_global_norm(max_grad_norm) if max_grad_norm else optax.identity(),
-      optax.adamw(schedule, b1=b1, b2=b2, weight_decay=weight_decay))
 
 
 def init_train_state(params, optimizer: optax.GradientTransformation, *,
@@ -179,6 +187,7 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
                     mesh: jax.sharding.Mesh | None = None,
                     rules: sharding_rules.Rules = sharding_rules.TRAINER_RULES,
                     length_buckets: Sequence[int] = (),
+                    learning_rate: optax.Schedule | None = None,
                     lora: lora_lib.LoraConfig | None = None,
                     ) -> Callable[[TrainState, Rollout], tuple[TrainState, dict]]:
   """Builds the jitted train step for the objective `loss_config.name`.
@@ -226,6 +235,11 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
   batch of short sequences does not pay for the longest allowed one; the step compiles
   once per bucket used. The cut slots are masked everywhere, so the results are the same.
   Single-process runs only (a multi-process batch is a global array; it is not cut).
+
+  learning_rate: the optimiser's schedule (`learning_rate_schedule` with the arguments
+  given to `make_optimizer`); when set, the metrics include `learning_rate`, the rate each
+  update applied (the schedule at the update's step, which is the optimiser's count, times
+  the objective's lr_scale; 0 for a skipped update), averaged over the updates.
 
   LoRA (a TrainState from `init_train_state(..., lora=...)`): the step differentiates the
   loss of the merged policy with respect to the adapters only, so the optimiser state and
@@ -301,6 +315,8 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
         nonfinite_updates=state.nonfinite_updates + (~finite).astype(jnp.int32))
     metrics = dict(metrics, loss=loss, grad_norm=grad_norm, lr_scale=lr_scale,
                    update_skipped=(~finite).astype(jnp.float32))
+    if learning_rate is not None:
+      metrics["learning_rate"] = jnp.where(finite, learning_rate(state.step) * lr_scale, 0.0)
     return new_state, metrics
 
   def step(state: TrainState, batch: Rollout) -> tuple[TrainState, dict]:

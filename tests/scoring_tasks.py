@@ -48,6 +48,19 @@ class MisbehavingTask:
 
 
 @dataclasses.dataclass(frozen=True)
+class SlowTask:
+  """Reward 1 after `seconds` of sleep: slower than the worker's flush interval, so each
+  result goes back in a message of its own."""
+  name: str = "slow"
+  seconds: float = 0.02
+
+  def reward(self, completion, example):
+    del completion, example
+    time.sleep(self.seconds)
+    return 1.0
+
+
+@dataclasses.dataclass(frozen=True)
 class DigitsUnlessTower:
   """Reward = fraction of digit characters, but a completion containing HANG_MARKER is
   evaluated as a power tower first (and so never scores): the loop test's task. Its

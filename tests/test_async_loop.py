@@ -17,6 +17,7 @@ from rl import async_loop
 from rl import loop
 from rl import partial_rollout
 from rl import rollout as rollout_lib
+from rl import timing
 from rl import train
 from rl.tasks import Example
 from rl.tasks import make_task
@@ -80,6 +81,28 @@ def test_producer_waits_so_max_staleness_is_never_exceeded(max_staleness):
   assert max(h["staleness"] for h in history) == max_staleness  # ran ahead up to the bound
   assert all(s - v <= max_staleness for s, v in sampled)
   assert int(state.train.step) == 8 and state.data_cursor == 8 and state.iteration == 8
+
+
+def test_async_steps_report_the_producers_phase_times_and_token_rates():
+  # With max_staleness = 0 the trainer waits while each batch is produced, so the step's
+  # wall time holds the producer's sample and score times and the train time.
+  def produce(params, version, train_step, rng, cursor, selection):
+    time.sleep(0.02)
+    with timing.phase("score"):
+      time.sleep(0.01)
+    produced = _fake_produced(version, cursor)
+    produced.metrics["decoded_tokens"] = 12
+    return produced
+
+  _, history = async_loop.run_async(_fake_state(), _fake_context(0.05), produce, 3,
+                                    max_staleness=0)
+  for m in history:
+    assert m["time_score_s"] >= 0.01 and m["time_sample_s"] >= 0.02
+    assert m["time_train_s"] >= 0.05
+    assert m["time_sample_s"] + m["time_score_s"] + m["time_train_s"] <= m["time_step_s"]
+    assert m["sampled_tokens"] == 12 == m["trained_tokens"]  # 4 rows x 3 completion slots
+    assert m["sampled_tokens_per_s"] == pytest.approx(12 / m["time_sample_s"])
+    assert m["trained_tokens_per_s"] == pytest.approx(12 / m["time_train_s"])
 
 
 def test_trainer_refuses_a_batch_beyond_the_bound():

@@ -112,6 +112,12 @@ def test_add_objective_recipe(recipe_folder):
     losses.LOSSES.pop("reinforce", None)
 
 
+def test_math_page_example(recipe_folder):
+  files = write_blocks("math.md", recipe_folder)
+  assert list(files) == ["check_gsm.py"]
+  runpy.run_path(str(files["check_gsm.py"]))  # its asserts are the check
+
+
 def test_add_task_recipe(recipe_folder):
   files = write_blocks("add_task.md", recipe_folder)
   assert list(files) == ["my_tasks.py", "check_my_tasks.py", "gcd_config.py"]

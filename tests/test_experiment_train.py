@@ -2,11 +2,14 @@
 
 import json
 import os
+import sys
 
 import pytest
 
 from experiments import train as train_launcher
+from rl import train as rl_train
 from tests.launcher_config import tiny_run_config
+from tests.test_metrics import FakeWandb, read_events, scalars, texts
 
 
 def tiny_config(workdir, **rl):
@@ -24,12 +27,91 @@ def test_default_run_writes_metrics_plot_checkpoint_and_resumes(tmp_path):
   assert 0.0 <= summary["warm_start_accuracy"] <= 1.0
   records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5]
+  check_step_metrics(tiny_config(tmp_path), records, summary)
+  check_tensorboard(tmp_path, records, config_steps=[0])
 
   # Asking for more GRPO steps in the same workdir continues from the checkpoint at step 5.
   summary = train_launcher.run(tiny_config(tmp_path, steps=4))
   assert summary["steps"] == 7
   records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6, 7]
+  check_step_metrics(tiny_config(tmp_path, steps=4), records, summary)
+  check_tensorboard(tmp_path, records, config_steps=[0, 5])  # one config text per launch
+
+
+def check_step_metrics(config, records: list[dict], summary: dict) -> None:
+  """Each step's learning rate is its phase's schedule at that update; its phase times are
+  positive and within the step's wall time; its token rates are its counts over its
+  times; summary.json holds the totals (over launches, too)."""
+  warm = [r for r in records if r["phase"] == "warm_start" and "loss" in r]
+  rl = [r for r in records if r["phase"] == "rl" and "loss" in r]
+  evals = [r for r in records if "eval_accuracy" in r]
+  w = config.warm_start
+  warm_rate = rl_train.learning_rate_schedule(
+      w.learning_rate, warmup_steps=w.warmup_steps,
+      decay_steps=max(w.steps - w.warmup_steps, 1), end_lr_fraction=0.1)
+  rl_rate = rl_train.learning_rate_schedule(config.rl.learning_rate,
+                                            warmup_steps=config.rl.warmup_steps)
+  for update, record in enumerate(warm):
+    assert record["learning_rate"] == pytest.approx(float(warm_rate(update)), rel=1e-5)
+    assert 0 < record["time_train_s"] <= record["time_step_s"]
+    assert record["trained_tokens_per_s"] == pytest.approx(
+        record["trained_tokens"] / record["time_train_s"])
+  for update, record in enumerate(rl):
+    assert record["learning_rate"] == pytest.approx(float(rl_rate(update)), rel=1e-5)
+    parts = [record[f"time_{part}_s"] for part in ("sample", "score", "train")]
+    assert min(parts) > 0 and sum(parts) <= record["time_step_s"]
+    assert record["sampled_tokens_per_s"] == pytest.approx(
+        record["sampled_tokens"] / record["time_sample_s"])
+    assert record["trained_tokens_per_s"] == pytest.approx(
+        record["trained_tokens"] / record["time_train_s"])
+  assert all(r["time_eval_s"] > 0 for r in evals)
+  assert summary["tokens"] == {
+      "warm_start_trained": sum(r["trained_tokens"] for r in warm),
+      "sampled": sum(r["sampled_tokens"] for r in rl),
+      "trained": sum(r["trained_tokens"] for r in rl)}
+  assert summary["tokens"]["sampled"] > 0 and summary["tokens"]["warm_start_trained"] > 0
+  assert list(summary["time_s"]) == ["warm_start", "rollout", "train", "eval"]
+  assert summary["rollout_time_s"]["sample"] == pytest.approx(
+      sum(r["time_sample_s"] for r in rl))
+  assert summary["sampled_tokens_per_s"] == pytest.approx(
+      summary["tokens"]["sampled"] / summary["rollout_time_s"]["sample"])
+
+
+def check_tensorboard(workdir, records: list[dict], config_steps: list[int]) -> None:
+  """Held-out accuracy is one TensorBoard series over both phases, at the evaluations'
+  steps; the config is a text at the step each launch started from."""
+  events = read_events(workdir)
+  accuracy = [(step, value) for step, tag, value in scalars(events) if tag == "eval/accuracy"]
+  assert [step for step, _ in accuracy] == [r["step"] for r in records if "eval_accuracy" in r]
+  assert not [tag for _, tag, _ in scalars(events) if tag.endswith("/eval_accuracy")]
+  configs = [(step, text) for step, tag, text in texts(events) if tag == "config/text_summary"]
+  assert [step for step, _ in configs] == config_steps
+  assert all('"workdir": ' + json.dumps(str(workdir)) in text for _, text in configs)
+
+
+def test_wandb_gets_the_run_through_the_launcher(tmp_path, monkeypatch):
+  fake = FakeWandb()
+  monkeypatch.setitem(sys.modules, "wandb", fake)
+  config = tiny_run_config(tmp_path, {"warm_start.steps": 1, "rl.steps": 1,
+                                      "metrics.wandb_project": "arbor",
+                                      "metrics.tensorboard": False})
+  train_launcher.run(config)
+  (run,) = fake.runs
+  assert run.init["project"] == "arbor" and run.init["config"]["rl"]["steps"] == 1
+  assert run.finished and '"wandb_project": "arbor"' in run.summary["config"]
+  logged = [(step, tag) for step, scalars_at in run.logged for tag in scalars_at]
+  assert (1, "warm_start/learning_rate") in logged and (2, "rl/time_score_s") in logged
+  assert [step for step, tag in logged if tag == "eval/accuracy"] == [1, 2]
+  assert not list(tmp_path.glob("events.out.tfevents.*"))
+
+
+def test_wandb_without_the_package_is_refused_before_any_work(tmp_path, monkeypatch):
+  monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` fails
+  config = tiny_run_config(tmp_path, {"metrics.wandb_project": "arbor"})
+  with pytest.raises(ValueError, match="pip install wandb"):
+    train_launcher.run(config)
+  assert not os.path.exists(tmp_path / "metrics.jsonl")
 
 
 @pytest.mark.parametrize("field,value,message", [

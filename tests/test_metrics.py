@@ -1,12 +1,16 @@
-"""MetricsLog: one write reaches the JSONL and TensorBoard; a resume purges TensorBoard too.
+"""MetricsLog: one write reaches the JSONL and every writer (TensorBoard, W&B); a resume
+purges TensorBoard too; held-out accuracy is one tag across phases.
 
 Event files are read back with a small independent TFRecord reader (length, CRC, payload,
-CRC framing) and tensorboardX's Event protobuf, not with the writer's own code.
+CRC framing) and tensorboardX's Event protobuf, not with the writer's own code. The W&B
+writer runs against a fake `wandb` module put in sys.modules.
 """
 
 import json
 import pathlib
 import struct
+import sys
+import types
 
 import pytest
 from tensorboardX.proto import event_pb2
@@ -30,7 +34,12 @@ def read_events(directory: pathlib.Path) -> list[event_pb2.Event]:
 
 def scalars(events) -> list[tuple[int, str, float]]:
   return [(e.step, v.tag, v.simple_value) for e in events if e.HasField("summary")
-          for v in e.summary.value]
+          for v in e.summary.value if not v.HasField("tensor")]
+
+
+def texts(events) -> list[tuple[int, str, str]]:
+  return [(e.step, v.tag, v.tensor.string_val[0].decode()) for e in events
+          if e.HasField("summary") for v in e.summary.value if v.HasField("tensor")]
 
 
 def test_one_write_goes_to_jsonl_and_tensorboard(tmp_path):
@@ -46,7 +55,87 @@ def test_one_write_goes_to_jsonl_and_tensorboard(tmp_path):
   assert log.read() == records
   assert scalars(read_events(tmp_path)) == [
       (1, "warm_start/loss", 2.5), (1, "warm_start/nll", 2.5),
-      (2, "rl/loss", -0.125), (2, "rl/reward_mean", 0.75), (3, "eval_accuracy", 0.5)]
+      (2, "rl/loss", -0.125), (2, "rl/reward_mean", 0.75), (3, "eval/accuracy", 0.5)]
+
+
+def test_held_out_accuracy_is_one_series_across_phases(tmp_path):
+  log = metrics.MetricsLog(str(tmp_path / "metrics.jsonl"))
+  log.truncate_after(-1)
+  log.write({"step": 3, "phase": "warm_start", "event": "warm_start_end", "eval_accuracy": 0.25,
+             "eval_accuracy_stderr": 0.0625, "eval_accuracy_by_size": {"2": 0.5},
+             "time_eval_s": 1.5})
+  log.write({"step": 5, "phase": "rl", "event": "eval", "eval_accuracy": 0.75,
+             "eval_accuracy_stderr": 0.03125, "time_eval_s": 1.25})
+  log.close()
+  assert scalars(read_events(tmp_path)) == [
+      (3, "eval/accuracy", 0.25), (3, "eval/accuracy_stderr", 0.0625),
+      (3, "warm_start/time_eval_s", 1.5),
+      (5, "eval/accuracy", 0.75), (5, "eval/accuracy_stderr", 0.03125),
+      (5, "rl/time_eval_s", 1.25)]
+
+
+def test_scalar_tags_keep_real_numbers_only():
+  record = {"step": 7, "phase": "rl", "loss": 1, "skipped": True, "event": "eval",
+            "eval_reward": 0.5, "eval_accuracy_by_size": {"3": 1.0}, "learning_rate": 1e-4}
+  assert metrics.scalar_tags(record) == {"rl/loss": 1.0, "eval/reward": 0.5,
+                                         "rl/learning_rate": 1e-4}
+  assert metrics.scalar_tags({"step": 1, "loss": 2.0}) == {"loss": 2.0}
+
+
+def test_text_goes_to_tensorboard_at_its_step(tmp_path):
+  log = metrics.MetricsLog(str(tmp_path / "metrics.jsonl"))
+  config_json = json.dumps({"rl": {"steps": 5}}, indent=2)
+  log.write_text(4, "config", metrics.config_markdown(config_json))
+  log.close()
+  ((step, tag, text),) = texts(read_events(tmp_path))
+  assert (step, tag) == (4, "config/text_summary")
+  assert text.splitlines() == ["    " + line for line in config_json.splitlines()]
+  assert not log.read()  # texts are not metric records
+
+
+class FakeWandb(types.ModuleType):
+  """The part of wandb's API the writer uses, recording every call."""
+
+  def __init__(self):
+    super().__init__("wandb")
+    self.runs = []
+
+  def init(self, **kwargs):
+    run = types.SimpleNamespace(init=kwargs, logged=[], summary={}, finished=False)
+    run.log = lambda data, step: run.logged.append((step, dict(data)))
+    run.finish = lambda: setattr(run, "finished", True)
+    self.runs.append(run)
+    return run
+
+
+def test_wandb_writer_gets_the_tensorboard_tags(tmp_path, monkeypatch):
+  fake = FakeWandb()
+  monkeypatch.setitem(sys.modules, "wandb", fake)
+  writers = metrics.make_writers(str(tmp_path), tensorboard=False, wandb_project="arbor",
+                                 config={"seed": 3})
+  log = metrics.MetricsLog(str(tmp_path / "metrics.jsonl"), writers=writers)
+  log.truncate_after(-1)
+  log.write_text(0, "config", "    {}")
+  log.write({"step": 1, "phase": "warm_start", "loss": 2.5, "learning_rate": 0.001})
+  log.write({"step": 1, "phase": "warm_start", "event": "warm_start_end", "eval_accuracy": 0.5})
+  log.flush()
+  (run,) = fake.runs
+  assert not run.finished
+  log.close()
+  assert run.init == {"project": "arbor", "name": tmp_path.name, "config": {"seed": 3},
+                      "dir": str(tmp_path)}
+  assert run.logged == [(1, {"warm_start/loss": 2.5, "warm_start/learning_rate": 0.001}),
+                        (1, {"eval/accuracy": 0.5})]
+  assert run.summary == {"config": "    {}"} and run.finished
+  assert not list(tmp_path.glob("events.out.tfevents.*"))
+  assert len(log.read()) == 2
+
+
+def test_wandb_without_the_package_says_how_to_install_it(tmp_path, monkeypatch):
+  monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` fails
+  with pytest.raises(ImportError, match="pip install wandb"):
+    metrics.make_writers(str(tmp_path), wandb_project="arbor")
+  assert metrics.make_writers(str(tmp_path), tensorboard=False) == []
 
 
 def test_resume_truncates_jsonl_and_purges_tensorboard_from_the_next_step(tmp_path):

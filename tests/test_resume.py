@@ -1,7 +1,8 @@
 """Crash-safe exact resume: rl.checkpoint and experiments.train.
 
 - A run of N steps equals N/2 steps + SIGKILL during the next checkpoint save + resume,
-  bit for bit (final state digest and metrics.jsonl, wall-clock time_* fields aside).
+  bit for bit (final state digest and metrics.jsonl, wall-clock time_* and *_per_s
+  fields aside).
 - A corrupt, partial or swapped checkpoint falls back to the previous complete step with
   a warning, or raises a clear error; it is never restored silently.
 """
@@ -64,9 +65,10 @@ def _final_meta(workdir):
 
 
 def _without_clock(record: dict) -> dict:
-  """A metrics record or checkpoint meta without its wall-clock fields (time_*), the only
-  values that differ between two runs of the same config."""
-  return {k: v for k, v in record.items() if not k.startswith("time_")}
+  """A metrics record or checkpoint meta without its wall-clock fields (seconds time_*,
+  rates *_per_s), the only values that differ between two runs of the same config."""
+  return {k: v for k, v in record.items()
+          if not k.startswith("time_") and not k.endswith("_per_s")}
 
 
 # LoRA: the kill falls in the RL phase, so the resume restores adapters, their optimiser

@@ -55,13 +55,18 @@ def hostile_completions(canary) -> list[str]:
   ]
 
 
+def _prompt_style(name: str) -> str:
+  """gsm_symbolic has full prompts only (a prompt style does not change scoring)."""
+  return "full" if name == "gsm_symbolic" else "compact"
+
+
 @pytest.mark.parametrize("name", tasks.TASK_NAMES)
 def test_hostile_completions_are_scored_safely_and_quickly(name, tmp_path):
   canary = tmp_path / "PWNED"
   # running_sum's answers are its warm-start teacher's; with a perfect teacher they are the
   # reference solutions.
   perfect_teacher = {"teacher_carry_slip": 0.0} if name == "running_sum" else {}
-  task = tasks.make_task(name, eval_size=2, **perfect_teacher)
+  task = tasks.make_task(name, _prompt_style(name), eval_size=2, **perfect_teacher)
   examples = task.examples("eval", 2)
   hostile = hostile_completions(canary)
   rows = [(c, e) for e in examples for c in hostile + [e.answer]]
@@ -92,7 +97,7 @@ class _Recorder:
 def test_no_builtin_scorer_evaluates_the_completion(name, tmp_path, monkeypatch):
   # In-process, with eval, exec and sympy's parse_expr replaced by recorders: the built-in
   # scorers must not call them at all (the worker is a second line of defence, not the first).
-  task = tasks.make_task(name, eval_size=1)
+  task = tasks.make_task(name, _prompt_style(name), eval_size=1)
   example = task.examples("eval", 1)[0]  # (basic_arithmetic's generator evals its own text)
   recorder = _Recorder()
   for module, attribute in [(builtins, "eval"), (builtins, "exec"),
@@ -170,6 +175,20 @@ def test_misbehaving_scorers_give_zero_and_are_counted():
   # The worker that replaced the killed ones keeps scoring.
   again = scoring.score(task, ["abcde"], [first], timeout_s=0.5)
   assert again.rewards.tolist() == [0.5] and again.timeouts == again.errors == 0
+
+
+def test_slow_scorer_leaves_no_stale_message_for_the_next_request():
+  # Each 20 ms result outlasts the worker's 10 ms flush interval, so the last one goes back
+  # on its own; the worker used to send an empty message after it, which then answered the
+  # next request (a task load: IndexError) in place of its own reply.
+  scorer = scoring.Scorer()
+  try:
+    for seconds in (0.02, 0.03, 0.02):  # three tasks: a load, then a batch, each time
+      task = scoring_tasks.SlowTask(seconds=seconds)
+      scores = scorer.score(task, ["a", "b", "c"], [None] * 3)
+      assert scores.rewards.tolist() == [1.0] * 3 and scores.errors == scores.timeouts == 0
+  finally:
+    scorer.close()
 
 
 def test_tasks_use_their_exact_match_and_time_limit():

@@ -112,8 +112,8 @@ def test_countdown_is_scorable():
   assert full.entry == example.entry
 
 
-@pytest.mark.parametrize("name", tasks.TASK_NAMES)
-def test_compact_style_fits_the_char_tokenizer(name):
+@pytest.mark.parametrize("name", [n for n in tasks.TASK_NAMES if n != "gsm_symbolic"])
+def test_compact_style_fits_the_char_tokenizer(name):  # gsm_symbolic: full prompts only
   tok = CharTokenizer()
   task = tasks.make_task(name, eval_size=2)
   for example in task.examples("train", 3) + task.examples("eval", 2):

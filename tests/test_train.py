@@ -1,5 +1,7 @@
 """The jitted train step: accumulation, non-finite skipping, lr_scale, and a learning run."""
 
+import time
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -13,6 +15,7 @@ from models.tokenizer import CharTokenizer
 from rl import advantages
 from rl import loop
 from rl import losses
+from rl import scoring as rl_scoring
 from rl import train
 from rl.tasks import Example
 from rl.types import Rollout
@@ -47,6 +50,7 @@ def test_microbatch_accumulation_equals_full_batch():
     state, metrics = step(state, batch)
     states.append((state, metrics))
   (a, ma), (b, mb) = states
+  assert "learning_rate" not in ma  # logged only when the step is given the schedule
   np.testing.assert_allclose(ma["loss"], mb["loss"], rtol=1e-5)
   for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
     np.testing.assert_allclose(x, y, atol=1e-6)
@@ -194,13 +198,15 @@ def test_minibatches_that_do_not_divide_the_batch_are_rejected():
 def test_non_finite_loss_skips_the_update_and_is_counted():
   params = transformer.init_params(CONFIG, jax.random.PRNGKey(0))
   optimizer = train.make_optimizer(1e-2)
-  step = train.make_train_step(CONFIG, optimizer, GRPO)
+  step = train.make_train_step(CONFIG, optimizer, GRPO,
+                               learning_rate=train.learning_rate_schedule(1e-2))
   state = train.init_train_state(jax.tree.map(jnp.copy, params), optimizer)
   batch = random_rollout()
   bad = batch.replace(advantages=batch.advantages.at[0, 4].set(jnp.nan))
   new_state, metrics = step(state, bad)
   assert int(new_state.step) == 0 and int(new_state.nonfinite_updates) == 1
   assert metrics["update_skipped"] == 1.0
+  assert metrics["learning_rate"] == 0.0  # nothing was applied
   for x, y in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(params)):
     np.testing.assert_array_equal(x, y)
 
@@ -300,3 +306,75 @@ def test_length_grouped_examples_deal_each_window_sorted_by_length():
   assert {e.prompt for batch in batches[3:] for e in batch} == {
       e.prompt for e in task.examples("train", 12, 12)}
   assert loop.length_grouped_examples(task, 8, 4, 3) == batches[2]  # a pure function
+
+
+def test_learning_rate_metric_is_the_schedule_at_each_update():
+  # Warmup over 3 updates, then linear decay over 4; two updates (minibatches) per step,
+  # so each step's metric is the mean of the schedule at its two update counts.
+  rate = dict(learning_rate=1e-2, warmup_steps=3, decay_steps=4, end_lr_fraction=0.25)
+  schedule = train.learning_rate_schedule(**rate)
+  optimizer = train.make_optimizer(**rate)
+  step = train.make_train_step(CONFIG, optimizer, GRPO, num_minibatches=2,
+                               learning_rate=schedule)
+  state = train.init_train_state(transformer.init_params(CONFIG, jax.random.PRNGKey(0)),
+                                 optimizer)
+  expected = [1e-2 * np.mean([min(c / 3, 1.0) if c < 3 else 1 - 0.75 * min((c - 3) / 4, 1)
+                              for c in (2 * i, 2 * i + 1)]) for i in range(5)]
+  applied = []
+  for i in range(5):
+    state, metrics = step(state, random_rollout(seed=i))
+    applied.append(float(metrics["learning_rate"]))
+  np.testing.assert_allclose(applied, expected, rtol=1e-5)
+  np.testing.assert_allclose(applied, [(schedule(2 * i) + schedule(2 * i + 1)) / 2
+                                       for i in range(5)], rtol=1e-6)
+
+
+def test_grpo_iteration_splits_its_time_and_counts_real_tokens(monkeypatch):
+  # Scoring is made to take at least 50 ms, so its phase is measured where it runs.
+  real_score = rl_scoring.score
+
+  def slow_score(*args, **kwargs):
+    time.sleep(0.05)
+    return real_score(*args, **kwargs)
+
+  monkeypatch.setattr(rl_scoring, "score", slow_score)
+  tokenizer = CharTokenizer()
+  schedule = train.learning_rate_schedule(3e-3, warmup_steps=4)
+  optimizer = train.make_optimizer(3e-3, warmup_steps=4)
+  sampling_config = SamplingConfig(max_new_tokens=4, temperature=1.0,
+                                   stop_tokens=(tokenizer.eos_id,))
+  ctx = loop.LoopContext(
+      task=DigitTask(), tokenizer=tokenizer, model_config=CONFIG, sampling_config=sampling_config,
+      prompt_len=2, prompts_per_step=4, group_size=4,
+      train_step=train.make_train_step(CONFIG, optimizer, GRPO, learning_rate=schedule),
+      advantage_fn=advantages.grpo_advantages)
+  state = loop.LoopState(train=train.init_train_state(
+      transformer.init_params(CONFIG, jax.random.PRNGKey(1)), optimizer), rng=jax.random.PRNGKey(2))
+  for i in range(2):
+    state, m = loop.grpo_iteration(state, ctx)
+    assert m["learning_rate"] == pytest.approx(float(schedule(i)))
+    assert m["time_score_s"] >= 0.05 and m["time_sample_s"] > 0 and m["time_train_s"] > 0
+    assert m["time_sample_s"] + m["time_score_s"] == pytest.approx(m["time_rollout_s"])
+    assert m["time_rollout_s"] + m["time_train_s"] <= m["time_step_s"]
+    # Independent samples: every generated token is a completion token of the train batch.
+    assert 0 < m["sampled_tokens"] == m["decoded_tokens"] == m["trained_tokens"] <= 4 * 4 * 4
+    assert m["sampled_tokens_per_s"] == pytest.approx(m["sampled_tokens"] / m["time_sample_s"])
+    assert m["trained_tokens_per_s"] == pytest.approx(m["trained_tokens"] / m["time_train_s"])
+
+
+def test_sft_iteration_counts_the_answer_tokens_it_trains_on():
+  tokenizer = CharTokenizer()
+  optimizer = train.make_optimizer(1e-3)
+  ctx = loop.LoopContext(
+      task=DigitTask(), tokenizer=tokenizer, model_config=CONFIG,
+      sampling_config=SamplingConfig(max_new_tokens=4, stop_tokens=(tokenizer.eos_id,)),
+      prompt_len=2, prompts_per_step=8, group_size=1,
+      train_step=train.make_train_step(CONFIG, optimizer, ml_collections.FrozenConfigDict(dict(
+          name="sft", aggregation="token_mean", norm_len=1.0))),
+      advantage_fn=advantages.grpo_advantages)
+  state = loop.LoopState(train=train.init_train_state(
+      transformer.init_params(CONFIG, jax.random.PRNGKey(1)), optimizer), rng=jax.random.PRNGKey(2))
+  _, m = loop.sft_iteration(state, ctx)
+  assert m["trained_tokens"] == 8 * 2  # answer "1" and EOS per example
+  assert 0 < m["time_train_s"] <= m["time_step_s"]
+  assert m["trained_tokens_per_s"] == pytest.approx(16 / m["time_train_s"])

@@ -20,12 +20,14 @@ def get_config() -> ml_collections.ConfigDict:
   c.resume = True                     # continue from the newest checkpoint in workdir
 
   c.task = ml_collections.ConfigDict()
-  c.task.name = "running_sum"         # running_sum (rl/running_sum.py) or a reasoning-gym
-                                      # dataset (rl/tasks.py; configs/chain_sum_compact.py)
+  c.task.name = "running_sum"         # running_sum (rl/running_sum.py), gsm_symbolic (math
+                                      # word problems, rl/gsm.py; configs/smollm2_gsm.py) or
+                                      # a reasoning-gym dataset (rl/tasks.py;
+                                      # configs/chain_sum_compact.py)
   c.task.prompt_style = "compact"     # "compact" ("4-1=") for the char tokenizer; "full"
   c.task.eval_size = 500              # held-out items (greedy exact match)
-  # The task's difficulty fields (running_sum: rl/running_sum.py Difficulty; a reasoning-gym
-  # dataset: its config's fields).
+  # The task's difficulty fields (running_sum: rl/running_sum.py Difficulty; gsm_symbolic:
+  # rl/gsm.py Options, with format_reward; a reasoning-gym dataset: its config's fields).
   c.task.difficulty = ml_collections.ConfigDict(dict(
       min_steps=1, max_steps=9, length_tail=1.9, digits=7, step=5,
       teacher_carry_slip=(0.55, 0.9), state_credit=0.0))
@@ -161,6 +163,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 30                   # GRPO steps between held-out evaluations
   c.eval.batch_size = 250             # prompts per greedy decoding batch
+
+  # Where metrics go besides metrics.jsonl (experiments/metrics.py; always written).
+  c.metrics = ml_collections.ConfigDict()
+  c.metrics.tensorboard = True        # TensorBoard event files next to metrics.jsonl
+  c.metrics.wandb_project = ""        # Weights & Biases project ("" = off; pip install wandb)
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every = 100            # iterations between checkpoints (and at phase ends)

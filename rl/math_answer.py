@@ -1,0 +1,215 @@
+"""Final answers of chain-of-thought math completions: extraction and equivalence.
+
+A model that reasons before answering writes its answer at the end, so the scorer looks for
+it in the whole completion. `extract_answer` takes, in this order of precedence:
+
+  1. `boxed`: the content of the last well-formed, non-empty `\\boxed{...}` (or `\\fbox{...}`),
+     braces nested, at most `MAX_ANSWER_CHARS` characters;
+  2. `####`: else the first number on the line after the last `####` marker (GSM8K's
+     format), e.g. "#### $1,234 dollars" gives "1,234";
+  3. `number`: else the last number in the text (`1,234`, `-5`, `2.5`, `3/4`, `\\frac{3}{4}`,
+     `75%`); none at all is no answer.
+
+`equivalent(answer, gold)` compares an answer with a numeric reference. A plain numeral
+(after removing `\\$`, `\\text{...}` units, thousands commas, a trailing period, `x =`) is
+read exactly by `parse_number` into a Fraction (so "0.75", "3/4", "\\dfrac{3}{4}" are equal
+and "75%" is 75: GSM answers give a percentage as its number); anything else in a box
+("2 \\cdot 36", "\\sqrt{5184}") goes to math-verify's LaTeX parser. Both sides then go to
+math-verify's `verify` (HuggingFace's maintained verifier), which decides equality.
+
+Safety. Completions are policy text and never evaluated. math-verify is used only with its
+LaTeX extraction (`LatexExtractionConfig`): its other mode, `ExprExtractionConfig`, runs
+sympy's `parse_expr` (which evaluates Python) on free text. In the LaTeX path
+(latex2sympy2_extended, an ANTLR grammar) `parse_expr` is reached only through
+`sympy.Number(token)` on the lexer's number tokens (digits, '.', ','), never on free text.
+Input is bounded before it reaches math-verify: a box of more than `MAX_ANSWER_CHARS`
+characters is not an answer, a numeral of more than `MAX_DIGITS` digits is not a number,
+and math-verify's own timeouts (SIGALRM, whole seconds: `VERIFY_TIMEOUT_S`) cut a slow
+parse or comparison short. Those alarms need the main thread, which is where the scoring
+worker (rl/scoring.py) scores; what they cannot interrupt (C code that never returns to the
+interpreter) is ended by the worker's per-completion time limit and counted as a timeout.
+A math-verify timeout itself makes the answer wrong (reward 0), not a counted timeout. In
+another thread no alarm can be set, and math-verify runs without one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fractions
+import re
+import threading
+
+from math_verify import LatexExtractionConfig, parse, verify
+import sympy
+
+MAX_ANSWER_CHARS = 100  # longer boxed content is not an answer (bounds the LaTeX parser)
+MAX_DIGITS = 30         # a numeral with more digits is not a number
+VERIFY_TIMEOUT_S = 1    # math-verify's per-parse and per-comparison alarm (whole seconds)
+
+SOURCES = ("boxed", "####", "number")
+_MAX_BOX_TRIES = 16      # boxes tried, from the last one back
+_NUMBER_WINDOW = 2 * MAX_ANSWER_CHARS  # characters around the last digit searched for it
+
+_BOX_OPEN = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_HASHES = "####"
+# One number in running text: a LaTeX fraction, or a numeral (thousands commas, decimals, a
+# slash fraction, percent). A minus sign counts only where it cannot be subtraction (not after
+# a digit, letter or closing bracket). ASCII digits only: \d would take other scripts' digits.
+_NUMBER = re.compile(
+    r"\\[dt]?frac\s*\{\s*-?[0-9]+\s*\}\s*\{\s*[0-9]+\s*\}"
+    r"|(?:(?<![0-9A-Za-z)\]}])[-\u2212])?"
+    r"(?:[0-9]{1,3}(?:,[0-9]{3})+(?![0-9])|[0-9]+)(?:\.[0-9]+)?"
+    r"(?:\s*/\s*[0-9]+(?![0-9.]))?(?:\s*\\?%)?")
+_WRAPPERS = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]*)\}")
+_SPACING = re.compile(r"\\[,;:! ]|~|\\\$|\$|\{,\}|\\left|\\right")
+_TRAILING_WORDS = re.compile(r"(?<=[0-9}%])\s+[A-Za-z][A-Za-z.\s]*$")
+_PLAIN = r"(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]*)?|\.[0-9]+"
+_FRAC = re.compile(rf"\\frac\s*\{{\s*(-?(?:{_PLAIN}))\s*\}}\s*\{{\s*({_PLAIN})\s*\}}")
+_SLASH = re.compile(rf"({_PLAIN})\s*/\s*({_PLAIN})")
+_DECIMAL = re.compile(_PLAIN)
+
+
+@dataclasses.dataclass(frozen=True)
+class Answer:
+  """An extracted final answer: its text and where it came from (one of `SOURCES`)."""
+  text: str
+  source: str
+
+
+def last_boxed(text: str) -> str | None:
+  """The content of the last well-formed, non-empty \\boxed{...} (or \\fbox{...}) whose
+  content has at most MAX_ANSWER_CHARS characters; braces nest, escaped braces do not.
+  Only the last `_MAX_BOX_TRIES` boxes are tried (so a flood of unclosed boxes is cheap)."""
+  for opening in list(_BOX_OPEN.finditer(text))[::-1][:_MAX_BOX_TRIES]:
+    content = _braced(text, opening.end())
+    if content and content.strip():
+      return content.strip()
+  return None
+
+
+def _braced(text: str, start: int) -> str | None:
+  """The text from `start` up to the brace closing the one before it, or None when it does
+  not close within MAX_ANSWER_CHARS characters."""
+  depth, i, end = 1, start, min(len(text), start + MAX_ANSWER_CHARS + 1)
+  while i < end:
+    char = text[i]
+    if char == "\\":
+      i += 2
+      continue
+    if char == "{":
+      depth += 1
+    elif char == "}":
+      depth -= 1
+      if depth == 0:
+        return text[start:i]
+    i += 1
+  return None
+
+
+def after_last_hashes(text: str) -> str | None:
+  """The first number on the line after the last '####' marker, or None."""
+  position = text.rfind(_HASHES)
+  if position < 0:
+    return None
+  line = text[position + len(_HASHES):].split("\n", 1)[0][:MAX_ANSWER_CHARS]
+  match = _NUMBER.search(line)
+  return match.group(0) if match else None
+
+
+def last_number(text: str) -> str | None:
+  """The last number in `text` (see `_NUMBER`), or None. It holds the last digit, so only
+  the text around that digit is searched (linear in the text, not in its numbers)."""
+  end = max(text.rfind(digit) for digit in "0123456789")
+  if end < 0:
+    return None
+  last = None
+  for last in _NUMBER.finditer(text[max(0, end - _NUMBER_WINDOW):end + _NUMBER_WINDOW]):
+    pass
+  return last.group(0) if last else None
+
+
+def extract_answer(text: str) -> Answer | None:
+  """The final answer of a completion: last box, else last '####' line, else last number."""
+  for source, find in (("boxed", last_boxed), ("####", after_last_hashes),
+                       ("number", last_number)):
+    found = find(text)
+    if found is not None:
+      return Answer(found, source)
+  return None
+
+
+def clean(text: str) -> str:
+  """Strips what does not change a numeric answer: \\text{} wrappers (their words stay),
+  dollar signs and LaTeX spacing, \\dfrac and \\tfrac (to \\frac), a trailing period, unit
+  words after the number, and a leading 'x =' (the part after the last '=')."""
+  for _ in range(3):  # \text{\textbf{...}}
+    text = _WRAPPERS.sub(r" \1 ", text)
+  text = _SPACING.sub(" ", text)
+  text = re.sub(r"\\[dt]frac", r"\\frac", text).replace("\\%", "%").replace("\u2212", "-")
+  text = text.rsplit("=", 1)[-1].strip().rstrip(".").strip()
+  return _TRAILING_WORDS.sub("", text).strip()
+
+
+def parse_number(text: str) -> fractions.Fraction | None:
+  """Reads a plain numeral exactly: '-1,234.5', '3/4', '\\frac{3}{4}', '75%' (as 75).
+  None for anything else, or for more than MAX_DIGITS digits. Never evaluates the text."""
+  text = text.strip()
+  if sum(c.isdigit() for c in text) > MAX_DIGITS:
+    return None
+  text = text.removesuffix("%").strip()
+  sign = -1 if text[:1] == "-" else 1
+  text = text[1:].strip() if text[:1] in "+-" else text
+  for pattern in (_FRAC, _SLASH):
+    match = pattern.fullmatch(text)
+    if match:
+      numerator, denominator = (_decimal(group) for group in match.groups())
+      return None if denominator == 0 else sign * numerator / denominator
+  return sign * _decimal(text) if _DECIMAL.fullmatch(text) else None
+
+
+def _decimal(text: str) -> fractions.Fraction:
+  return fractions.Fraction(text.replace(",", "").rstrip(".") or "0")
+
+
+def _as_verifiable(answer: Answer):
+  """The answer as math-verify's `verify` takes it: an exact sympy number when it is a plain
+  numeral, else what math-verify's LaTeX parser reads from the box (a list; empty when it
+  reads nothing)."""
+  if len(answer.text) > MAX_ANSWER_CHARS:
+    return []
+  number = parse_number(clean(answer.text))
+  if number is not None:
+    return sympy.Rational(number.numerator, number.denominator)
+  if answer.source != "boxed":  # a number pattern that is not a numeral: '1,23'
+    return []
+  return parse("\\boxed{" + answer.text + "}", extraction_config=[LatexExtractionConfig()],
+               parsing_timeout=_alarm_s())
+
+
+def _alarm_s() -> int | None:
+  """math-verify's timeout: VERIFY_TIMEOUT_S in the main thread; None (no alarm) elsewhere,
+  where SIGALRM cannot be set (the scoring worker's time limit still bounds the call)."""
+  return VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+
+
+def equivalent(answer: Answer, gold: str) -> bool:
+  """True when `answer` equals the numeric reference `gold` (a trusted numeral such as
+  '288'), as math-verify decides. Raises ValueError when `gold` is not a numeral."""
+  reference = parse_number(gold)
+  if reference is None:
+    raise ValueError(f"Reference answer {gold!r} is not a numeral; the math task compares "
+                     "numeric answers only.")
+  target = _as_verifiable(answer)
+  if isinstance(target, list) and not target:
+    return False
+  return bool(verify(sympy.Rational(reference.numerator, reference.denominator), target,
+                     timeout_seconds=_alarm_s()))
+
+
+def is_formatted(answer: Answer | None) -> bool:
+  """True for a number given in a final-answer format: a box or a '####' line holding a
+  plain numeral (not '\\boxed{answer}', a copied placeholder), not a number found only as
+  the last one of the text."""
+  return (answer is not None and answer.source in ("boxed", "####")
+          and len(answer.text) <= MAX_ANSWER_CHARS
+          and parse_number(clean(answer.text)) is not None)

@@ -1,0 +1,294 @@
+"""The chain-of-thought math task: answer extraction and equivalence (rl/math_answer.py),
+the gsm_symbolic task (rl/gsm.py) through the scoring worker, hostile completions, split
+disjointness, and its settings through the launcher."""
+
+import concurrent.futures
+import os
+import pickle
+import subprocess
+import sys
+import time
+from fractions import Fraction
+
+import pytest
+
+from experiments import train as train_launcher
+from experiments.configs import smollm2_gsm
+from rl import gsm
+from rl import math_answer
+from rl import scoring
+from rl import tasks
+from rl.math_answer import Answer
+
+F = Fraction
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# (completion, source of the extracted answer, its value); None: no answer at all.
+EXTRACTION_CASES = [
+    # \boxed, nested braces, trailing text, the last box wins.
+    ("So the total is 5 + 3 = 8.\n\\boxed{8}", "boxed", F(8)),
+    ("\\boxed{8} is wrong, the answer is \\boxed{9}", "boxed", F(9)),
+    ("The answer is \\boxed{12}. I hope this helps! 100% sure.", "boxed", F(12)),
+    ("\\boxed{\\frac{3}{4}}", "boxed", F(3, 4)),
+    ("\\boxed{\\dfrac{3}{4}} of the cake", "boxed", F(3, 4)),
+    ("\\boxed{\\tfrac{-1}{2}}", "boxed", F(-1, 2)),
+    ("\\boxed{-\\frac{1}{2}}", "boxed", F(-1, 2)),
+    ("\\boxed{{{7}}}", "boxed", None),  # nested braces: content '{{7}}', not a plain numeral
+    ("Total: \\boxed{1,234}", "boxed", F(1234)),
+    ("\\boxed{\\$12.50}", "boxed", F(25, 2)),
+    ("\\boxed{12 \\text{ apples}}", "boxed", F(12)),
+    ("\\boxed{\\text{12}}", "boxed", F(12)),
+    ("\\boxed{75\\%}", "boxed", F(75)),
+    ("\\boxed{x = 42}", "boxed", F(42)),
+    ("\\boxed{3/4}", "boxed", F(3, 4)),
+    ("\\boxed{-17}", "boxed", F(-17)),
+    ("\\boxed {0.5}", "boxed", F(1, 2)),
+    ("\\fbox{6}", "boxed", F(6)),
+    ("\\boxed{} so 5", "number", F(5)),  # an empty box is no box
+    ("\\boxed{5 and then 7 more, unclosed", "number", F(7)),  # unclosed: no box
+    # GSM8K's #### line: the first number on the last such line.
+    ("3 * 4 = 12\n#### 12", "####", F(12)),
+    ("#### 3\nmore thinking\n#### $1,234 dollars", "####", F(1234)),
+    ("#### -5 degrees\nThat is all.", "####", F(-5)),
+    ("#### 2.5", "####", F(5, 2)),
+    ("#### none\nbut 7", "number", F(7)),  # a #### line without a number: fall back
+    ("\\boxed{4}\n#### 5", "boxed", F(4)),  # a box wins over ####
+    # The last number in the text.
+    ("He has 3 apples and buys 4, so 7 apples.", "number", F(7)),
+    ("The answer is 1,234,567.", "number", F(1234567)),
+    ("It costs $2.50 in total", "number", F(5, 2)),
+    ("So the answer is 3/4 of a pie", "number", F(3, 4)),
+    ("that gives \\frac{5}{8}.", "number", F(5, 8)),
+    ("The temperature is -12 now", "number", F(-12)),
+    ("10-4=6", "number", F(6)),  # a minus after a digit is subtraction
+    ("x-3", "number", F(3)),
+    ("The discount is 25%.", "number", F(25)),
+    ("answer: 12\n\nHope that helps", "number", F(12)),
+    ("1,23", "number", F(23)),  # not a thousands group: the last numeral
+    ("٣ + ٤", None, None),  # other scripts' digits are not numbers
+    ("I don't know.", None, None),
+    ("", None, None),
+]
+
+
+@pytest.mark.parametrize("completion,source,value", EXTRACTION_CASES)
+def test_extraction_precedence_and_numerals(completion, source, value):
+  answer = math_answer.extract_answer(completion)
+  if source is None:
+    assert answer is None
+    return
+  assert answer.source == source
+  assert math_answer.parse_number(math_answer.clean(answer.text)) == value
+
+
+def test_there_are_at_least_thirty_extraction_cases():
+  assert len(EXTRACTION_CASES) >= 30
+
+
+@pytest.mark.parametrize("text,value", [
+    ("42", F(42)), ("-42", F(-42)), ("+7", F(7)), ("1,000,000", F(10**6)), ("0.125", F(1, 8)),
+    (".5", F(1, 2)), ("5.", F(5)), ("3 / 4", F(3, 4)), ("\\frac{6}{8}", F(3, 4)),
+    ("\\frac{1.5}{3}", F(1, 2)), ("50%", F(50)), ("-\\frac{3}{4}", F(-3, 4)),
+])
+def test_parse_number_reads_numerals_exactly(text, value):
+  assert math_answer.parse_number(text) == value
+
+
+@pytest.mark.parametrize("text", [
+    "", "abc", "1/0", "\\frac{1}{0}", "1,23", "1e5", "0x10", "9**9", "2^10", "1.2.3", "--1",
+    "1" * (math_answer.MAX_DIGITS + 1), "__import__('os')",
+])
+def test_parse_number_refuses_everything_else(text):
+  assert math_answer.parse_number(text) is None
+
+
+@pytest.mark.parametrize("answer,gold,equal", [
+    (Answer("72", "number"), "72", True),
+    (Answer("72.0", "####"), "72", True),
+    (Answer("0072", "number"), "72", True),
+    (Answer("1,234", "boxed"), "1234", True),
+    (Answer("\\frac{144}{2}", "boxed"), "72", True),
+    (Answer("144/2", "number"), "72", True),
+    (Answer("2 \\cdot 36", "boxed"), "72", True),  # math-verify's LaTeX parser
+    (Answer("\\sqrt{5184}", "boxed"), "72", True),
+    (Answer("72 \\text{ dollars}", "boxed"), "72", True),
+    (Answer("72 dollars", "boxed"), "72", True),
+    (Answer("\\$72", "boxed"), "72", True),
+    (Answer("75\\%", "boxed"), "75", True),
+    (Answer("-3", "number"), "-3", True),
+    (Answer("0.75", "number"), "0.75", True),
+    (Answer("\\frac{3}{4}", "boxed"), "0.75", True),
+    (Answer("73", "boxed"), "72", False),
+    (Answer("-72", "boxed"), "72", False),
+    (Answer("72.5", "number"), "72", False),
+    (Answer("7.2", "number"), "72", False),
+    (Answer("x", "boxed"), "72", False),
+    (Answer("72, 73", "boxed"), "72", False),  # a set is not a number
+    (Answer("1,23", "number"), "123", False),
+])
+def test_equivalence(answer, gold, equal):
+  assert math_answer.equivalent(answer, gold) is equal
+
+
+@pytest.mark.parametrize("completion,formatted", [
+    ("\\boxed{72}", True), ("\\boxed{\\$1,234.50}", True), ("\\boxed{\\frac{3}{4}}", True),
+    ("#### 72", True), ("work\n#### -3 apples", True),
+    ("\\boxed{answer}", False),  # SmolLM2 copies a placeholder from the instruction
+    ("\\boxed{2 \\cdot 36}", False), ("\\boxed{}", False), ("the answer is 72", False),
+    ("nothing", False), ("\\boxed{" + "1" * 200 + "}", False),
+])
+def test_formatted_means_a_number_in_a_box_or_on_a_hashes_line(completion, formatted):
+  assert math_answer.is_formatted(math_answer.extract_answer(completion)) is formatted
+
+
+def test_a_reference_that_is_not_a_numeral_is_an_error():
+  with pytest.raises(ValueError, match="not a numeral"):
+    math_answer.equivalent(Answer("1", "boxed"), "x + 1")
+
+
+def _task(**options) -> gsm.GsmTask:
+  return tasks.make_task("gsm_symbolic", "full", eval_size=8, **options)
+
+
+def test_gsm_symbolic_is_a_registered_task_with_full_prompts():
+  assert "gsm_symbolic" in tasks.TASK_NAMES
+  task = _task()
+  example = task.examples("train", 1)[0]
+  assert example.prompt.endswith(gsm.DEFAULT_INSTRUCTION)
+  assert example.entry["question"] in example.prompt
+  assert example.answer.endswith(f"\\boxed{{{example.entry['answer']}}}")
+  assert "####" not in example.answer  # the worked solution ends in the box instead
+  assert task.examples("train", 3, start=5) == _task().examples("train", 3, start=5)
+  assert pickle.loads(pickle.dumps(task)).examples("eval", 2) == task.examples("eval", 2)
+
+
+def test_compact_prompts_and_bad_settings_are_refused_with_the_fix():
+  with pytest.raises(ValueError, match="needs prompt_style='full'.*config.model.checkpoint"):
+    tasks.make_task("gsm_symbolic")
+  with pytest.raises(ValueError, match=r"format_reward = 1.5 must be a number in \[0, 1\)"):
+    _task(format_reward=1.5)
+  with pytest.raises(ValueError, match=r"no difficulty field\(s\) \['max_terms'\]; valid "
+                                       "fields: difficulty, format_reward, instruction"):
+    _task(max_terms=3)
+  with pytest.raises(ValueError, match="supports only 1.0"):
+    _task(difficulty=2.0)
+  with pytest.raises(ValueError, match="already registered"):
+    tasks.register_task("gsm_symbolic", key=str, compact_prompt=str, compact_answer=str)
+
+
+def test_train_and_eval_splits_are_disjoint():
+  task = tasks.make_task("gsm_symbolic", "full", eval_size=300)
+  eval_keys = {gsm.question_key(e.entry) for e in task.examples("eval", 300)}
+  train = task.examples("train", 600)
+  assert not eval_keys & {gsm.question_key(e.entry) for e in train}
+  assert len({gsm.question_key(e.entry) for e in train}) > 590  # templates vary the numbers
+  # The filter is what keeps them apart: an eval question put on the first train stream
+  # is skipped there (the next stream's item takes its place).
+  task._eval = (task._eval[0], task._eval[1] | {gsm.question_key(train[0].entry)})
+  assert task.examples("train", 1)[0].entry["question"] != train[0].entry["question"]
+
+
+def test_reward_and_exact_match_through_the_scoring_worker():
+  task, boxed_task = _task(), _task(format_reward=0.2)
+  example = task.examples("eval", 1)[0]
+  gold = example.entry["answer"]
+  wrong = str(int(gold) + 1)
+  completions = [
+      example.answer,                                          # the worked solution
+      f"Let me think.\nSo it is {gold}.",                      # correct, bare number
+      f"... so #### {gold}",                                   # correct, GSM8K line
+      f"\\boxed{{{wrong}}}",                                   # wrong, boxed
+      f"It is {wrong}.",                                       # wrong, bare
+      f"\\boxed{{{gold}}}<|im_end|>\\boxed{{{wrong}}}",        # text after EOS is ignored
+      "no answer here",
+      "\\boxed{answer}",                                       # a copied placeholder
+  ]
+  examples = [example] * len(completions)
+  plain = scoring.score(task, completions, examples)
+  assert plain.rewards.tolist() == [1, 1, 1, 0, 0, 1, 0, 0]
+  assert plain.exact.tolist() == [True, True, True, False, False, True, False, False]
+  shaped = scoring.score(boxed_task, completions, examples)
+  assert shaped.rewards.tolist() == pytest.approx([1, 0.8, 1, 0.2, 0, 1, 0, 0])
+  assert shaped.exact.tolist() == plain.exact.tolist()  # exact match ignores the format
+  assert plain.timeouts == plain.errors == shaped.timeouts == shaped.errors == 0
+
+
+HOSTILE = [
+    "\\boxed{10^{10^{10}}}", "\\boxed{9^{9^{9}}}", "\\boxed{2^{2^{2^{2^{2^{2}}}}}}",
+    "\\boxed{99999999999^{99999999}}", "\\boxed{10!!!!!}",
+    "\\boxed{" + "(" * 23 + "1" + ")" * 23 + "}",                 # ANTLR backtracking
+    "\\boxed{" + "{" * 40 + "1" + "}" * 40 + "}",
+    "\\boxed{" + "\\frac{1}{" * 200 + "2" + "}" * 200 + "}",     # over MAX_ANSWER_CHARS
+    "\\boxed{" * 100_000, "#### " * 100_000, "1" * 1_000_000, "1," * 300_000,
+    "-" * 100_000 + "1", "x" * 1_000_000,
+    "\\boxed{__import__('os').system('touch PWNED')}",
+    "#### __import__('os').system('touch PWNED')",
+]
+
+
+def test_hostile_completions_are_bounded_in_the_worker(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  task = _task()
+  example = task.examples("eval", 1)[0]
+  completions = HOSTILE + [example.answer]
+  start = time.perf_counter()
+  scores = scoring.score(task, completions, [example] * len(completions))
+  elapsed = time.perf_counter() - start
+  assert scores.rewards.tolist() == [0.0] * len(HOSTILE) + [1.0]
+  assert not (tmp_path / "PWNED").exists()
+  # math-verify's own alarms end the slow ones (about a second each) before the worker's
+  # limit; whatever they could not interrupt would be a timeout, never a hang.
+  assert scores.errors == 0 and scores.timeouts <= 2
+  assert elapsed < len(HOSTILE) * (task.reward_timeout_s + 2), elapsed
+
+
+def test_each_hostile_completion_takes_at_most_a_few_seconds_in_process():
+  # The worker's limit is the backstop; in the main thread math-verify's SIGALRM fires.
+  for completion in HOSTILE:
+    start = time.perf_counter()
+    assert gsm.score(completion, "72") == (0.0, False)
+    assert time.perf_counter() - start < 3.5, completion[:40]
+
+
+def test_format_reward_through_the_launcher_config():
+  config = smollm2_gsm.get_config()
+  assert config.task.difficulty.format_reward == 0.0  # off by default
+  train_launcher.validate(config)
+  config.task.difficulty.format_reward = 0.25
+  task = train_launcher.build_task(config)
+  example = task.examples("eval", 1)[0]
+  assert task.reward("\\boxed{-1}", example) == 0.25
+  config.task.difficulty.format_reward = 1.0
+  with pytest.raises(ValueError, match=r"format_reward = 1.0 must be a number in \[0, 1\)"):
+    train_launcher.validate(config)
+  config.task.difficulty.format_reward = 0.0
+  config.task.prompt_style = "compact"
+  with pytest.raises(ValueError, match="needs prompt_style='full'"):
+    train_launcher.validate(config)
+
+
+@pytest.mark.parametrize("config,override,message", [
+    ("smollm2_gsm", "--config.task.difficulty.format_reward=1.5",
+     r"format_reward = 1.5 must be a number in [0, 1)"),
+    ("chain_sum_compact", "--config.task.difficulty.format_reward=0.1",
+     "--config.task.difficulty.format_reward: config.task.difficulty has no field "
+     "'format_reward'"),
+])
+def test_the_launcher_refuses_a_bad_format_reward_before_any_work(tmp_path, config, override,
+                                                                  message):
+  workdir = tmp_path / "run"
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.train", f"--config=experiments/configs/{config}.py",
+       f"--config.workdir={workdir}", override], cwd=_REPO, capture_output=True, text=True,
+      timeout=600, env=dict(os.environ, PYTHONPATH=_REPO, JAX_PLATFORMS="cpu"))
+  assert result.returncode != 0
+  assert message in result.stderr
+  assert not workdir.exists()  # refused before loading the model
+
+
+def test_scoring_outside_the_main_thread_runs_without_alarms():
+  # SIGALRM can only be set in the main thread: math-verify then runs without its timeouts
+  # (the scoring worker's limit still holds), rather than raising.
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    assert pool.submit(gsm.score, "\\boxed{2 \\cdot 36} (in a thread)", "72").result() == (
+        1.0, True)
