@@ -17,9 +17,9 @@ from rl import loop
 from rl import losses
 from rl import scoring as rl_scoring
 from rl import train
-from rl.tasks import Example
 from rl.types import Rollout
 from sampling.sampler import SamplingConfig
+from tests.digit_task import DigitTask
 
 CONFIG = ModelConfig(vocab_size=51, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
                      mlp_dim=64, max_seq_len=16)
@@ -228,20 +228,6 @@ def test_lr_scale_from_the_objective_scales_the_update():
     np.testing.assert_allclose(deltas[1], 0.5 * deltas[0], atol=1e-7)
   finally:
     del losses.LOSSES["test_half_lr"]
-
-
-class DigitTask:
-  """A trivially learnable task: reward = fraction of completion characters that are digits."""
-  name = "digits"
-
-  def examples(self, split, n, start=0):
-    return [Example(prompt="a", answer="1", entry={}) for _ in range(n)]
-
-  def reward(self, completion, example):
-    return sum(ch.isdigit() for ch in completion) / max(len(completion), 1) if completion else 0.0
-
-  def exact_match(self, completion, example):
-    return bool(completion) and completion.isdigit()
 
 
 def test_short_grpo_run_improves_reward():
