@@ -28,29 +28,14 @@ from rl import checkpoint
 from rl import evaluation
 from rl import loop
 from rl import train
-from rl.types import Rollout
 from sampling.sampler import SamplingConfig
 from sharding import mesh as mesh_lib
-from tests.digit_task import DigitTask
 from tests.launcher_config import tiny_run_config
+from tests.rl_fixtures import GRPO, DigitTask, random_rollout
 
 CONFIG = ModelConfig(vocab_size=51, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                      mlp_dim=48, max_seq_len=16, qkv_bias=True)
 LORA = lora_lib.LoraConfig(rank=3, alpha=6.0, targets=lora_lib.TARGETS)
-GRPO = ml_collections.FrozenConfigDict(dict(
-    name="grpo", eps_low=0.2, eps_high=0.2, aggregation="seq_mean_token_mean", norm_len=4.0,
-    kl_coef=0.0))
-
-
-def random_rollout(seed=0, batch=8, length=8):
-  rng = np.random.default_rng(seed)
-  tokens = jnp.asarray(rng.integers(3, 51, (batch, length)), jnp.int32)
-  completion = jnp.asarray(np.arange(length)[None] >= 3).repeat(batch, 0)
-  adv = jnp.asarray(rng.normal(size=(batch, 1)), jnp.float32) * completion
-  return Rollout(tokens=tokens, prompt_mask=~completion, completion_mask=completion,
-                 behavior_logp=jnp.full((batch, length), -3.0) * completion,
-                 version=jnp.zeros((batch, length), jnp.int32), group=jnp.arange(batch) // 2,
-                 reward=jnp.zeros((batch,)), advantages=adv)
 
 
 def _base():
@@ -72,7 +57,7 @@ def _logits(params, batch):
 
 
 def test_adapted_logits_equal_the_base_exactly_at_init():
-  base, batch = _base(), random_rollout()
+  base, batch = _base(), random_rollout(batch=8)
   state = train.init_train_state(base, train.make_optimizer(1e-3), lora=LORA,
                                  model_config=CONFIG, lora_rng=jax.random.PRNGKey(1))
   np.testing.assert_array_equal(np.asarray(_logits(state.policy_params(), batch)),
@@ -214,7 +199,7 @@ def _lora_state(optimizer, base=None):
 def test_train_step_updates_adapters_and_leaves_the_base_unchanged():
   optimizer = train.make_optimizer(1e-2)
   step = train.make_train_step(CONFIG, optimizer, GRPO)
-  base, batch = _base(), random_rollout()
+  base, batch = _base(), random_rollout(batch=8)
   state = _lora_state(optimizer, base)
   before = jax.device_get(state.params)
   for _ in range(2):  # the first update moves B only (A's gradient is zero while B = 0)
@@ -238,7 +223,7 @@ def test_first_update_is_adam_on_the_hand_computed_gradient_of_b():
   loss_config = ml_collections.FrozenConfigDict(dict(name="sft", aggregation="token_mean",
                                                      norm_len=1.0))
   step = train.make_train_step(CONFIG, optimizer, loss_config)
-  base, batch = _base(), random_rollout()
+  base, batch = _base(), random_rollout(batch=8)
   state = _lora_state(optimizer, base)
   adapters = jax.device_get(state.params)
   new_state, _ = step(state, batch)
@@ -260,7 +245,7 @@ def test_first_update_is_adam_on_the_hand_computed_gradient_of_b():
 
 def test_microbatched_lora_step_equals_the_full_batch_step():
   optimizer = train.make_optimizer(1e-2)
-  batch = random_rollout()
+  batch = random_rollout(batch=8)
   states = {}
   for micro in (1, 4):
     step = train.make_train_step(CONFIG, optimizer, GRPO, num_microbatches=micro)
@@ -273,7 +258,7 @@ def test_sharded_lora_step_matches_the_single_device_step():
   if jax.device_count() < 8:
     pytest.fail("Needs the 8 virtual CPU devices tests/conftest.py configures.")
   optimizer = train.make_optimizer(1e-2)
-  batch = random_rollout()
+  batch = random_rollout(batch=8)
   single, _ = train.make_train_step(CONFIG, optimizer, GRPO)(_lora_state(optimizer), batch)
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(data=2, fsdp=2, tensor=2))
   sharded_step = train.make_train_step(CONFIG, optimizer, GRPO, mesh=mesh, lora=LORA)
@@ -287,7 +272,7 @@ def test_sharded_lora_step_matches_the_single_device_step():
 
 
 def test_merged_export_loads_as_the_adapted_policy(tmp_path):
-  base, adapters, batch = _base(), _nonzero_adapters(), random_rollout()
+  base, adapters, batch = _base(), _nonzero_adapters(), random_rollout(batch=8)
   state = _lora_state(train.make_optimizer(1e-3), base).replace(params=adapters)
   hf_checkpoint.save_hf(str(tmp_path), state.policy_params(), CONFIG)
   config, loaded = hf_checkpoint.load_hf(str(tmp_path))

@@ -17,26 +17,11 @@ from rl import loop
 from rl import losses
 from rl import scoring as rl_scoring
 from rl import train
-from rl.types import Rollout
 from sampling.sampler import SamplingConfig
-from tests.digit_task import DigitTask
+from tests.rl_fixtures import GRPO, DigitTask, random_rollout
 
 CONFIG = ModelConfig(vocab_size=51, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
                      mlp_dim=64, max_seq_len=16)
-GRPO = ml_collections.FrozenConfigDict(dict(
-    name="grpo", eps_low=0.2, eps_high=0.2, aggregation="seq_mean_token_mean", norm_len=4.0,
-    kl_coef=0.0))
-
-
-def random_rollout(seed=0, batch=4, length=8):
-  rng = np.random.default_rng(seed)
-  tokens = jnp.asarray(rng.integers(3, 51, (batch, length)), jnp.int32)
-  completion = jnp.asarray(np.arange(length)[None] >= 3).repeat(batch, 0)
-  adv = jnp.asarray(rng.normal(size=(batch, 1)), jnp.float32) * completion
-  return Rollout(tokens=tokens, prompt_mask=~completion, completion_mask=completion,
-                 behavior_logp=jnp.full((batch, length), -3.0) * completion,
-                 version=jnp.zeros((batch, length), jnp.int32), group=jnp.arange(batch) // 2,
-                 reward=jnp.zeros((batch,)), advantages=adv)
 
 
 def test_microbatch_accumulation_equals_full_batch():

@@ -1,0 +1,42 @@
+"""Fixtures shared by the train-step tests (tests/test_train.py, tests/test_lora.py): a GRPO
+loss config, a random rollout batch, and a trivially learnable task (in a module, so the
+scoring worker can import it).
+"""
+
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from rl.tasks import Example
+from rl.types import Rollout
+
+GRPO = ml_collections.FrozenConfigDict(dict(
+    name="grpo", eps_low=0.2, eps_high=0.2, aggregation="seq_mean_token_mean", norm_len=4.0,
+    kl_coef=0.0))
+
+
+def random_rollout(seed=0, batch=4, length=8):
+  """A [batch, length] rollout of random tokens (vocabulary 51): 3 prompt slots, the rest
+  completion, one random advantage per row, groups of two rows."""
+  rng = np.random.default_rng(seed)
+  tokens = jnp.asarray(rng.integers(3, 51, (batch, length)), jnp.int32)
+  completion = jnp.asarray(np.arange(length)[None] >= 3).repeat(batch, 0)
+  adv = jnp.asarray(rng.normal(size=(batch, 1)), jnp.float32) * completion
+  return Rollout(tokens=tokens, prompt_mask=~completion, completion_mask=completion,
+                 behavior_logp=jnp.full((batch, length), -3.0) * completion,
+                 version=jnp.zeros((batch, length), jnp.int32), group=jnp.arange(batch) // 2,
+                 reward=jnp.zeros((batch,)), advantages=adv)
+
+
+class DigitTask:
+  """Reward = fraction of completion characters that are digits; every prompt is "a"."""
+  name = "digits"
+
+  def examples(self, split, n, start=0):
+    return [Example(prompt="a", answer="1", entry={}) for _ in range(n)]
+
+  def reward(self, completion, example):
+    return sum(ch.isdigit() for ch in completion) / max(len(completion), 1) if completion else 0.0
+
+  def exact_match(self, completion, example):
+    return bool(completion) and completion.isdigit()
