@@ -134,6 +134,18 @@ def test_every_py_test_runs_its_own_file_through_pytest():
       "\n  ".join(problems))
 
 
+def test_no_test_module_imports_another():
+  """A py_test's runfiles hold its own test file and test_support, not the other test
+  files: a test importing `tests.test_x` passes under pytest and fails to collect under
+  Bazel. Shared helpers go in a support module (tests/*.py not named test_*)."""
+  importers = sorted(
+      path.name for path in (_REPO / "tests").glob("test_*.py")
+      if re.search(r"^\s*(from tests\.test_\w+ import|import tests\.test_)",
+                   path.read_text(), re.M))
+  assert not importers, (f"{importers} import another test module; move what they share "
+                         "to a support module listed in test_support")
+
+
 def test_no_test_rule_other_than_py_test():
   """Every test target is one of the py_test targets checked above."""
   rules = set(re.findall(r"^(\w+_test)\(", _build_text(), re.M))

@@ -9,7 +9,7 @@ import pytest
 from experiments import train as train_launcher
 from rl import train as rl_train
 from tests.launcher_config import tiny_run_config
-from tests.test_metrics import FakeWandb, read_events, scalars, texts
+from tests.metrics_fixtures import FakeWandb, read_events, scalars, texts
 
 
 def tiny_config(workdir, **rl):

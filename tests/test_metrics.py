@@ -1,45 +1,19 @@
 """MetricsLog: one write reaches the JSONL and every writer (TensorBoard, W&B); a resume
 purges TensorBoard too; held-out accuracy is one tag across phases.
 
-Event files are read back with a small independent TFRecord reader (length, CRC, payload,
-CRC framing) and tensorboardX's Event protobuf, not with the writer's own code. The W&B
-writer runs against a fake `wandb` module put in sys.modules.
+Event files are read back with tests/metrics_fixtures.py's small independent TFRecord reader,
+not with the writer's own code. The W&B writer runs against a fake `wandb` module put in
+sys.modules.
 """
 
 import json
-import pathlib
-import struct
 import sys
-import types
 
 import pytest
 from tensorboardX.proto import event_pb2
 
 from experiments import metrics
-
-
-def read_events(directory: pathlib.Path) -> list[event_pb2.Event]:
-  """Every event of every event file in `directory`, files in name order (as TensorBoard)."""
-  events = []
-  for path in sorted(directory.glob("events.out.tfevents.*")):
-    data = path.read_bytes()
-    offset = 0
-    while offset < len(data):
-      (length,) = struct.unpack("<Q", data[offset:offset + 8])
-      payload = data[offset + 12:offset + 12 + length]  # skip the length's CRC
-      events.append(event_pb2.Event.FromString(payload))
-      offset += 12 + length + 4  # payload CRC
-  return events
-
-
-def scalars(events) -> list[tuple[int, str, float]]:
-  return [(e.step, v.tag, v.simple_value) for e in events if e.HasField("summary")
-          for v in e.summary.value if not v.HasField("tensor")]
-
-
-def texts(events) -> list[tuple[int, str, str]]:
-  return [(e.step, v.tag, v.tensor.string_val[0].decode()) for e in events
-          if e.HasField("summary") for v in e.summary.value if v.HasField("tensor")]
+from tests.metrics_fixtures import FakeWandb, read_events, scalars, texts
 
 
 def test_one_write_goes_to_jsonl_and_tensorboard(tmp_path):
@@ -91,21 +65,6 @@ def test_text_goes_to_tensorboard_at_its_step(tmp_path):
   assert (step, tag) == (4, "config/text_summary")
   assert text.splitlines() == ["    " + line for line in config_json.splitlines()]
   assert not log.read()  # texts are not metric records
-
-
-class FakeWandb(types.ModuleType):
-  """The part of wandb's API the writer uses, recording every call."""
-
-  def __init__(self):
-    super().__init__("wandb")
-    self.runs = []
-
-  def init(self, **kwargs):
-    run = types.SimpleNamespace(init=kwargs, logged=[], summary={}, finished=False)
-    run.log = lambda data, step: run.logged.append((step, dict(data)))
-    run.finish = lambda: setattr(run, "finished", True)
-    self.runs.append(run)
-    return run
 
 
 def test_wandb_writer_gets_the_tensorboard_tags(tmp_path, monkeypatch):
