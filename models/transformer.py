@@ -90,14 +90,23 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
   return (normed * scale.astype(jnp.float32)).astype(x.dtype)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-  """Rotary position embedding, rotate-half layout. x: [B, T, N, E]; positions: [B, T]."""
-  half = x.shape[-1] // 2
+def rope_angles(positions: jax.Array, head_dim: int, theta: float):
+  """(cos, sin) [B, T, 1, E/2] of the rotary embedding at positions [B, T]."""
+  half = head_dim // 2
   inv_freq = 1.0 / theta ** (jnp.arange(half, dtype=jnp.float32) / half)
   angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, E/2]
-  cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+  return jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+
+
+def rotate(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """x [B, T, N, E] rotated by `rope_angles` (rotate-half layout)."""
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotary position embedding, rotate-half layout. x: [B, T, N, E]; positions: [B, T]."""
+  return rotate(x, *rope_angles(positions, x.shape[-1], theta))
 
 
 def attention_mask(kv_mask: jax.Array, num_queries: int, cache_index: jax.Array | int) -> jax.Array:
@@ -249,63 +258,106 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, kv_mask: ja
   return logits, new_cache
 
 
-DecodeCache = tuple  # L pairs (k, v), each [B, K, S, E]
+DecodeCache = tuple  # L pairs (keys [B, K, E, S], values [B, K, S, E])
 
 
-def to_decode_cache(cache: KVCache) -> DecodeCache:
-  """The cache as L per-layer (k, v) buffers in [B, K, S, E] layout, for decode loops.
+def to_decode_cache(cache: KVCache, slots: int | None = None) -> DecodeCache:
+  """The cache as L per-layer (keys, values) buffers in the decode layout, for decode loops.
 
-  Separate per-layer buffers are updated in place by `forward_decode` and read by its
-  attention without slicing a layer out of the stacked array; head-major [B, K, S, E] is
-  the layout the attention dot consumes without transposing the cache every step.
+  Keys are stored transposed, [B, K, E, S], values as [B, K, S, E]: a one-token query
+  reads each layer's keys and values once per step, and these are the layouts in which
+  XLA:CPU streams them (`q . k` over E with S minor, `p . v` over S with E minor; the
+  other orientations measured 4-6x slower at 1k slots, docs/benchmarks_perf.md). Separate
+  per-layer buffers are updated in place by `forward_decode`. `slots`: keep only the first
+  `slots` slots (a decode phase that cannot have filled more; default all).
   """
-  to_layout = lambda a: jnp.transpose(a, (0, 2, 1, 3))
-  return tuple((to_layout(cache["k"][i]), to_layout(cache["v"][i]))
-               for i in range(cache["k"].shape[0]))
+  slots = cache["k"].shape[2] if slots is None else slots
+  keys = lambda a: jnp.transpose(a[:, :slots], (0, 2, 3, 1))
+  values = lambda a: jnp.transpose(a[:, :slots], (0, 2, 1, 3))
+  return tuple((keys(cache["k"][i]), values(cache["v"][i])) for i in range(cache["k"].shape[0]))
 
 
 def from_decode_cache(cache: DecodeCache) -> KVCache:
-  """Inverse of `to_decode_cache`: the stacked {'k', 'v'} [L, B, S, K, E] cache."""
-  stack = lambda arrays: jnp.stack([jnp.transpose(a, (0, 2, 1, 3)) for a in arrays])
-  return {"k": stack([k for k, _ in cache]), "v": stack([v for _, v in cache])}
+  """Inverse of `to_decode_cache` (all slots): the stacked {'k', 'v'} [L, B, S, K, E] cache."""
+  return {"k": jnp.stack([jnp.transpose(k, (0, 3, 1, 2)) for k, _ in cache]),
+          "v": jnp.stack([jnp.transpose(v, (0, 2, 1, 3)) for _, v in cache])}
 
 
 def unstack_layers(params: Params) -> Params:
-  """params with 'layers' as a tuple of L per-layer dicts (for `forward_decode`)."""
+  """params with 'layers' as a tuple of L per-layer dicts, in the layout `forward_decode`
+  reads: the q, k, v projections (and biases) concatenated into one `qkv` matrix and
+  gate, up into one `gate_up`, so a decode step runs two wide matmuls where it would run
+  five narrow ones (at batch 64 on CPU a [D, 2F] matmul runs ~1.2x faster than two
+  [D, F] ones). Done once per decode loop, outside it."""
   layers = params["layers"]
+  fused = dict(layers)
+  fused["qkv"] = jnp.concatenate([fused.pop("q"), fused.pop("k"), fused.pop("v")], axis=-1)
+  fused["gate_up"] = jnp.concatenate([fused.pop("gate"), fused.pop("up")], axis=-1)
+  if "q_bias" in fused:
+    fused["qkv_bias"] = jnp.concatenate(
+        [fused.pop("q_bias"), fused.pop("k_bias"), fused.pop("v_bias")], axis=-1)
   count = jax.tree.leaves(layers)[0].shape[0]
-  return dict(params, layers=tuple(jax.tree.map(lambda a, i=i: a[i], layers)
+  return dict(params, layers=tuple(jax.tree.map(lambda a, i=i: a[i], fused)
                                    for i in range(count)))
+
+
+def _decode_block(x, layer, cos, sin, cache_k, cache_v, mask, cache_index, config: ModelConfig):
+  """One block of `forward_decode`: x [B, 1, D]; returns (x, cache_k, cache_v)."""
+  c = config
+  b, t, _ = x.shape
+  q_width, kv_width = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+  h = rms_norm(x, layer["attn_norm"], c.norm_eps)
+  qkv = h @ layer["qkv"]
+  if c.qkv_bias:
+    qkv = qkv + layer["qkv_bias"]
+  q = qkv[..., :q_width].reshape(b, t, c.n_heads, c.head_dim)
+  k = qkv[..., q_width:q_width + kv_width].reshape(b, t, c.n_kv_heads, c.head_dim)
+  v = qkv[..., q_width + kv_width:].reshape(b, t, c.n_kv_heads, c.head_dim)
+  if c.qk_norm:
+    q, k = rms_norm(q, layer["q_norm"], c.norm_eps), rms_norm(k, layer["k_norm"], c.norm_eps)
+  q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+  cache_k = jax.lax.dynamic_update_slice(
+      cache_k, jnp.transpose(k, (0, 2, 3, 1)).astype(cache_k.dtype), (0, 0, 0, cache_index))
+  cache_v = jax.lax.dynamic_update_slice(
+      cache_v, jnp.transpose(v, (0, 2, 1, 3)).astype(cache_v.dtype), (0, 0, cache_index, 0))
+  # One query per row: the products are written as broadcast-multiply-and-sum, which XLA:CPU
+  # fuses into one streaming pass over the cache; as dot_generals they become B*K tiny
+  # matmuls (2-4x slower at 64 rows, docs/benchmarks_perf.md).
+  kv_heads, e = c.n_kv_heads, c.head_dim
+  qg = q[:, 0].reshape(b, kv_heads, c.n_heads // kv_heads, e).astype(jnp.float32)
+  scores = jnp.sum(qg[..., None] * cache_k[:, :, None], axis=3) * (e ** -0.5)  # [B, K, G, S]
+  scores = jnp.where(mask[:, None, None, 0], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1)
+  attn = jnp.sum(probs[..., None] * cache_v[:, :, None].astype(jnp.float32), axis=3)  # [B,K,G,E]
+  x = x + attn.reshape(b, t, q_width).astype(x.dtype) @ layer["o"]
+  h = rms_norm(x, layer["mlp_norm"], c.norm_eps)
+  gate, up = jnp.split(h @ layer["gate_up"], 2, axis=-1)
+  return x + (jax.nn.silu(gate) * up) @ layer["down"], cache_k, cache_v
 
 
 def forward_decode(params: Params, tokens: jax.Array, positions: jax.Array, kv_mask: jax.Array,
                    config: ModelConfig, cache: DecodeCache,
                    cache_index: jax.Array | int) -> tuple[jax.Array, DecodeCache]:
-  """`forward` with a `DecodeCache` and unstacked layers (`unstack_layers`), unrolled.
+  """`forward` for one new token per row, with a `DecodeCache` and the decode layout of
+  the layers (`unstack_layers`), unrolled.
 
-  Same arguments and result as `forward` with a cache; the layers run as a Python loop
-  so each layer's KV buffers stay separate loop-carried arrays that XLA updates in place.
-  The decode loop's inner step: one token per row per call.
+  tokens, positions [B, 1]; otherwise the arguments and result of `forward` with a cache,
+  except that the cache may hold fewer slots than kv_mask [B, S] covers: attention then
+  reads only the cache's slots (the caller guarantees no later slot is filled). The
+  layers run as a Python loop so each layer's KV buffers stay separate loop-carried arrays
+  that XLA updates in place, and the RoPE angles are computed once for all layers. The
+  decode loop's inner step.
   """
   c = config
+  chex.assert_axis_dimension(tokens, 1, 1)
   x = params["embed"][tokens].astype(c.jnp_dtype)
-  mask = attention_mask(kv_mask, tokens.shape[1], cache_index)
-  b, t, _ = x.shape
+  slots = cache[0][1].shape[2]
+  mask = attention_mask(kv_mask[:, :slots], 1, cache_index)
+  cos, sin = rope_angles(positions, c.head_dim, c.rope_theta)
   new_cache = []
   for layer, (cache_k, cache_v) in zip(params["layers"], cache):
-    q, k, v = _project_qkv(x, layer, positions, c)
-    write = lambda buf, new: jax.lax.dynamic_update_slice(
-        buf, jnp.transpose(new, (0, 2, 1, 3)).astype(buf.dtype), (0, 0, cache_index, 0))
-    cache_k, cache_v = write(cache_k, k), write(cache_v, v)
+    x, cache_k, cache_v = _decode_block(x, layer, cos, sin, cache_k, cache_v, mask, cache_index, c)
     new_cache.append((cache_k, cache_v))
-    kv_heads, e = cache_k.shape[1], cache_k.shape[3]
-    qg = q.reshape(b, t, kv_heads, c.n_heads // kv_heads, e)
-    scores = jnp.einsum("btkge,bkse->bkgts", qg, cache_k,
-                        preferred_element_type=jnp.float32) * (e ** -0.5)
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(cache_v.dtype)
-    attn = jnp.einsum("bkgts,bkse->btkge", probs, cache_v).reshape(b, t, c.n_heads * e)
-    x = _finish_block(x, attn, layer, c)
   x = rms_norm(x, params["final_norm"], c.norm_eps)
   head = params["embed"].T if c.tie_embeddings else params["lm_head"]
   logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)

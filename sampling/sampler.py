@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from models import transformer
 from models.config import ModelConfig
-from sampling.logits import sample_tokens
+from sampling.logits import greedy_tokens, sample_tokens, sample_with_uniform
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +41,12 @@ class SamplingConfig:
     top_p: nucleus mass (1.0 = off).
     stop_tokens: ids that end a row (the stop token is part of the completion).
     pad_id: id written into slots after a row has stopped.
+    phase_tokens: the decode loop runs in phases ending after this many completion
+      tokens, twice that, four times, ...; a phase attends only over the cache slots it
+      can have filled (0 = one phase over all slots). See `decode`.
+    compact_min_rows: from the second phase on, live rows are gathered into the narrowest
+      of batch, batch/2, batch/4 rows that holds them, never narrower than this
+      (0 = never compact).
   """
   max_new_tokens: int
   temperature: float = 1.0
@@ -48,6 +54,8 @@ class SamplingConfig:
   top_p: float = 1.0
   stop_tokens: tuple[int, ...] = ()
   pad_id: int = 0
+  phase_tokens: int = 32
+  compact_min_rows: int = 8
 
   def __post_init__(self):
     if self.max_new_tokens <= 0:
@@ -58,6 +66,12 @@ class SamplingConfig:
       raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}.")
     if self.top_k < 0:
       raise ValueError(f"SamplingConfig.top_k must be >= 0 (0 = off), got {self.top_k}.")
+    if self.phase_tokens < 0:
+      raise ValueError(f"SamplingConfig.phase_tokens must be >= 0 (0 = one phase), got "
+                       f"{self.phase_tokens}.")
+    if self.compact_min_rows < 0:
+      raise ValueError(f"SamplingConfig.compact_min_rows must be >= 0 (0 = never compact), "
+                       f"got {self.compact_min_rows}.")
 
 
 @flax.struct.dataclass
@@ -153,6 +167,18 @@ def draw(key: jax.Array, logits: jax.Array, sampling_config: SamplingConfig):
                        sampling_config.top_p)
 
 
+def draw_rows(key: jax.Array, rows: jax.Array, logits: jax.Array,
+              sampling_config: SamplingConfig):
+  """Like `draw`, but row r's uniform comes from fold_in(key, rows[r]): a row's token does
+  not depend on which other rows are in the batch (the decode loop gathers live rows into
+  a narrower batch). Greedy decoding draws nothing."""
+  c = sampling_config
+  if c.temperature == 0.0:
+    return greedy_tokens(logits)
+  uniform = jax.vmap(lambda row: jax.random.uniform(jax.random.fold_in(key, row)))(rows)
+  return sample_with_uniform(uniform, logits, c.temperature, c.top_k, c.top_p)
+
+
 def stop_mask(tokens: jax.Array, live: jax.Array, sampling_config: SamplingConfig) -> jax.Array:
   """Where a live token (any shape, with `live` alike) is one of the config's stop tokens."""
   if not sampling_config.stop_tokens:
@@ -193,12 +219,15 @@ def write_token(state, live: jax.Array, token: jax.Array, logp: jax.Array, versi
       cache=cache)
 
 
-def _advance(state: SamplerState, version: jax.Array, sampling_config: SamplingConfig,
-             forward) -> SamplerState:
-  """One lockstep decode step: every row draws from one split of the state's key and
-  writes at the shared slot P + step."""
-  rng, key = jax.random.split(state.rng)
-  token, logp = draw(key, state.next_logits, sampling_config)
+def _advance(state: SamplerState, rows: jax.Array, version: jax.Array,
+             sampling_config: SamplingConfig, forward) -> SamplerState:
+  """One lockstep decode step: row r draws with fold_in(a split of the state's key, rows[r])
+  (greedy: no key is used or split) and every row writes at the shared slot P + step."""
+  if sampling_config.temperature == 0.0:
+    rng, key = state.rng, None
+  else:
+    rng, key = jax.random.split(state.rng)
+  token, logp = draw_rows(key, rows, state.next_logits, sampling_config)
   state = write_token(state, ~state.done, token, logp, version, state.prompt_len + state.step,
                       sampling_config, forward)
   return state.replace(step=state.step + 1, rng=rng)
@@ -209,7 +238,50 @@ def decode_step(params, state: SamplerState, version: jax.Array, model_config: M
   """Samples one token for every live row, writes it, and advances the cache."""
   forward = lambda token, position, kv_mask, cache, slot: transformer.forward(
       params, token, position, kv_mask, model_config, cache=cache, cache_index=slot)
-  return _advance(state, version, sampling_config, forward)
+  return _advance(state, jnp.arange(state.done.shape[0]), version, sampling_config, forward)
+
+
+def phase_ends(total: int, phase_tokens: int) -> list[int]:
+  """Completion steps at which the decode loop's phases end: phase_tokens, twice that, ...,
+  up to `total` (one phase when phase_tokens is 0 or >= total)."""
+  ends = []
+  end = phase_tokens
+  while 0 < end < total:
+    ends.append(end)
+    end *= 2
+  return ends + [total]
+
+
+def compaction_widths(batch: int, min_rows: int) -> list[int]:
+  """Batch widths a decode phase may run at: batch, batch/2, batch/4 (floored), keeping
+  those of at least `min_rows` rows (min_rows 0: only `batch`)."""
+  if min_rows <= 0:
+    return [batch]
+  return [batch // 2 ** i for i in range(3) if batch // 2 ** i >= min_rows]
+
+
+_SHARED_FIELDS = ("step", "rng")
+
+
+def _take_rows(state: SamplerState, index: jax.Array) -> SamplerState:
+  """The state restricted to rows `index` [W] (step and rng are shared by all rows)."""
+  take = lambda a: a[index]
+  return state.replace(**{f.name: jax.tree.map(take, getattr(state, f.name))
+                          for f in dataclasses.fields(state)
+                          if f.name not in _SHARED_FIELDS and f.name != "prompt_len"})
+
+
+def _put_rows(state: SamplerState, index: jax.Array, part: SamplerState) -> SamplerState:
+  """`state` with rows `index` replaced by the rows of `part` (which also brings step/rng)."""
+  fields = {}
+  for f in dataclasses.fields(state):
+    if f.name == "prompt_len":
+      continue
+    new = getattr(part, f.name)
+    if f.name not in _SHARED_FIELDS:
+      new = jax.tree.map(lambda full, rows: full.at[index].set(rows), getattr(state, f.name), new)
+    fields[f.name] = new
+  return state.replace(**fields)
 
 
 def decode(params, state: SamplerState, version: jax.Array, model_config: ModelConfig,
@@ -218,38 +290,78 @@ def decode(params, state: SamplerState, version: jax.Array, model_config: ModelC
            until: Callable[[SamplerState], jax.Array] | None = None) -> SamplerState:
   """Decodes until every row is done, the slots run out, or `max_steps` more steps.
 
-  Each step equals `decode_step`; inside the loop the KV cache is held per layer in the
+  Each step equals `decode_step`. Inside the loop the KV cache is held per layer in the
   decode layout (`transformer.to_decode_cache`) and the layers run unrolled
   (`transformer.forward_decode`), so a step writes only its new slots and never copies
   or transposes a layer's cache. The state's cache is converted once on entry and exit.
+
+  Cost that follows the tokens actually generated (`SamplingConfig.phase_tokens`,
+  `compact_min_rows`): the loop runs in phases that end after phase_tokens, 2x, 4x, ...
+  completion steps; a phase's attention reads only the cache slots it can have filled
+  (prompt + phase end), and from the second phase on, the live rows are gathered into
+  the narrowest of batch, batch/2, batch/4 rows that holds them all, so rows that have
+  stopped stop costing. Tokens, log-probs and caches equal those of one full-width,
+  full-length loop (draws are per row, `draw_rows`).
 
   Two optional early stops serve partial rollouts (sampling/partial.py):
     position_limit [B]: a row also finishes once its next RoPE position reaches this
       (a per-row length budget, for rows that resume part-way through their completion).
     until: a predicate of the state (traced inside the loop); decoding stops as soon as it
-      is true, e.g. "the target number of complete groups is reached" (APRIL).
+      is true, e.g. "the target number of complete groups is reached" (APRIL). It sees
+      every row, so rows are never compacted when it is given.
   """
+  batch = state.done.shape[0]
   total = state.tokens.shape[1] - state.prompt_len
   limit = total if max_steps is None else jnp.minimum(total, state.step + max_steps)
   layers = transformer.unstack_layers(params)
-  forward = lambda token, position, kv_mask, cache, slot: transformer.forward_decode(
-      layers, token, position, kv_mask, model_config, cache, slot)
+  if position_limit is None:
+    position_limit = jnp.full((batch,), jnp.iinfo(jnp.int32).max, jnp.int32)
 
-  def exhausted(s):
-    if position_limit is None:
-      return s
-    return s.replace(done=s.done | (s.next_position >= position_limit))
+  def exhausted(s, budget):
+    return s.replace(done=s.done | (s.next_position >= budget))
 
-  def cond(s):
-    keep_going = (s.step < limit) & ~jnp.all(s.done)
-    return keep_going if until is None else keep_going & ~until(s)
+  def run_phase(end, s, rows, budget):
+    """The while loop of one phase over whatever rows `s` holds (its cache: end's slots)."""
+    slots = s.prompt_len + end
+    forward = lambda token, position, kv_mask, cache, slot: transformer.forward_decode(
+        layers, token, position, kv_mask[:, :slots], model_config, cache, slot)
 
-  def body(s):
-    return exhausted(_advance(s, version, sampling_config, forward))
+    def cond(s):
+      keep_going = (s.step < jnp.minimum(limit, end)) & ~jnp.all(s.done)
+      return keep_going if until is None else keep_going & ~until(s)
 
-  state = exhausted(state.replace(cache=transformer.to_decode_cache(state.cache)))
-  state = jax.lax.while_loop(cond, body, state)
-  return state.replace(cache=transformer.from_decode_cache(state.cache))
+    body = lambda s: exhausted(_advance(s, rows, version, sampling_config, forward), budget)
+    return jax.lax.while_loop(cond, body, s)
+
+  def run_narrow(end, width, s, rows, budget):
+    """run_phase on the `width` rows that come first when live rows are put first."""
+    if width == batch:
+      return run_phase(end, s, rows, budget)
+    index = jnp.argsort(s.done, stable=True)[:width]
+    part = run_phase(end, _take_rows(s, index), rows[index], budget[index])
+    return _put_rows(s, index, part)
+
+  rows = jnp.arange(batch)
+  full_cache = transformer.to_decode_cache(state.cache)
+  state = exhausted(state, position_limit)
+  ends = phase_ends(total, sampling_config.phase_tokens)
+  widths = [batch] if until is not None else compaction_widths(
+      batch, sampling_config.compact_min_rows)
+  for phase, end in enumerate(ends):
+    slots = state.prompt_len + end
+    state = state.replace(cache=tuple((k[..., :slots], v[:, :, :slots]) for k, v in full_cache))
+    if phase == 0 or len(widths) == 1:
+      state = run_phase(end, state, rows, position_limit)
+    else:
+      live = jnp.sum(~state.done)
+      choice = sum((live <= w).astype(jnp.int32) for w in widths[1:])
+      branches = [functools.partial(run_narrow, end, w) for w in widths]
+      state = jax.lax.switch(choice, branches, state, rows, position_limit)
+    full_cache = tuple(
+        (jax.lax.dynamic_update_slice(fk, k, (0, 0, 0, 0)),
+         jax.lax.dynamic_update_slice(fv, v, (0, 0, 0, 0)))
+        for (fk, fv), (k, v) in zip(full_cache, state.cache))
+  return state.replace(cache=transformer.from_decode_cache(full_cache))
 
 
 def make_generation(tokens: jax.Array, token_mask: jax.Array, behavior_logp: jax.Array,

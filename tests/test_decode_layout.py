@@ -1,4 +1,4 @@
-"""The decode-loop layout (per-layer [B, K, S, E] KV buffers, unrolled layers) computes what
+"""The decode-loop layout (per-layer KV buffers, keys [B, K, E, S], unrolled layers) computes what
 the stacked, scanned forward computes."""
 
 import jax
@@ -23,7 +23,9 @@ def test_decode_cache_round_trips():
   cache = transformer.init_cache(CONFIGS["qwen2"], 2, 7)
   cache = jax.tree.map(lambda a: jax.random.normal(jax.random.PRNGKey(0), a.shape), cache)
   decode_cache = transformer.to_decode_cache(cache)
-  assert len(decode_cache) == 3 and decode_cache[0][0].shape == (2, 2, 7, 8)  # [B, K, S, E]
+  assert len(decode_cache) == 3
+  assert decode_cache[0][0].shape == (2, 2, 8, 7)  # keys [B, K, E, S]
+  assert decode_cache[0][1].shape == (2, 2, 7, 8)  # values [B, K, S, E]
   back = transformer.from_decode_cache(decode_cache)
   for name in ("k", "v"):
     np.testing.assert_array_equal(back[name], cache[name])
