@@ -4,7 +4,15 @@
     python -m experiments.bench_sampler --peers=        # Arbor only
     python -m experiments.bench_sampler --smoke         # tiny shapes, one repetition (CI)
 
-Every row decodes exactly `new_tokens` tokens (no stop tokens; the peers forbid EOS).
+Every row of the B1 table decodes exactly `new_tokens` tokens (no stop tokens; the peers
+forbid EOS). The long-tailed batch (Arbor only; --long_tail_batch rows) stops each row at
+the length of one of the default task's worked solutions (running_sum: 21 to 101 tokens,
+median 21) and counts only those real tokens; it is decoded twice, by the decode loop as
+configured (phases and live-row compaction, `sampling.sampler.decode`) and as one
+full-width, full-length loop (phase_tokens = compact_min_rows = 0, the loop before them).
+Arbor's KV-cache bytes per token and the compiled program's peak memory (arguments +
+outputs + temporaries) are reported per case, each peer process's peak resident memory
+once.
 Arbor runs in this process; each peer (Tunix's Qwen2 + sampler, Hugging Face
 transformers `generate` on torch CPU) runs the same shapes in its own virtualenv
 (experiments/peers, created once under --peer_envs), in the same invocation. Reports
@@ -16,18 +24,22 @@ Writes bench_sampler.json, bench_sampler.md and bench_sampler.png to --out.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import resource
 
 from absl import app
 from absl import flags
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from experiments import peers
 from experiments.measure import load, matmul_peak_flops, timed, write_results
 from experiments.peers import PEER_LABELS, peer_shape
 from models import transformer
 from models.config import ModelConfig, get_preset
+from sampling import sampler
 from sampling.sampler import SamplingConfig, generate
 
 _SMOKE = flags.DEFINE_bool("smoke", False, "Tiny shapes, one repetition (for CI).")
@@ -35,7 +47,8 @@ _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repetitions per case (best 
 _OUT = flags.DEFINE_string("out", "runs/bench_sampler", "Output directory.")
 _PEERS = flags.DEFINE_list("peers", ["tunix", "torch"], "Peers to run (tunix, torch); empty: none.")
 _BATCHES = flags.DEFINE_list("batch_sizes", ["16", "64"], "B1 batch sizes.")
-_NEW_TOKENS = flags.DEFINE_list("new_tokens", ["64", "256"], "B1 completion lengths.")
+_NEW_TOKENS = flags.DEFINE_list("new_tokens", ["64", "256", "1024"], "B1 completion lengths.")
+_LONG_TAIL = flags.DEFINE_integer("long_tail_batch", 64, "Rows of the long-tailed batch (0: skip).")
 _ROUNDS = flags.DEFINE_integer("rounds", 1, "Rounds of (Arbor, peers), order alternating.")
 _PEER_ENVS = flags.DEFINE_string("peer_envs", "runs/peer_envs", "Where peer virtualenvs live.")
 
@@ -48,6 +61,18 @@ def decode_flops_per_token(config: ModelConfig, context: float) -> float:
   return 2 * (c.n_layers * (attn_proj + mlp + attention) + c.d_model * c.vocab_size)
 
 
+def kv_bytes_per_token(config: ModelConfig) -> int:
+  """KV-cache bytes one token occupies: keys and values of every layer and KV head."""
+  return 2 * config.n_layers * config.n_kv_heads * config.head_dim * config.jnp_dtype.itemsize
+
+
+def peak_bytes(compiled) -> int:
+  """A compiled program's peak memory: arguments + outputs + temporaries - aliased."""
+  m = compiled.memory_analysis()
+  return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+             - m.alias_size_in_bytes)
+
+
 def bench_case(config: ModelConfig, batch: int, prompt_len: int, new_tokens: int,
                temperature: float, repeats: int) -> dict:
   params = transformer.init_params(config, jax.random.PRNGKey(0))
@@ -58,9 +83,60 @@ def bench_case(config: ModelConfig, batch: int, prompt_len: int, new_tokens: int
                               sampling_config).tokens.block_until_ready()
   first = timed(lambda: run(0))
   best = min(timed(lambda: run(seed)) for seed in range(1, repeats + 1))
+  compiled = generate.lower(params, prompts, mask, jax.random.PRNGKey(0), config,
+                            sampling_config).compile()
   return dict(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens,
               temperature=temperature, tokens_per_s=batch * new_tokens / best, best_s=best,
-              compile_s=max(first - best, 0.0))
+              compile_s=max(first - best, 0.0),
+              kv_bytes=kv_bytes_per_token(config) * batch * (prompt_len + new_tokens),
+              peak_bytes=peak_bytes(compiled))
+
+
+def task_lengths(rows: int) -> tuple[list[int], int]:
+  """Completion lengths (EOS included) of the default task's first `rows` training items'
+  worked solutions, and the default completion budget."""
+  from experiments.configs import default  # pylint: disable=import-outside-toplevel
+  from rl.tasks import make_task  # pylint: disable=import-outside-toplevel
+  config = default.get_config()
+  task = make_task(config.task.name, **config.task.difficulty)
+  return ([len(e.entry["solution"]) + 1 for e in task.examples("train", rows)],
+          config.rollout.max_new_tokens)
+
+
+@functools.partial(jax.jit, static_argnames=("model_config", "sampling_config"))
+def _generate_lengths(params, prompts, mask, rng, lengths, model_config, sampling_config):
+  """Prefill + decode where row r stops after lengths[r] tokens (a per-row budget)."""
+  state = sampler.prefill(params, prompts, mask, rng, model_config, sampling_config)
+  budget = state.next_position + lengths
+  return sampler.decode(params, state, jnp.int32(0), model_config, sampling_config,
+                        position_limit=budget).token_mask
+
+
+def long_tail_case(config: ModelConfig, batch: int, prompt_len: int, temperature: float,
+                   repeats: int) -> dict:
+  """Real tokens/s on a batch whose rows stop at the default task's solution lengths:
+  the decode loop as configured vs one full-width, full-length loop."""
+  lengths, new_tokens = task_lengths(batch)
+  params = transformer.init_params(config, jax.random.PRNGKey(0))
+  prompts = jax.random.randint(jax.random.PRNGKey(1), (batch, prompt_len), 3, config.vocab_size)
+  mask = jnp.ones((batch, prompt_len), bool)
+  lengths_array = jnp.asarray(lengths, jnp.int32)
+  row = dict(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, temperature=temperature,
+             real_tokens=sum(lengths), median_len=float(np.median(lengths)), max_len=max(lengths))
+  loops = {"phased": SamplingConfig(max_new_tokens=new_tokens, temperature=temperature),
+           "one_loop": SamplingConfig(max_new_tokens=new_tokens, temperature=temperature,
+                                      phase_tokens=0, compact_min_rows=0)}
+  for name, sampling_config in loops.items():
+    run = lambda seed, c=sampling_config: _generate_lengths(
+        params, prompts, mask, jax.random.PRNGKey(seed), lengths_array, config,
+        c).block_until_ready()
+    generated = int(run(0)[:, prompt_len:].sum())
+    assert generated == sum(lengths), (generated, sum(lengths))
+    best = min(timed(lambda: run(seed)) for seed in range(1, repeats + 1))
+    row[name] = dict(real_tokens_per_s=sum(lengths) / best, best_s=best)
+  row["phased_over_one_loop"] = (row["phased"]["real_tokens_per_s"]
+                                 / row["one_loop"]["real_tokens_per_s"])
+  return row
 
 
 def markdown(result: dict) -> str:
@@ -69,6 +145,7 @@ def markdown(result: dict) -> str:
   head += [f"Arbor / {PEER_LABELS[n]}" for n in names[1:]]
   head += [f"{PEER_LABELS[n]} compile s" for n in names]
   head += [f"{PEER_LABELS[n]} util" for n in names]
+  head += ["Arbor KV MiB", "Arbor peak MiB"]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for case in result["cases"]:
     cells = [str(case["batch"]), str(case["new_tokens"]), str(case["temperature"])]
@@ -76,8 +153,22 @@ def markdown(result: dict) -> str:
     cells += [f"{case['arbor']['tokens_per_s'] / case[n]['tokens_per_s']:.2f}x" for n in names[1:]]
     cells += [f"{case[n]['compile_s']:.1f}" for n in names]
     cells += [f"{100 * case[n]['utilisation']:.1f}%" for n in names]
+    cells += [f"{case['arbor']['kv_bytes'] / 2**20:.1f}", f"{case['arbor']['peak_bytes'] / 2**20:.1f}"]
     lines.append("| " + " | ".join(cells) + " |")
-  return "\n".join(lines) + "\n"
+  memory = [f"KV cache {result['kv_bytes_per_token']} bytes per token (Arbor, "
+            f"{result['kv_dtype']}); peak resident memory per process:"]
+  memory += [f"{PEER_LABELS[n]} {result['max_rss_bytes'][n] / 2**20:.0f} MiB" for n in names
+             if n in result["max_rss_bytes"]]
+  text = "\n".join(lines) + "\n\n" + " ".join(memory) + "\n"
+  for tail in result["long_tail"]:
+    text += (f"\nLong-tailed batch ({tail['batch']} rows, T = {tail['temperature']}, "
+             f"{tail['new_tokens']} slots, rows stop at the default task's solution lengths: "
+             f"median {tail['median_len']:.0f}, max {tail['max_len']}; "
+             f"{tail['real_tokens']} real tokens): real tokens/s "
+             f"{tail['phased']['real_tokens_per_s']:.0f} with phases and compaction, "
+             f"{tail['one_loop']['real_tokens_per_s']:.0f} as one full-width loop "
+             f"({tail['phased_over_one_loop']:.2f}x).\n")
+  return text
 
 
 def plot(result: dict, path: str) -> None:
@@ -106,12 +197,13 @@ def main(argv):
     config = get_preset("b1").replace(n_layers=1, d_model=32, n_heads=2, n_kv_heads=1,
                                       head_dim=16, mlp_dim=64, vocab_size=64)
     cases = [(2, 4, 4, 0.0), (2, 4, 4, 1.0)]
-    repeats, peak_size = 1, 256
+    repeats, peak_size, tail_rows = 1, 256, 4
   else:
     config = get_preset("b1")
     cases = list(itertools.product(map(int, _BATCHES.value), (16,), map(int, _NEW_TOKENS.value),
                                    (0.0, 1.0)))
-    repeats, peak_size = _REPEATS.value, 2048
+    repeats, peak_size, tail_rows = _REPEATS.value, 2048, _LONG_TAIL.value
+  config = config.replace(max_seq_len=max(p + n for _, p, n, _ in cases))
   peer_names = peers.peers_enabled(_PEERS.value)
   load_before = load()
   peak = matmul_peak_flops(peak_size, repeats)
@@ -149,13 +241,22 @@ def main(argv):
     for name in frameworks:
       r = dict(by_framework[name][i])
       r["utilisation"] = flops_per_token * r["tokens_per_s"] / peak
-      row[name] = {k: r[k] for k in ("tokens_per_s", "best_s", "compile_s", "utilisation")}
+      row[name] = {k: r[k] for k in ("tokens_per_s", "best_s", "compile_s", "utilisation",
+                                     "kv_bytes", "peak_bytes") if k in r}
     for name in peer_names:
       row[f"arbor_over_{name}"] = row["arbor"]["tokens_per_s"] / row[name]["tokens_per_s"]
     rows.append(row)
+  long_tail = [long_tail_case(config, tail_rows, 16, temperature, repeats)
+                for temperature in (0.0, 1.0)] if tail_rows else []
+  max_rss = {name: v.pop("max_rss_bytes") for name, v in versions.items()
+             if "max_rss_bytes" in v}
+  max_rss["arbor"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   result = {"device": str(jax.devices()[0]), "matmul_peak_flops": peak, "config": str(config),
             "repeats": repeats, "rounds": _ROUNDS.value, "frameworks": frameworks,
-            "peer_versions": versions,
+            "peer_versions": versions, "kv_bytes_per_token": kv_bytes_per_token(config),
+            "kv_dtype": str(config.jnp_dtype.__name__ if hasattr(config.jnp_dtype, "__name__")
+                            else config.jnp_dtype),
+            "max_rss_bytes": max_rss, "long_tail": long_tail,
             "load_before": load_before, "load_after": load(), "cases": rows}
   write_results(_OUT.value, "bench_sampler", result, markdown, plot)
 

@@ -54,7 +54,7 @@ class SamplingConfig:
   top_p: float = 1.0
   stop_tokens: tuple[int, ...] = ()
   pad_id: int = 0
-  phase_tokens: int = 32
+  phase_tokens: int = 64
   compact_min_rows: int = 8
 
   def __post_init__(self):
@@ -253,11 +253,11 @@ def phase_ends(total: int, phase_tokens: int) -> list[int]:
 
 
 def compaction_widths(batch: int, min_rows: int) -> list[int]:
-  """Batch widths a decode phase may run at: batch, batch/2, batch/4 (floored), keeping
-  those of at least `min_rows` rows (min_rows 0: only `batch`)."""
+  """Batch widths a decode phase may run at: batch, and batch/2, batch/4 (floored) where
+  they keep at least `min_rows` rows (min_rows 0: only `batch`)."""
   if min_rows <= 0:
     return [batch]
-  return [batch // 2 ** i for i in range(3) if batch // 2 ** i >= min_rows]
+  return [batch] + [batch // 2 ** i for i in (1, 2) if batch // 2 ** i >= min_rows]
 
 
 _SHARED_FIELDS = ("step", "rng")

@@ -62,6 +62,7 @@ def test_phase_ends_and_widths():
   assert sampler.compaction_widths(64, 8) == [64, 32, 16]
   assert sampler.compaction_widths(16, 8) == [16, 8]
   assert sampler.compaction_widths(12, 8) == [12]
+  assert sampler.compaction_widths(4, 8) == [4]
   assert sampler.compaction_widths(64, 0) == [64]
   assert sampler.compaction_widths(5, 1) == [5, 2, 1]
 

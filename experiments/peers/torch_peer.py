@@ -11,6 +11,7 @@ and prints one JSON line (the results) last on stdout. Never imported by Arbor.
 from __future__ import annotations
 
 import json
+import resource
 import os
 import sys
 import tempfile
@@ -143,6 +144,8 @@ def main():
     import trl  # pylint: disable=import-outside-toplevel
     result["trl"] = trl.__version__
     result["grpo"] = bench_grpo(spec)
+  # Peak resident memory of the whole peer process (all its cases), for B1's memory column.
+  result["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   print(json.dumps(result), flush=True)
 
 

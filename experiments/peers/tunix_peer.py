@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import resource
 import sys
 import time
 
@@ -167,6 +168,8 @@ def main():
       result["generate"] = bench_sampler(spec)
     if spec.get("grpo"):
       result["grpo"] = bench_grpo(spec)
+  # Peak resident memory of the whole peer process (all its cases), for B1's memory column.
+  result["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   print(json.dumps(result), flush=True)
 
 
