@@ -134,16 +134,23 @@ def test_bad_config_gives_a_clear_error(tmp_path, field, value, message):
 def test_mu_grpo_trains_in_large_stages(tmp_path):
   """docs/concepts.md's stage recipe at tiny size: --config.loss.name=mu_grpo, stages of
   2 minibatches x 2 epochs = 4 updates on one rollout batch of 4 prompts. Every update after
-  a stage's first trains on older data, so the stage's mean ratio is not 1 (it is exactly 1,
-  with approx_kl_behavior 0, when each rollout batch takes one update)."""
+  a stage's first trains on older data, so a stage with any reward has a mean ratio other
+  than 1 (it is exactly 1, with approx_kl_behavior 0, when each rollout batch takes one
+  update, or when no response is rewarded: zero advantages leave the parameters as they
+  are). The untrained policy is rarely rewarded; seed 2 rewards the second stage."""
   config = tiny_run_config(tmp_path, {
       "loss.name": "mu_grpo", "rollout.prompts_per_step": 4, "rl.num_minibatches": 2,
-      "rl.ppo_epochs": 2, "warm_start.steps": 0, "task.eval_size": 8, "eval.batch_size": 8})
+      "rl.ppo_epochs": 2, "warm_start.steps": 0, "task.eval_size": 8, "eval.batch_size": 8,
+      "seed": 2})
   summary = train_launcher.run(config)
   assert summary["steps"] == 2 and summary["nonfinite_updates"] == 0
   records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   stages = [r for r in records if r.get("phase") == "rl" and "loss" in r]
   assert len(stages) == 2
+  assert any(stage["reward_mean"] > 0 for stage in stages)
   for stage in stages:
     assert 0.0 <= stage["vetoed_fraction"] <= 1.0 and "vetoed_response_fraction" in stage
-    assert stage["ratio_mean"] != 1.0 and stage["approx_kl_behavior"] > 0
+    if stage["reward_mean"] > 0:
+      assert stage["ratio_mean"] != 1.0 and stage["approx_kl_behavior"] > 0
+    else:
+      assert stage["ratio_mean"] == 1.0 and stage["approx_kl_behavior"] == 0

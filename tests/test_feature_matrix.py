@@ -77,6 +77,11 @@ def _config(workdir, kind, selection, async_, staleness, data):
   c.task.difficulty = {"max_value": 100}
   c.rollout.tree.update(init_chains=2, fork_points=1, branches=2, rounds=1)  # 4 leaves
   c.selection.max_attempts = 30
+  if selection in ("greso", "adaptive"):
+    # Their effects need an all-equal group among the first step's few prompts, which
+    # depends on what the untrained policy samples: seed 1 has one (checked for every
+    # greso / adaptive combination; seed 0 has none since sampling draws per row).
+    c.seed = 1
   if selection == "greso":  # a pool of 2 prompts seen every step; all-equal ones are skipped
     c.task.train_pool = 2
     c.selection.greso.update(explore_prob=0.05, min_keep_prob=0.05, adapt_step=0.0)
