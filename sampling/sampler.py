@@ -47,6 +47,9 @@ class SamplingConfig:
     compact_min_rows: from the second phase on, live rows are gathered into the narrowest
       of batch, batch/2, batch/4 rows that holds them, never narrower than this
       (0 = never compact).
+    The two phase fields shape the lockstep loop (`decode`: plain and partial rollouts);
+    they change its cost, never its output. Tree rollouts (sampling/tree.py) decode each
+    row at its own slot and do not use them.
   """
   max_new_tokens: int
   temperature: float = 1.0

@@ -187,3 +187,10 @@ def test_extreme_logits_stay_finite():
   assert tokens[0] == 12345 and tokens[2] == 12345 and int(tokens[1]) in (12345, 49999)
   assert np.isfinite(np.asarray(logp)).all()
   np.testing.assert_allclose(logp[0], 0.0, atol=1e-6)
+
+
+def test_bad_phase_settings_are_rejected():
+  with pytest.raises(ValueError, match="phase_tokens"):
+    sampler.SamplingConfig(max_new_tokens=4, phase_tokens=-1)
+  with pytest.raises(ValueError, match="compact_min_rows"):
+    sampler.SamplingConfig(max_new_tokens=4, compact_min_rows=-2)
