@@ -316,7 +316,7 @@ def decode(params, state: SamplerState, version: jax.Array, model_config: ModelC
   batch = state.done.shape[0]
   total = state.tokens.shape[1] - state.prompt_len
   limit = total if max_steps is None else jnp.minimum(total, state.step + max_steps)
-  layers = transformer.unstack_layers(params)
+  layers = transformer.unstack_layers(params, model_config, state.tokens.shape[1])
   if position_limit is None:
     position_limit = jnp.full((batch,), jnp.iinfo(jnp.int32).max, jnp.int32)
 

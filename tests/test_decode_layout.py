@@ -44,7 +44,7 @@ def test_forward_decode_equals_stacked_cached_forward(name):
   cache = transformer.init_cache(config, batch, total)
   _, cache = transformer.forward(params, tokens[:, :prefix], positions[:, :prefix], kv_mask,
                                  config, cache=cache, cache_index=0)
-  layers = transformer.unstack_layers(params)
+  layers = transformer.unstack_layers(params, config, total)
   decode_cache = transformer.to_decode_cache(cache)
   for i in range(prefix, total):
     kv_mask = kv_mask.at[:, i].set(True)
