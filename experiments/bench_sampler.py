@@ -18,7 +18,10 @@ transformers `generate` on torch CPU) runs the same shapes in its own virtualenv
 (experiments/peers, created once under --peer_envs), in the same invocation. Reports
 generated tokens/s (best of --repeats after a compiling/warm-up call), the compile (or
 warm-up) time, Arbor's ratio to each peer, and model FLOP utilisation against a large f32
-matmul timed in this run. Peers are skipped when the environment variable CI is set.
+matmul timed in this run. The machine's streaming read bandwidth is measured too: per batch,
+Arbor's greedy tokens/s at the longest completion over the shortest ("flat cost") is shown
+next to the ratio that reading each step's extra KV cache at that bandwidth would allow.
+Peers are skipped when the environment variable CI is set.
 Writes bench_sampler.json, bench_sampler.md and bench_sampler.png to --out.
 """
 
@@ -36,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import peers
-from experiments.measure import load, matmul_peak_flops, timed, write_results
+from experiments.measure import load, matmul_peak_flops, stream_bandwidth, timed, write_results
 from experiments.peers import PEER_LABELS, peer_shape
 from models import transformer
 from models.config import ModelConfig, get_preset
@@ -65,6 +68,30 @@ def decode_flops_per_token(config: ModelConfig, context: float) -> float:
 def kv_bytes_per_token(config: ModelConfig) -> int:
   """KV-cache bytes one token occupies: keys and values of every layer and KV head."""
   return 2 * config.n_layers * config.n_kv_heads * config.head_dim * config.jnp_dtype.itemsize
+
+
+def kv_read_per_token(config: ModelConfig, prompt_len: int, new_tokens: int) -> float:
+  """KV-cache bytes one generated token's decode step reads, averaged over the completion:
+  step s attends over prompt_len + the end of its phase (`sampler.phase_ends`) slots."""
+  ends = sampler.phase_ends(new_tokens, SamplingConfig.phase_tokens)
+  slots = [prompt_len + next(end for end in ends if step < end) for step in range(new_tokens)]
+  return kv_bytes_per_token(config) * float(np.mean(slots))
+
+
+def flat_cost(result: dict, batch: int) -> dict | None:
+  """Arbor's greedy tokens/s at the longest completion over the shortest, at `batch`, next
+  to the ratio a memory-bandwidth floor allows: each token costing the shortest case's
+  time plus reading its extra KV cache once at the measured stream bandwidth."""
+  rows = sorted((c for c in result["cases"] if c["batch"] == batch and c["temperature"] == 0),
+                key=lambda c: c["new_tokens"])
+  if len(rows) < 2:
+    return None
+  short, long = rows[0], rows[-1]
+  seconds = 1 / short["arbor"]["tokens_per_s"]
+  extra = (long["kv_read_per_token"] - short["kv_read_per_token"]) / result["stream_bandwidth"]
+  return dict(batch=batch, short=short["new_tokens"], long=long["new_tokens"],
+              measured=long["arbor"]["tokens_per_s"] / short["arbor"]["tokens_per_s"],
+              bandwidth_floor=seconds / (seconds + extra))
 
 
 def peak_bytes(compiled) -> int:
@@ -164,6 +191,12 @@ def markdown(result: dict) -> str:
   memory += [f"{PEER_LABELS[n]} {result['max_rss_bytes'][n] / 2**20:.0f} MiB" for n in names
              if n in result["max_rss_bytes"]]
   text = "\n".join(lines) + "\n\n" + " ".join(memory) + "\n"
+  text += (f"\nMemory: a streaming read runs at {result['stream_bandwidth'] / 1e9:.1f} GB/s.")
+  for f in result["flat_cost"]:
+    text += (f" Batch {f['batch']}, greedy: tokens/s at {f['long']} new tokens is "
+             f"{f['measured']:.2f}x that at {f['short']}; reading each step's extra KV cache at "
+             f"that bandwidth alone would allow {f['bandwidth_floor']:.2f}x.")
+  text += "\n"
   for tail in result["long_tail"]:
     text += (f"\nLong-tailed batch ({tail['batch']} rows, T = {tail['temperature']}, "
              f"{tail['new_tokens']} slots, rows stop at the default task's solution lengths: "
@@ -211,6 +244,7 @@ def main(argv):
   peer_names = peers.peers_enabled(_PEERS.value)
   load_before = load()
   peak = matmul_peak_flops(peak_size, repeats)
+  bandwidth = stream_bandwidth(2 ** 28 if not _SMOKE.value else 2 ** 20, repeats)
   spec = dict(shape=peer_shape(config), repeats=repeats,
               cases=[dict(batch=b, prompt_len=p, new_tokens=n, temperature=t)
                      for b, p, n, t in cases])
@@ -240,7 +274,8 @@ def main(argv):
   frameworks = ["arbor"] + peer_names
   rows = []
   for i, (batch, prompt_len, new_tokens, temperature) in enumerate(cases):
-    row = dict(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, temperature=temperature)
+    row = dict(batch=batch, prompt_len=prompt_len, new_tokens=new_tokens, temperature=temperature,
+               kv_read_per_token=kv_read_per_token(config, prompt_len, new_tokens))
     flops_per_token = decode_flops_per_token(config, prompt_len + new_tokens / 2)
     for name in frameworks:
       r = dict(by_framework[name][i])
@@ -255,12 +290,15 @@ def main(argv):
   max_rss = {name: v.pop("max_rss_bytes") for name, v in versions.items()
              if "max_rss_bytes" in v}
   max_rss["arbor"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-  result = {"device": str(jax.devices()[0]), "matmul_peak_flops": peak, "config": str(config),
+  result = {"device": str(jax.devices()[0]), "matmul_peak_flops": peak,
+            "stream_bandwidth": bandwidth, "config": str(config),
             "repeats": repeats, "rounds": _ROUNDS.value, "frameworks": frameworks,
             "peer_versions": versions, "kv_bytes_per_token": kv_bytes_per_token(config),
             "kv_dtype": jnp.dtype(config.jnp_dtype).name,
             "max_rss_bytes": max_rss, "long_tail": long_tail,
             "load_before": load_before, "load_after": load(), "cases": rows}
+  result["flat_cost"] = [f for f in (flat_cost(result, b) for b in sorted({c[0] for c in cases}))
+                         if f]
   write_results(_OUT.value, "bench_sampler", result, markdown, plot)
 
 

@@ -33,6 +33,16 @@ def matmul_peak_flops(size: int, repeats: int) -> float:
   return 2 * size ** 3 / best
 
 
+def stream_bandwidth(num_bytes: int, repeats: int) -> float:
+  """Measured bytes/s of reading a large f32 array once (its sum): the practical ceiling of
+  memory-bound work, such as one-query attention over a KV cache larger than the caches."""
+  x = jnp.ones((num_bytes // 4,), jnp.float32)
+  total = jax.jit(jnp.sum)
+  total(x).block_until_ready()
+  best = min(timed(lambda: total(x).block_until_ready()) for _ in range(repeats))
+  return num_bytes / best
+
+
 def load() -> str:
   """`uptime`: the load average the benchmark ran under."""
   return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
