@@ -11,7 +11,6 @@ and prints one JSON line (the results) last on stdout. Never imported by Arbor.
 from __future__ import annotations
 
 import json
-import resource
 import os
 import sys
 import tempfile
@@ -134,6 +133,17 @@ def bench_grpo(spec: dict) -> dict:
   return dict(first_step_s=times[0], best_step_s=min(times[1:]), steps=len(times))
 
 
+def peak_rss_bytes() -> int:
+  """Peak resident memory of this whole peer process (all its cases), for B1's memory
+  column: VmHWM, not ru_maxrss, which Linux carries over from the parent across fork and
+  exec (a peer started by a 2 GB benchmark process would report the parent's peak)."""
+  with open("/proc/self/status", encoding="ascii") as status:
+    for line in status:
+      if line.startswith("VmHWM:"):
+        return int(line.split()[1]) * 1024
+  raise RuntimeError("/proc/self/status has no VmHWM line (peak memory needs Linux).")
+
+
 def main():
   spec = json.loads(sys.argv[1])
   torch.set_num_threads(spec.get("threads", os.cpu_count()))
@@ -144,8 +154,7 @@ def main():
     import trl  # pylint: disable=import-outside-toplevel
     result["trl"] = trl.__version__
     result["grpo"] = bench_grpo(spec)
-  # Peak resident memory of the whole peer process (all its cases), for B1's memory column.
-  result["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  result["max_rss_bytes"] = peak_rss_bytes()
   print(json.dumps(result), flush=True)
 
 

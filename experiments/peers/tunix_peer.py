@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import resource
 import sys
 import time
 
@@ -160,6 +159,17 @@ def bench_grpo(spec: dict) -> dict:
               steps=len(stamps), total_s=total)
 
 
+def peak_rss_bytes() -> int:
+  """Peak resident memory of this whole peer process (all its cases), for B1's memory
+  column: VmHWM, not ru_maxrss, which Linux carries over from the parent across fork and
+  exec (a peer started by a 2 GB benchmark process would report the parent's peak)."""
+  with open("/proc/self/status", encoding="ascii") as status:
+    for line in status:
+      if line.startswith("VmHWM:"):
+        return int(line.split()[1]) * 1024
+  raise RuntimeError("/proc/self/status has no VmHWM line (peak memory needs Linux).")
+
+
 def main():
   spec = json.loads(sys.argv[1])
   result = {"tunix": importlib.metadata.version("google-tunix"), "jax": jax.__version__}
@@ -168,8 +178,7 @@ def main():
       result["generate"] = bench_sampler(spec)
     if spec.get("grpo"):
       result["grpo"] = bench_grpo(spec)
-  # Peak resident memory of the whole peer process (all its cases), for B1's memory column.
-  result["max_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  result["max_rss_bytes"] = peak_rss_bytes()
   print(json.dumps(result), flush=True)
 
 
