@@ -64,3 +64,14 @@ def test_flat_cost_ratio_and_its_bandwidth_ceiling():
   # 1 ms per token plus (2e6 - 1e5) bytes at 1 GB/s = 1.9 ms: 1 / 2.9.
   assert flat["bandwidth_floor"] == pytest.approx(1 / 2.9)
   assert bench_sampler.flat_cost(result, 16) is None
+
+
+def test_peer_reports_its_own_peak_memory_not_its_parents():
+  # A child's ru_maxrss starts at its parent's peak (Linux keeps it across fork + exec);
+  # the peers' VmHWM is their own, far below this test process's.
+  import resource  # pylint: disable=import-outside-toplevel
+  parent = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  code = "import peer_memory; print(peer_memory.peak_rss_bytes())"
+  own = int(subprocess.run([sys.executable, "-c", code], cwd=_REPO / "experiments" / "peers",
+                           capture_output=True, text=True, check=True).stdout)
+  assert 0 < 4 * own < parent

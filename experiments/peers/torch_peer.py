@@ -19,6 +19,8 @@ import time
 import torch
 import transformers
 
+import peer_memory  # this folder (see peer_memory's docstring)
+
 
 def qwen2_model(shape: dict) -> transformers.Qwen2ForCausalLM:
   """A random-init Qwen2 with the benchmark shape, f32, eval mode."""
@@ -133,17 +135,6 @@ def bench_grpo(spec: dict) -> dict:
   return dict(first_step_s=times[0], best_step_s=min(times[1:]), steps=len(times))
 
 
-def peak_rss_bytes() -> int:
-  """Peak resident memory of this whole peer process (all its cases), for B1's memory
-  column: VmHWM, not ru_maxrss, which Linux carries over from the parent across fork and
-  exec (a peer started by a 2 GB benchmark process would report the parent's peak)."""
-  with open("/proc/self/status", encoding="ascii") as status:
-    for line in status:
-      if line.startswith("VmHWM:"):
-        return int(line.split()[1]) * 1024
-  raise RuntimeError("/proc/self/status has no VmHWM line (peak memory needs Linux).")
-
-
 def main():
   spec = json.loads(sys.argv[1])
   torch.set_num_threads(spec.get("threads", os.cpu_count()))
@@ -154,7 +145,7 @@ def main():
     import trl  # pylint: disable=import-outside-toplevel
     result["trl"] = trl.__version__
     result["grpo"] = bench_grpo(spec)
-  result["max_rss_bytes"] = peak_rss_bytes()
+  result["max_rss_bytes"] = peer_memory.peak_rss_bytes()
   print(json.dumps(result), flush=True)
 
 

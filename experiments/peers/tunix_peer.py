@@ -22,6 +22,9 @@ import optax
 from tunix.generate import sampler as sampler_lib
 from tunix.models.qwen2 import model as qwen2
 
+import peer_memory  # this folder (see peer_memory's docstring)
+
+
 PAD, BOS, EOS = 0, 1, 2
 
 
@@ -159,17 +162,6 @@ def bench_grpo(spec: dict) -> dict:
               steps=len(stamps), total_s=total)
 
 
-def peak_rss_bytes() -> int:
-  """Peak resident memory of this whole peer process (all its cases), for B1's memory
-  column: VmHWM, not ru_maxrss, which Linux carries over from the parent across fork and
-  exec (a peer started by a 2 GB benchmark process would report the parent's peak)."""
-  with open("/proc/self/status", encoding="ascii") as status:
-    for line in status:
-      if line.startswith("VmHWM:"):
-        return int(line.split()[1]) * 1024
-  raise RuntimeError("/proc/self/status has no VmHWM line (peak memory needs Linux).")
-
-
 def main():
   spec = json.loads(sys.argv[1])
   result = {"tunix": importlib.metadata.version("google-tunix"), "jax": jax.__version__}
@@ -178,7 +170,7 @@ def main():
       result["generate"] = bench_sampler(spec)
     if spec.get("grpo"):
       result["grpo"] = bench_grpo(spec)
-  result["max_rss_bytes"] = peak_rss_bytes()
+  result["max_rss_bytes"] = peer_memory.peak_rss_bytes()
   print(json.dumps(result), flush=True)
 
 
