@@ -39,6 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import peers
+from experiments.decode_cost import decode_flops_per_token, flat_cost, kv_bytes_per_token
+from experiments.decode_cost import kv_read_per_token
 from experiments.measure import load, matmul_peak_flops, stream_bandwidth, timed, write_results
 from experiments.peers import PEER_LABELS, peer_shape
 from models import transformer
@@ -55,43 +57,6 @@ _NEW_TOKENS = flags.DEFINE_list("new_tokens", ["64", "256", "1024"], "B1 complet
 _LONG_TAIL = flags.DEFINE_integer("long_tail_batch", 64, "Rows of the long-tailed batch (0: skip).")
 _ROUNDS = flags.DEFINE_integer("rounds", 1, "Rounds of (Arbor, peers), order alternating.")
 _PEER_ENVS = flags.DEFINE_string("peer_envs", "runs/peer_envs", "Where peer virtualenvs live.")
-
-def decode_flops_per_token(config: ModelConfig, context: float) -> float:
-  """Matmul FLOPs to generate one token with `context` tokens already in the cache."""
-  c = config
-  attn_proj = c.d_model * (2 * c.n_heads + 2 * c.n_kv_heads) * c.head_dim
-  mlp = 3 * c.d_model * c.mlp_dim
-  attention = 2 * c.n_heads * c.head_dim * context
-  return 2 * (c.n_layers * (attn_proj + mlp + attention) + c.d_model * c.vocab_size)
-
-
-def kv_bytes_per_token(config: ModelConfig) -> int:
-  """KV-cache bytes one token occupies: keys and values of every layer and KV head."""
-  return 2 * config.n_layers * config.n_kv_heads * config.head_dim * config.jnp_dtype.itemsize
-
-
-def kv_read_per_token(config: ModelConfig, prompt_len: int, new_tokens: int) -> float:
-  """KV-cache bytes one generated token's decode step reads, averaged over the completion:
-  step s attends over prompt_len + the end of its phase (`sampler.phase_ends`) slots."""
-  ends = sampler.phase_ends(new_tokens, SamplingConfig.phase_tokens)
-  slots = [prompt_len + next(end for end in ends if step < end) for step in range(new_tokens)]
-  return kv_bytes_per_token(config) * float(np.mean(slots))
-
-
-def flat_cost(result: dict, batch: int) -> dict | None:
-  """Arbor's greedy tokens/s at the longest completion over the shortest, at `batch`, next
-  to the ratio a memory-bandwidth floor allows: each token costing the shortest case's
-  time plus reading its extra KV cache once at the measured stream bandwidth."""
-  rows = sorted((c for c in result["cases"] if c["batch"] == batch and c["temperature"] == 0),
-                key=lambda c: c["new_tokens"])
-  if len(rows) < 2:
-    return None
-  short, long = rows[0], rows[-1]
-  seconds = 1 / short["arbor"]["tokens_per_s"]
-  extra = (long["kv_read_per_token"] - short["kv_read_per_token"]) / result["stream_bandwidth"]
-  return dict(batch=batch, short=short["new_tokens"], long=long["new_tokens"],
-              measured=long["arbor"]["tokens_per_s"] / short["arbor"]["tokens_per_s"],
-              bandwidth_floor=seconds / (seconds + extra))
 
 
 def peak_bytes(compiled) -> int:

@@ -10,7 +10,9 @@ import sys
 
 import pytest
 
+from experiments import decode_cost
 from experiments import peers
+from models.config import get_preset
 
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -40,30 +42,27 @@ def test_peers_are_skipped_under_ci_and_unknown_peers_rejected(monkeypatch):
 
 
 def test_kv_read_per_token_follows_the_phase_schedule():
-  from experiments import bench_sampler  # pylint: disable=import-outside-toplevel
-  from models.config import get_preset  # pylint: disable=import-outside-toplevel
   config = get_preset("b1")
   per_slot = 2 * 4 * 2 * 64 * 4  # K and V, 4 layers, 2 KV heads, head_dim 64, f32
-  assert bench_sampler.kv_bytes_per_token(config) == per_slot
+  assert decode_cost.kv_bytes_per_token(config) == per_slot
   # 256 new tokens after a 16-token prompt, 64-token phases: steps 0-63 attend over
   # 16 + 64 slots, 64-127 over 16 + 128, 128-255 over 16 + 256.
   mean_slots = (64 * 80 + 64 * 144 + 128 * 272) / 256
-  assert bench_sampler.kv_read_per_token(config, 16, 256) == per_slot * mean_slots
-  assert bench_sampler.kv_read_per_token(config, 16, 64) == per_slot * 80
+  assert decode_cost.kv_read_per_token(config, 16, 256) == per_slot * mean_slots
+  assert decode_cost.kv_read_per_token(config, 16, 64) == per_slot * 80
 
 
 def test_flat_cost_ratio_and_its_bandwidth_ceiling():
-  from experiments import bench_sampler  # pylint: disable=import-outside-toplevel
   case = lambda n, tps, kv, t=0.0: dict(batch=64, new_tokens=n, temperature=t,
                                          kv_read_per_token=kv, arbor=dict(tokens_per_s=tps))
   result = dict(stream_bandwidth=1e9, cases=[
       case(64, 1000.0, 1e5), case(1024, 250.0, 2e6), case(1024, 1.0, 2e6, t=1.0)])
-  flat = bench_sampler.flat_cost(result, 64)
+  flat = decode_cost.flat_cost(result, 64)
   assert (flat["short"], flat["long"]) == (64, 1024)
   assert flat["measured"] == pytest.approx(0.25)  # greedy rows only
   # 1 ms per token plus (2e6 - 1e5) bytes at 1 GB/s = 1.9 ms: 1 / 2.9.
   assert flat["bandwidth_floor"] == pytest.approx(1 / 2.9)
-  assert bench_sampler.flat_cost(result, 16) is None
+  assert decode_cost.flat_cost(result, 16) is None
 
 
 def test_peer_reports_its_own_peak_memory_not_its_parents():
