@@ -82,6 +82,28 @@ def test_sampler_frequencies_match_model_softmax(params):
   assert chi2 < 35.0, (counts / rows, probs)  # generous bound for <= 10 degrees of freedom
 
 
+def test_greedy_tokens_match_numpy_argmax_and_log_softmax():
+  """First index of the maximum (ties, NaN as in np.argmax), log softmax there; large vocab."""
+  rng = np.random.default_rng(0)
+  logits = rng.normal(size=(6, 49152)).astype(np.float32) * 4
+  logits[1, [7, 300, 9000]] = 50.0  # a three-way tie: the first index wins
+  logits[2, [11, 4000]] = np.nan  # NaN is the maximum, as in np.argmax
+  logits[3] = -np.inf  # fully masked row: token 0, log-prob NaN, as log_softmax gives
+  logits[4, -1] = 1e30  # one huge logit: log-prob 0
+  logits[5] = 0.0  # all equal: token 0, log-prob -log V
+  tokens, logp = logits_lib.greedy_tokens(jnp.asarray(logits))
+  np.testing.assert_array_equal(tokens, np.argmax(logits, axis=-1))
+  np.testing.assert_array_equal(tokens, [np.argmax(logits[0]), 7, 11, 0, 49151, 0])
+  rows = [0, 1, 4, 5]
+  finite = logits[rows].astype(np.float64)
+  peak = finite.max(axis=-1)
+  log_total = peak + np.log(np.exp(finite - peak[:, None]).sum(axis=-1))
+  expected = finite[np.arange(4), np.asarray(tokens)[rows]] - log_total
+  np.testing.assert_allclose(np.asarray(logp)[rows], expected, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(logp[5], -np.log(49152), rtol=1e-6)
+  assert np.isnan(logp[2]) and np.isnan(logp[3])
+
+
 def test_top_k_and_top_p_masks_match_numpy():
   logits = jnp.array([[3.0, 1.0, 2.0, 0.0, -1.0]])
   np.testing.assert_array_equal(logits_lib.top_k_mask(logits, 2)[0] > -1e30,
