@@ -79,7 +79,8 @@ def greedy_tokens(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
   Written as plain reductions: the row's maximum, the first index holding it (a NaN counts
   as the maximum, as in `jnp.argmax`), and log softmax at that index = -log sum exp(logits -
   max). `jnp.argmax` lowers to a (value, index) variadic reduce that XLA:CPU does not
-  vectorise: 2x slower at [64, 1024] and [64, 49152] (docs/benchmarks_perf.md).
+  vectorise: argmax + logsumexp took 1.9-2.9x as long at batch 64, vocabularies 1024 and
+  49152 (`python -m experiments.bench_logits`, docs/benchmarks_perf.md).
   """
   logits = logits.astype(jnp.float32)
   vocab = logits.shape[-1]

@@ -32,6 +32,17 @@ def test_benchmark_smoke_run_writes_its_results(module, outputs, tmp_path):
   assert result["matmul_peak_flops"] > 0
 
 
+def test_token_choice_benchmark_smoke_run_times_both_sides(tmp_path):
+  env = dict(os.environ, PYTHONPATH=str(_REPO))
+  subprocess.run([sys.executable, "-m", "experiments.bench_logits", "--smoke", f"--out={tmp_path}"],
+                 cwd=_REPO, env=env, check=True, timeout=300)
+  for suffix in ("json", "md", "png"):
+    assert (tmp_path / f"bench_logits.{suffix}").stat().st_size > 0
+  cases = json.loads((tmp_path / "bench_logits.json").read_text())["cases"]
+  assert [c["mode"] for c in cases] == ["greedy", "T = 1"]
+  assert all(c["arbor_s"] > 0 and c["reference_s"] > 0 for c in cases)
+
+
 def test_peers_are_skipped_under_ci_and_unknown_peers_rejected(monkeypatch):
   monkeypatch.delenv("CI", raising=False)
   assert peers.peers_enabled(["tunix", "torch"]) == ["tunix", "torch"]
