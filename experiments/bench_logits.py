@@ -20,7 +20,7 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 
-from experiments.measure import load, matmul_peak_flops, timed, write_results
+from experiments.measure import load, timed, write_results
 from sampling.logits import greedy_tokens, sample_with_uniform
 
 _SMOKE = flags.DEFINE_bool("smoke", False, "Tiny shapes, one repetition (for CI).")
@@ -120,16 +120,13 @@ def plot(result: dict, path: str) -> None:
 def main(argv):
   del argv
   if _SMOKE.value:
-    batch, vocabs, steps, repeats, peak_size = 2, [16], 2, 1, 256
+    batch, vocabs, steps, repeats = 2, [16], 2, 1
   else:
-    batch, vocabs, steps, repeats = _BATCH.value, [int(v) for v in _VOCABS.value], \
-        _STEPS.value, _REPEATS.value
-    peak_size = 2048
+    batch, vocabs = _BATCH.value, [int(v) for v in _VOCABS.value]
+    steps, repeats = _STEPS.value, _REPEATS.value
   load_before = load()
-  peak = matmul_peak_flops(peak_size, repeats)
   cases = [row for vocab in vocabs for row in bench_pair(batch, vocab, steps, repeats)]
-  result = dict(cases=cases, steps=steps, repeats=repeats, matmul_peak_flops=peak,
-                load_before=load_before,
+  result = dict(cases=cases, steps=steps, repeats=repeats, load_before=load_before,
                 load_after=load(), jax_version=jax.__version__)
   write_results(_OUT.value, "bench_logits", result, markdown, plot)
 
