@@ -15,11 +15,12 @@ The spec is a JSON file (or a Python file that defines the same dict as `SPEC`):
 
 A cell is `python -m <module> --<flag>=<value>... --config.seed=<seed>
 --config.workdir=<out>/runs/<name>` (the spec's optional "seed_flag" and "workdir_flag" rename
-the last two); "seeds" makes one cell per seed, named <name>_s<seed>. Its output goes to
-<out>/logs/<name>.log. When it exits 0 having written <workdir>/summary.json, its result
-goes to <out>/<name>.json: that summary, the command, the return code and the wall time
-of the attempt that finished, written to a temporary file and renamed, so a result file is
-whole or absent.
+the last two); "seeds" makes one cell per seed, named <name>_s<seed>, and "{seed}" in a flag
+value becomes the cell's seed. Its output goes to <out>/logs/<name>.log. When it exits 0
+having written <workdir>/summary.json, its result goes to <out>/<name>.json: that summary,
+the command, the return code, the wall time of the attempt that finished, the git commit
+the cell ran and the load average when it finished, written to a temporary file and
+renamed, so a result file is whole or absent.
 
 Rerunning the grid skips the cells that have a result. A cell killed midway reruns in the
 same workdir, where experiments.train resumes from its newest checkpoint (config.resume is
@@ -96,6 +97,7 @@ def expand(entry: dict) -> list[Cell]:
   """The cells of one spec entry: itself (with "seed"), or one per seed (with "seeds")."""
   if ("seed" in entry) == ("seeds" in entry):
     raise ValueError(f"Grid cell {entry.get('name')!r}: give exactly one of 'seed' or 'seeds'.")
+
   cell_flags = tuple((key, str(value)) for key, value in entry.get("flags", {}).items())
   if "seed" in entry:
     return [Cell(entry["name"], entry["module"], cell_flags, int(entry["seed"]))]
@@ -134,8 +136,11 @@ def workdir(out: str, cell: Cell) -> str:
 
 
 def command(cell: Cell, spec: Spec, out: str) -> list[str]:
-  """The cell's argv: its module and flags, then its seed and workdir."""
-  return [sys.executable, "-m", cell.module, *(f"--{k}={v}" for k, v in cell.flags),
+  """The cell's argv: its module and flags ("{seed}" in a value becomes the cell's seed,
+  e.g. a per-seed warm start's folder), then its seed and workdir. The flags as written
+  (before the seed goes in) are the cell's setting: seeds of one setting share them."""
+  return [sys.executable, "-m", cell.module,
+          *(f"--{k}={v.replace('{seed}', str(cell.seed))}" for k, v in cell.flags),
           f"--{spec.seed_flag}={cell.seed}", f"--{spec.workdir_flag}={workdir(out, cell)}"]
 
 
@@ -178,9 +183,23 @@ def run_cell(cell: Cell, spec: Spec, out: str) -> dict | None:
     return None
   result = {"name": cell.name, "module": cell.module, "flags": dict(cell.flags),
             "seed": cell.seed, "command": argv, "returncode": returncode,
-            "wall_s": time.time() - started, "summary": read_json(summary_path)}
+            "wall_s": time.time() - started, "commit": source_commit(),
+            "load_average": os.getloadavg(), "summary": read_json(summary_path)}
   write_json_atomic(path, result)
   return result
+
+
+def source_commit() -> str:
+  """The git commit of the code the cells ran (the working directory's checkout), with
+  "-dirty" when tracked files differ from it; "unknown" outside a git checkout."""
+  try:
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+  return head + ("-dirty" if changed else "")
 
 
 def pending(spec: Spec, out: str) -> list[Cell]:

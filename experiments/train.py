@@ -281,6 +281,62 @@ def validate(config: ml_collections.ConfigDict) -> None:
   selection.check_config(config.selection, prompts_per_step=r.prompts_per_step,
                          group_size=r.group_size, pool_size=config.task.train_pool)
   build_task(config)  # a task's own settings (difficulty fields, prompt style) fail here
+  if config.warm_start.init_from:
+    check_warm_start_source(config)
+
+
+# The config fields that decide what a warm start trains: a run may start its RL phase from
+# another run's warm start (config.warm_start.init_from) only when these agree.
+WARM_START_FIELDS = ("seed", "task", "model", "warm_start", "rollout.prompt_len",
+                     "rollout.max_new_tokens", "rollout.train_length_buckets",
+                     "rl.max_grad_norm", "rl.num_microbatches")
+
+
+def _flat(value, prefix: str) -> dict:
+  """{dotted path: leaf} of a JSON value (nested dicts flattened, lists kept whole)."""
+  if not isinstance(value, dict):
+    return {prefix: value}
+  return {path: leaf for key, sub in value.items()
+          for path, leaf in _flat(sub, f"{prefix}.{key}").items()}
+
+
+def warm_start_settings(config_json: dict) -> dict:
+  """The `WARM_START_FIELDS` of a resolved config (as config.json holds it), flattened;
+  warm_start.init_from is where a warm start came from, not how it was trained."""
+  settings = {}
+  for path in WARM_START_FIELDS:
+    node = config_json
+    for name in path.split("."):
+      node = node.get(name) if isinstance(node, dict) else None
+    settings.update(_flat(node, path))
+  settings.pop("warm_start.init_from", None)
+  return settings
+
+
+def check_warm_start_source(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError unless config.warm_start.init_from is the workdir of a run whose
+  warm start finished with this run's `WARM_START_FIELDS` (seed, task, model and tokenizer,
+  warm-start schedule, sequence lengths): any other warm start would not be this run's."""
+  source = config.warm_start.init_from
+  make_one = (f"train it with this run's flags and --config.rl.steps=0 "
+              f"--config.workdir={source}")
+  if not config.warm_start.steps:
+    raise ValueError(f"config.warm_start.init_from = {source!r} with config.warm_start.steps "
+                     "= 0: there is no warm start to take. Leave init_from empty, or set "
+                     "warm_start.steps to the source run's.")
+  config_path = os.path.join(source, "config.json")
+  if not os.path.exists(config_path):
+    raise ValueError(f"config.warm_start.init_from = {source!r} holds no config.json (not a "
+                     f"run's workdir); {make_one}.")
+  with open(config_path) as f:
+    theirs = warm_start_settings(json.load(f))
+  mine = warm_start_settings(json.loads(config.to_json_best_effort()))
+  for path in sorted(set(mine) | set(theirs)):
+    if mine.get(path) != theirs.get(path):
+      raise ValueError(
+          f"config.warm_start.init_from = {source!r} was trained with config.{path} = "
+          f"{theirs.get(path)!r}; this run has {mine.get(path)!r}, so that warm start is not "
+          f"this run's. Set config.{path} to match, or {make_one}.")
 
 
 def build_task(config: ml_collections.ConfigDict):
@@ -499,18 +555,45 @@ def _new_meta() -> dict:
   return {"phase": WARM_START, "data_cursor": 0, "iteration": 0, "evals": [],
           "completion_length_counts": [],
           "time_s": dict.fromkeys(TIME_PARTS + ROLLOUT_PARTS, 0.0),
-          "prompts_skipped": 0, "tokens": dict.fromkeys(TOKEN_COUNTS, 0)}
+          "prompts_skipped": 0, "tokens": dict.fromkeys(TOKEN_COUNTS, 0),
+          "rl_metric_sums": {}, "rl_steps_recorded": 0}
 
 
 def _upgrade_meta(meta: dict) -> dict:
   """A restored meta with the records added since its checkpoint was written, zeroed."""
   meta.setdefault("prompts_skipped", 0)
+  meta.setdefault("rl_metric_sums", {})
+  meta.setdefault("rl_steps_recorded", 0)
   for part in ROLLOUT_PARTS:
     meta["time_s"].setdefault(part, 0.0)
   meta.setdefault("tokens", {})
   for name in TOKEN_COUNTS:
     meta["tokens"].setdefault(name, 0)
   return meta
+
+
+def add_step_metrics(meta: dict, step_metrics: dict) -> None:
+  """Adds one RL step's clock-free metrics to meta's running sums (`rl_step_means`)."""
+  sums = meta["rl_metric_sums"]
+  for name, value in step_metrics.items():
+    if not (name.startswith("time_") or name.endswith("_per_s")):
+      sums[name] = sums.get(name, 0.0) + float(value)
+  meta["rl_steps_recorded"] += 1
+
+
+def rl_step_means(meta: dict) -> dict[str, float]:
+  """Each RL step metric's mean over the run's RL steps (clip, mask and veto fractions,
+  gradient norm, reward, ...; wall-clock fields left out). A metric some steps lack (e.g.
+  one only a correction reports) is averaged over all steps, counting its absence as 0."""
+  count = meta["rl_steps_recorded"]
+  return {name: total / count for name, total in sorted(meta["rl_metric_sums"].items())
+          } if count else {}
+
+
+def accuracy_curve(meta: dict) -> list[dict]:
+  """The run's held-out evaluations in order: step, event, accuracy and its stderr."""
+  return [{"step": e["step"], "event": e["event"], "accuracy": e["eval_accuracy"],
+           "stderr": e["eval_accuracy_stderr"]} for e in meta["evals"]]
 
 
 def throughput_summary(meta: dict) -> dict:
@@ -628,11 +711,54 @@ class _Run:
     staleness = self.config.rl.staleness
     return loop.init_history(params, staleness) if staleness else None
 
+  def restore_warm_start(self, source: str) -> tuple[int, loop.LoopState, dict]:
+    """(step, state, meta) at the start of the RL phase, taken from the end-of-warm-start
+    checkpoint of the run in `source` (config.warm_start.init_from) as if this run had
+    trained it: its policy, loop key, data cursor and run records, with this run's fresh RL
+    TrainState, staleness ring and selection state built over that policy exactly as
+    `run_phase` builds them. Its metrics records up to that checkpoint are copied into this
+    run's log, so the curves and the summary cover the whole run."""
+    step = self.phase_steps[WARM_START]
+    manager = checkpoint.make_manager(os.path.join(source, "checkpoints"))
+    if step not in manager.all_steps():
+      raise ValueError(
+          f"config.warm_start.init_from = {source!r} holds no checkpoint at the end of its "
+          f"warm start (step {step}; it holds {sorted(manager.all_steps())}): a run that went "
+          "on into RL may have pruned it. Train a warm start alone with --config.rl.steps=0.")
+    tree, meta = checkpoint.restore_tree(manager, step)
+    if meta["phase"] != RL or meta["iteration"] != 0:
+      raise ValueError(f"{source} checkpoint {step} is not the end of a warm start (phase "
+                       f"{meta['phase']!r}, iteration {meta['iteration']}).")
+    trained = tree["train"]["frozen"] or tree["train"]["params"]
+    params = jax.tree.map(lambda like, value: jax.numpy.asarray(value, like.dtype),
+                          self.state.train.params, trained)
+    rng = jax.numpy.asarray(tree["rng"])
+    if self.mesh is not None:
+      rng = multihost.replicate(rng, self.mesh)
+    train_state = self.new_train_state(params, RL)
+    state = loop.LoopState(train=train_state, rng=rng, history=self.history(train_state.params),
+                           selection=self.state.selection, data_cursor=meta["data_cursor"],
+                           iteration=0)
+    records = metrics.MetricsLog(os.path.join(source, "metrics.jsonl"), writers=[]).read()
+    if self.primary:
+      self.log.truncate_after(-1)
+      for record in records[:meta["log_records"]]:
+        self.log.write(record)
+    kept = set(_new_meta()) | {"log_records"}  # not the source's digest or partial pool
+    meta = {key: value for key, value in meta.items() if key in kept}
+    meta["warm_start_from"] = os.path.abspath(source)
+    return step, state, meta
+
   def restore_or_start(self) -> None:
-    """Resumes from the newest checkpoint (config.resume), or clears what a fresh run
-    overwrites; then opens the progress bar at the step reached."""
+    """Resumes from the newest checkpoint (config.resume), else starts RL from
+    config.warm_start.init_from when set, else clears what a fresh run overwrites; then
+    opens the progress bar at the step reached."""
     restored = (checkpoint.restore_latest(self.manager, self.state_like)
                 if self.config.resume else None)
+    source = self.config.warm_start.init_from
+    from_source = restored is None and bool(source)
+    if from_source:
+      restored = self.restore_warm_start(source)
     if restored is not None:
       step, state, meta = restored
       meta = _upgrade_meta(meta)  # checkpoints written before some records existed
@@ -647,7 +773,8 @@ class _Run:
         self.store.truncate_after(
             int(self.state.train.step) - 1 if meta["phase"] == RL else -1)
       if self.primary:  # absl logs only warnings here (see main), so say it plainly
-        print(f"Resumed from step {step} ({meta['phase']} phase) in {self.config.workdir}.",
+        print(f"Starting RL from the warm start in {source}." if from_source else
+              f"Resumed from step {step} ({meta['phase']} phase) in {self.config.workdir}.",
               flush=True)
     elif self.primary:
       self.log.truncate_after(-1)
@@ -691,6 +818,7 @@ class _Run:
         self.meta["time_s"][part] += float(step_metrics.get(f"time_{part}_s", 0.0))
       tokens["sampled"] += int(step_metrics.get("sampled_tokens", 0))
       tokens["trained"] += int(step_metrics.get("trained_tokens", 0))
+      add_step_metrics(self.meta, step_metrics)
     record = {"step": self.done, "phase": phase,
               **{k: float(v) for k, v in step_metrics.items()}}
     if self.primary:
@@ -799,6 +927,10 @@ class _Run:
       summary["accuracy_by_size"] = accuracy_by_size_table(warm, final)
     if self.rollouts is not None:
       summary["partial_ledger"] = self.rollouts.ledger.as_dict()
+    summary["accuracy_curve"] = accuracy_curve(meta)
+    summary["rl_step_means"] = rl_step_means(meta)
+    if "warm_start_from" in meta:
+      summary["warm_start_from"] = meta["warm_start_from"]
     return summary
 
 

@@ -141,6 +141,23 @@ def restore(manager: ocp.CheckpointManager, step: int, like: Any) -> tuple[Any, 
   return _restore_step(manager, step, jax.tree.map(ocp.utils.to_shape_dtype_struct, like))
 
 
+def restore_tree(manager: ocp.CheckpointManager, step: int) -> tuple[Any, dict]:
+  """(state, meta) of checkpoint `step` in the structure it was saved in, as nested dicts
+  of arrays, when the reader cannot build that structure (another run's checkpoint: its
+  staleness ring, LoRA adapters or selection state may differ from the reader's). No
+  digest check (the saved digest is over the saved pytree's own key paths); the commit
+  marker is checked."""
+  if step not in manager.all_steps():
+    raise ValueError(f"No checkpoint step {step} in {manager.directory}; it holds steps "
+                     f"{sorted(manager.all_steps())}.")
+  step_dir = os.path.join(str(manager.directory), str(step))
+  if not os.path.exists(os.path.join(step_dir, _COMMIT_MARKER)):
+    raise ValueError(f"{step_dir} has no {_COMMIT_MARKER}: an incomplete copy or write.")
+  restored = manager.restore(step, args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
+  return restored["state"], restored["meta"]
+
+
 def read_meta(manager: ocp.CheckpointManager, step: int) -> dict:
   """The JSON meta of checkpoint `step` alone (e.g. its phase, to build a `like` state)."""
   if step not in manager.all_steps():

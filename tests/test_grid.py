@@ -146,3 +146,31 @@ def test_a_python_spec_and_custom_seed_and_workdir_flags(tmp_path):
   assert [c.name for c in spec.cells] == ["lr1", "lr2"]
   assert grid.command(spec.cells[1], spec, "out")[2:] == [
       "m", "--lr=2", "--seed=3", f"--dir={os.path.join('out', 'runs', 'lr2')}"]
+
+
+def test_seed_placeholder_goes_into_the_command_and_seeds_share_one_setting(tmp_path):
+  spec = grid.parse_spec({"cells": [
+      {"name": "rl", "module": "m", "seeds": [0, 2],
+       "flags": {"config.warm_start.init_from": "runs/warm/warm_s{seed}", "lr": 1}}]})
+  assert [grid.command(c, spec, "out")[3] for c in spec.cells] == [
+      "--config.warm_start.init_from=runs/warm/warm_s0",
+      "--config.warm_start.init_from=runs/warm/warm_s2"]
+  results = [{"name": c.name, "module": c.module, "flags": dict(c.flags), "seed": c.seed,
+              "summary": {"accuracy": float(c.seed)}} for c in spec.cells]
+  labels, groups = grid.group_by_setting(results)
+  assert len(groups) == 1 and [r["seed"] for r in groups[0]] == [0, 2]
+
+
+def test_a_result_records_the_commit_it_ran(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  assert grid.source_commit() == "unknown"  # not a git checkout
+  subprocess.run(["git", "init", "-q"], check=True)
+  (tmp_path / "f.txt").write_text("a")
+  subprocess.run(["git", "add", "f.txt"], check=True)
+  subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"],
+                 check=True)
+  head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                        check=True).stdout.strip()
+  assert grid.source_commit() == head
+  (tmp_path / "f.txt").write_text("b")
+  assert grid.source_commit() == head + "-dirty"

@@ -85,6 +85,10 @@ def get_config() -> ml_collections.ConfigDict:
   c.warm_start.warmup_steps = 20      # steps of linear learning-rate warmup
   c.warm_start.length_window = 8      # batches per length-sorted window of train examples
                                       # (1 = data order): short batches train at short lengths
+  c.warm_start.init_from = ""         # "" = train the warm start here; else the workdir of a
+                                      # run whose warm start finished (same seed, task, model
+                                      # and warm-start settings; e.g. --config.rl.steps=0): RL
+                                      # starts from its end-of-warm-start checkpoint
 
   c.rl = ml_collections.ConfigDict()
   c.rl.steps = 120                    # GRPO steps

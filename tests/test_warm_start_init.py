@@ -1,0 +1,91 @@
+"""Shared warm starts (config.warm_start.init_from): a run's RL phase starts from another
+run's finished warm start exactly as if it had trained that warm start itself."""
+
+import json
+import os
+
+import pytest
+
+from experiments import train as launcher
+from tests.launcher_config import tiny_run_config
+
+
+def _config(workdir, **overrides):
+  return tiny_run_config(workdir, {"task.eval_size": 8, "eval.batch_size": 8,
+                                   "rollout.prompts_per_step": 2, "rollout.group_size": 4,
+                                   "warm_start.steps": 3, "rl.steps": 3, "eval.every": 2,
+                                   "checkpoint.every": 2, **overrides})
+
+
+def _records(workdir) -> list[dict]:
+  """metrics.jsonl without its wall-clock fields (time_*, *_per_s)."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [{k: v for k, v in json.loads(line).items()
+             if not k.startswith("time_") and not k.endswith("_per_s")} for line in f]
+
+
+@pytest.fixture(scope="module")
+def warm_start_dir(tmp_path_factory):
+  """A warm start alone: the tiny run with no RL steps (as experiments/grids/warm_starts.py
+  makes them)."""
+  workdir = tmp_path_factory.mktemp("warm")
+  launcher.run(_config(workdir, **{"rl.steps": 0}))
+  return str(workdir)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"rl.staleness": 2}, {"lora.rank": 2}],
+                         ids=["plain", "staleness", "lora"])
+def test_run_from_a_shared_warm_start_equals_one_that_trained_its_own(
+    warm_start_dir, tmp_path, overrides):
+  own = launcher.run(_config(tmp_path / "own", **overrides))
+  shared = launcher.run(_config(tmp_path / "shared", **overrides,
+                                **{"warm_start.init_from": warm_start_dir}))
+  assert _records(tmp_path / "shared") == _records(tmp_path / "own")
+  clock_free = lambda s: {k: v for k, v in s.items()
+                          if k not in ("wall_time_s", "time_s", "rollout_time_s",
+                                       "warm_start_from") and not k.endswith("_per_s")}
+  assert clock_free(shared) == clock_free(own)
+  assert shared["warm_start_from"] == os.path.abspath(warm_start_dir)
+  assert len(shared["accuracy_curve"]) == 3  # warm start end, RL steps 2 and 3
+  # The RL phase trained here, from the warm start's step on (steps 4..6).
+  rl_steps = [r["step"] for r in _records(tmp_path / "shared")
+              if r["phase"] == "rl" and "loss" in r]
+  assert rl_steps == [4, 5, 6]
+
+
+def test_a_stopped_run_from_a_shared_warm_start_resumes_from_its_own_checkpoint(
+    warm_start_dir, tmp_path):
+  whole = launcher.run(_config(tmp_path / "whole", **{"warm_start.init_from": warm_start_dir}))
+  launcher.run(_config(tmp_path / "parts", **{"warm_start.init_from": warm_start_dir,
+                                              "rl.steps": 1}))
+  parts = launcher.run(_config(tmp_path / "parts", **{"warm_start.init_from": warm_start_dir}))
+  # The first launch ended with an evaluation at its last step; the training records match.
+  steps = lambda workdir: [r for r in _records(workdir) if "loss" in r]
+  assert steps(tmp_path / "parts") == steps(tmp_path / "whole")
+  assert parts["final_accuracy"] == whole["final_accuracy"]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("seed", 1), ("task.eval_size", 16), ("warm_start.learning_rate", 1e-3),
+    ("rollout.max_new_tokens", 8), ("model.preset", "tiny2")])
+def test_a_warm_start_trained_otherwise_is_refused_naming_the_field(
+    warm_start_dir, tmp_path, field, value):
+  config = _config(tmp_path, **{"warm_start.init_from": warm_start_dir, field: value})
+  with pytest.raises(ValueError, match=rf"config\.{field} = .*this run has"):
+    launcher.validate(config)
+
+
+def test_init_from_a_folder_that_is_no_run_or_without_warm_start_is_refused(tmp_path):
+  with pytest.raises(ValueError, match="holds no config.json"):
+    launcher.validate(_config(tmp_path, **{"warm_start.init_from": str(tmp_path / "none")}))
+  with pytest.raises(ValueError, match="no warm start to take"):
+    launcher.validate(_config(tmp_path, **{"warm_start.init_from": str(tmp_path),
+                                           "warm_start.steps": 0}))
+
+
+def test_a_source_without_its_warm_start_checkpoint_is_refused(tmp_path):
+  # A run that went on into RL with checkpoints every step keeps only the newest two.
+  source = tmp_path / "source"
+  launcher.run(_config(source, **{"checkpoint.every": 1, "checkpoint.max_to_keep": 1}))
+  with pytest.raises(ValueError, match="no checkpoint at the end of its warm start"):
+    launcher.run(_config(tmp_path / "run", **{"warm_start.init_from": str(source)}))
