@@ -169,6 +169,7 @@ def check_names(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"config.model.dtype = {config.model.dtype!r}; use 'float32' or "
                      "'bfloat16'.")
   losses.check_config(config.loss)
+  losses.check_settings_read(config.loss)
   advantages.get_advantage_fn(config.advantage.name)
   if config.rollout.kind == "tree":
     advantages.get_tree_advantage_fn(config.rollout.tree.advantage)
@@ -192,6 +193,14 @@ def check_composition(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"config.rl.async_ has real staleness (bounded by rl.max_staleness); "
                      f"config.rl.staleness = {config.rl.staleness} simulates it in the sync "
                      "loop. Set one of them: rl.staleness = 0 or rl.async_ = False.")
+  updates = config.rl.num_minibatches * config.rl.ppo_epochs
+  if config.rl.async_ and 0 < config.rl.max_staleness < updates:
+    raise ValueError(f"config.rl.max_staleness = {config.rl.max_staleness} counts optimiser "
+                     f"updates, and one batch is config.rl.num_minibatches * ppo_epochs = "
+                     f"{updates} of them: a batch sampled even one batch ahead is {updates} "
+                     "updates stale, so config.rl.async_ could never run ahead. Set "
+                     f"rl.max_staleness = 0 (synchronous) or >= {updates} (the producer then "
+                     f"runs max_staleness // {updates} batches ahead).")
   m = config.mesh
   single_device = mesh_lib.MeshConfig(data=m.data, fsdp=m.fsdp, tensor=m.tensor).is_single_device
   if r.kind != "independent" and not single_device:
@@ -269,6 +278,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
                      "config.rollout.group_size rows; config.selection.kind='adaptive' gives "
                      "prompts different rollout counts. Use another selection kind or turn "
                      "prefix sharing off.")
+  if r.temperature == 0 and config.rl.steps > 0:
+    raise ValueError(f"config.rollout.temperature = {r.temperature} is greedy decoding: "
+                     "every rollout of a prompt is the same completion, so group advantages "
+                     "are zero and RL never learns. Set config.rollout.temperature > 0 (1.0 "
+                     "samples the policy itself); held-out evaluation decodes greedily "
+                     "regardless.")
   if r.kind in ("independent", "partial") and r.group_size < 2:
     raise ValueError(f"config.rollout.group_size = {r.group_size}: group-relative advantages "
                      "need at least 2 completions per prompt.")

@@ -81,11 +81,16 @@ CorrectionFactory = Callable[..., Correction]
 
 @dataclasses.dataclass(frozen=True)
 class CorrectionSpec:
-  """A registered correction: its factory, whether it reads `terms.prox`, and `fields`,
-  factory argument -> the config.loss field that supplies it."""
+  """A registered correction: its factory, whether it reads `terms.prox`, `fields`
+  (factory argument -> the config.loss field that supplies it), whether it reads the
+  staleness proxy d = sg(logp - behav) (`reads_logp`), and whether it replaces some
+  tokens' logp (`replaces_logp`: Mu-GRPO's veto gives a dropped token the anchor's value,
+  so a later reader of d would count it as on-policy; `check_chain` refuses that order)."""
   factory: CorrectionFactory
   needs_prox: bool = False
   fields: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  reads_logp: bool = False
+  replaces_logp: bool = False
 
   def build(self, config) -> Correction:
     """The correction with its hyperparameters read from `config` (config.loss)."""
@@ -96,9 +101,11 @@ CORRECTIONS: dict[str, CorrectionSpec] = {}
 
 
 def register_correction(name: str, needs_prox: bool = False,
-                        fields: Optional[Mapping[str, str]] = None):
+                        fields: Optional[Mapping[str, str]] = None, *,
+                        reads_logp: bool = False, replaces_logp: bool = False):
   """Decorator adding a correction factory to the registry under `name`
-  (config.loss.corrections); `fields` maps its arguments to config.loss fields."""
+  (config.loss.corrections); `fields` maps its arguments to config.loss fields;
+  `reads_logp` / `replaces_logp` as in `CorrectionSpec`."""
   def wrap(factory: CorrectionFactory) -> CorrectionFactory:
     if name in CORRECTIONS:
       raise ValueError(f"Correction {name!r} is already registered.")
@@ -106,7 +113,8 @@ def register_correction(name: str, needs_prox: bool = False,
     if unknown:
       raise ValueError(f"Correction {name!r}: {sorted(unknown)} are not arguments of "
                        f"{factory.__name__}.")
-    CORRECTIONS[name] = CorrectionSpec(factory, needs_prox, dict(fields or {}))
+    CORRECTIONS[name] = CorrectionSpec(factory, needs_prox, dict(fields or {}), reads_logp,
+                                       replaces_logp)
     return factory
   return wrap
 
@@ -118,9 +126,28 @@ def get_correction(name: str) -> CorrectionSpec:
   return CORRECTIONS[name]
 
 
+def check_chain(names) -> None:
+  """Raises ValueError when a correction that reads the staleness proxy d follows one that
+  replaces logp (after 'mu_veto', a vetoed token's logp is its anchor's, so 'm2po', 'sat'
+  or VCPO would count it as exactly on-policy, d = 0, in their batch statistics)."""
+  replaced_by = None
+  for name in names:
+    spec = get_correction(name)
+    if replaced_by is not None and spec.reads_logp:
+      raise ValueError(
+          f"Correction {name!r} after {replaced_by!r} (config.loss.corrections, after the "
+          f"objective's own chain): {replaced_by!r} replaces the log-probs of the tokens it "
+          f"drops, so {name!r} would read them as on-policy. Put {name!r} before "
+          f"{replaced_by!r} (e.g. name='grpo', corrections=({name!r}, {replaced_by!r})) or "
+          "leave it out.")
+    if spec.replaces_logp:
+      replaced_by = name
+
+
 def chain(names, terms: TokenTerms, config) -> tuple[TokenTerms, dict]:
-  """Builds the named corrections from `config` (config.loss) and applies them in order;
-  metrics of later ones win on name clashes."""
+  """Builds the named corrections from `config` (config.loss) and applies them in order
+  (refusing an order `check_chain` refuses); metrics of later ones win on name clashes."""
+  check_chain(names)
   metrics = {}
   for name in names:
     terms, m = get_correction(name).build(config)(terms)
@@ -219,7 +246,7 @@ def m2_mask(d: jax.Array, mask: jax.Array, tau: float) -> jax.Array:
   return keep * mask + (1.0 - mask)  # invalid tokens are left to the aggregation mask
 
 
-@register_correction("m2po", fields=dict(tau="m2_tau"))
+@register_correction("m2po", fields=dict(tau="m2_tau"), reads_logp=True)
 def m2po_mask(tau: float = 0.04) -> Correction:
   """M2PO (second-moment trust policy optimisation): zero the fewest, largest-d^2 tokens so
   that the kept tokens' mean squared log-ratio d = sg(logp - behav) is <= tau
@@ -244,7 +271,8 @@ def sat_kernel(abs_d: jax.Array, mask: jax.Array, quantile: float, bandwidth: fl
   return jnp.exp(-jnp.maximum(abs_d - q, 0.0) / bandwidth)
 
 
-@register_correction("sat", fields=dict(quantile="sat_quantile", bandwidth="sat_bandwidth"))
+@register_correction("sat", fields=dict(quantile="sat_quantile", bandwidth="sat_bandwidth"),
+                     reads_logp=True)
 def staleness_adaptive_trust(quantile: float = 0.9, bandwidth: float = 0.1) -> Correction:
   """SAT (staleness-adaptive trust region): shrink the PPO clip width of high-mismatch
   tokens by `sat_kernel`, 1 up to the batch `quantile` of |d| and decaying over
@@ -273,14 +301,24 @@ def effective_sample_size_ratio(log_w: jax.Array) -> jax.Array:
   return jnp.exp(2.0 * jax.nn.logsumexp(log_w) - log_b - jax.nn.logsumexp(2.0 * log_w))
 
 
-@register_correction("vcpo_ess", fields=dict(rho_ref="vcpo_rho_ref"))
+def ess_lr_scale(rho: jax.Array, rho_ref: float) -> jax.Array:
+  """VCPO's learning-rate multiplier sqrt(min(1, rho / rho_ref)): the authors' reference
+  (mit-han-lab/vcpo, `lr_scale = min(1.0, ess_ratio / base_ess_ratio)` then the "sqrt"
+  rule) clamps before the square root, so a batch never raises the learning rate (with
+  rho_ref < 1 an on-policy batch, rho = 1, keeps the base rate)."""
+  return jnp.sqrt(jnp.minimum(1.0, rho / rho_ref))
+
+
+@register_correction("vcpo_ess", fields=dict(rho_ref="vcpo_rho_ref"), reads_logp=True)
 def vcpo_step_scale(rho_ref: float = 1.0) -> Correction:
   """VCPO (a), variance-controlled policy optimisation: ESS step scaling,
-  metrics['lr_scale'] = sqrt(rho / rho_ref) (config.loss.vcpo_rho_ref; the train step
-  multiplies the update by it), so low-ESS batches take smaller steps; 1 on-policy."""
+  metrics['lr_scale'] = `ess_lr_scale(rho, rho_ref)` (config.loss.vcpo_rho_ref; the train
+  step multiplies the update by it), so low-ESS batches take smaller steps; 1 on-policy.
+  rho is the ESS ratio of the unclipped sequence weights (the reference's default,
+  `use_clipped=False`)."""
   def apply(terms: TokenTerms) -> tuple[TokenTerms, dict]:
     rho = effective_sample_size_ratio(sequence_log_weights(terms))
-    return terms, {"ess_ratio": rho, "lr_scale": jnp.sqrt(rho / rho_ref)}
+    return terms, {"ess_ratio": rho, "lr_scale": ess_lr_scale(rho, rho_ref)}
   return apply
 
 
@@ -297,14 +335,22 @@ def optimal_baseline(log_w: jax.Array, g: jax.Array, reward: jax.Array,
   return c @ reward / c.sum(axis=1)
 
 
-@register_correction("vcpo_baseline")
+@register_correction("vcpo_baseline", reads_logp=True)
 def vcpo_baseline() -> Correction:
   """VCPO (b): advantages (R - b) / (std_group(R) + 1e-6) with the off-policy optimal
   baseline b replacing the group mean (the std keeps GRPO's scale). No hyperparameters.
 
-  g_i is a forward-only proxy of ||grad log pi(tau_i)||^2: sum_t m (1 - p_t)^2, the
-  sampled-token part of the squared logit gradient summed over tokens (cross-token terms
-  and the other logits ignored); a 1e-6 floor keeps confident sequences in play.
+  As in the authors' reference (mit-han-lab/vcpo `compute_opob_baseline`, scope "group",
+  `use_is_weights=True`, `use_clipped_is_ratios=False`, `norm_by_std=True`): per group,
+  b = sum_i W_i R_i / sum_i W_i with W_i = ||g_i||^2 w_i^2 and w_i the unclipped sequence
+  IS weight; the update is then (R_i - b) / std_group(R) times the score (population std).
+
+  Where it differs: the reference runs one backward per trajectory and takes ||g_i||^2,
+  the squared norm of that trajectory's parameter gradient. Here g_i is a forward-only
+  proxy: sum_t m (1 - p_t)^2, the sampled-token part of the squared logit gradient summed
+  over tokens (cross-token terms, the other logits and the backward through the network
+  ignored); a 1e-6 floor keeps confident sequences in play. The proxy preserves what the
+  baseline needs (confident, short sequences weigh less) at no extra backward.
   """
   def apply(terms: TokenTerms) -> tuple[TokenTerms, dict]:
     g = ((1.0 - jnp.exp(sg(terms.logp))) ** 2 * terms.mask).sum(axis=1) + 1e-6
@@ -340,7 +386,8 @@ def veto_keep(d: jax.Array, adv: jax.Array, mask: jax.Array, eps_low: float,
   return 1.0 - (after_trigger & negative).astype(jnp.float32)
 
 
-@register_correction("mu_veto", fields=dict(eps_low="mu_eps_low", eps_high="mu_eps_high"))
+@register_correction("mu_veto", fields=dict(eps_low="mu_eps_low", eps_high="mu_eps_high"),
+                     reads_logp=True, replaces_logp=True)
 def negative_advantage_veto(eps_low: float = 0.5, eps_high: float = 1.0) -> Correction:
   """Mu-GRPO (Tian, Xie and Wei, "How Off-Policy Can GRPO Be?", arXiv 2605.17570): the
   negative-advantage veto (`veto_keep`) on the staleness ratio exp(d), d = sg(logp - behav),

@@ -48,6 +48,7 @@ LOSS_DEFAULTS = dict(
     m2_tau=0.04,
     sat_quantile=0.9, sat_bandwidth=0.1,  # SAT tail quantile of |d| and kernel width
     vcpo_rho_ref=1.0, vcpo_is_cap=8.0,    # VCPO reference ESS ratio and IS truncation
+    vcpo_is_level="sequence",             # VCPO: one IS weight per sequence, or per token
     # Mu-GRPO's relaxed band [1/2, 2] (|log r| <= log 2, symmetric in log space): its clip
     # interval and its veto's trigger (chosen; the paper's values were not available).
     mu_eps_low=0.5, mu_eps_high=1.0)
@@ -161,8 +162,68 @@ def check_config(config) -> None:
   aggregation = effective_aggregation(config)
   if aggregation not in AGGREGATIONS:
     raise ValueError(f"Unknown config.loss.aggregation {aggregation!r}; known: {AGGREGATIONS}.")
+  names = correction_chain(loss_fn, config)
+  corr.check_chain(names)
+  if any(corr.get_correction(n).replaces_logp for n in names) and not getattr(
+      loss_fn, "per_token", True):
+    raise ValueError(f"config.loss.name = {config.name!r} takes sequence-level ratios, which "
+                     f"would count the tokens a correction in {names} drops (their logp "
+                     "replaced by the anchor) as on-policy; use a per-token objective "
+                     "(grpo, dapo, mu_grpo, ...) with that correction.")
+  level = resolve_config(config).vcpo_is_level
+  if level not in VCPO_IS_LEVELS:
+    raise ValueError(f"Unknown config.loss.vcpo_is_level {level!r}; known: {VCPO_IS_LEVELS}.")
+
+
+def fields_read(config) -> set[str]:
+  """The config.loss fields the objective `config.name` reads, with its corrections: its
+  name, corrections, kl_coef and aggregation, the fields its surrogate reads (`Objective.
+  reads`), its corrections' fields, prox_estimate when it needs proximal log-probs, and
+  norm_len when it aggregates with seq_mean_token_sum_norm."""
+  loss_fn = get_loss(config.name)
+  read = {"name", "corrections", "kl_coef", "aggregation", *getattr(loss_fn, "reads", ())}
   for name in correction_chain(loss_fn, config):
-    corr.get_correction(name)
+    read.update(corr.get_correction(name).fields.values())
+  if needs_prox(config):
+    read.add("prox_estimate")
+  if effective_aggregation(config) == "seq_mean_token_sum_norm":
+    read.add("norm_len")
+  return read
+
+
+def check_settings_read(config) -> None:
+  """Raises ValueError for a config.loss field set away from its default (`LOSS_DEFAULTS`)
+  that the objective would override (DAPO fixes eps_high = 0.28) or never read (M2PO has
+  no clip widths), naming the objective and the field: a setting that is accepted and then
+  ignored would silently change what a run means. The launcher checks this before step 1;
+  an objective registered as a plain function (no `reads`) is not checked."""
+  loss_fn = get_loss(config.name)
+  if not hasattr(loss_fn, "reads"):
+    return
+  overrides = loss_fn.overrides
+  read = fields_read(config)
+  for field, default in LOSS_DEFAULTS.items():
+    value = config.get(field, default)
+    if _same(value, default):
+      continue
+    if field in overrides and not _same(value, overrides[field]):
+      raise ValueError(
+          f"config.loss.{field} = {value!r}: objective {config.name!r} fixes {field} = "
+          f"{overrides[field]!r} (it defines the method), so this setting would be ignored. "
+          f"Leave config.loss.{field} at its default, or use an objective that reads it "
+          "(e.g. 'grpo', whose clip widths and aggregation are the config's).")
+    if field not in overrides and field not in read:
+      raise ValueError(
+          f"config.loss.{field} = {value!r}: objective {config.name!r} (with corrections "
+          f"{correction_chain(loss_fn, config)}) never reads {field}, so this setting would "
+          f"be ignored. Leave config.loss.{field} at its default, or choose an objective or "
+          "correction that uses it.")
+
+
+def _same(a, b) -> bool:
+  """Config values equal, tuples and lists alike (a flag gives a tuple as a list)."""
+  as_tuple = lambda v: tuple(v) if isinstance(v, (list, tuple)) else v
+  return as_tuple(a) == as_tuple(b)
 
 
 def correction_chain(loss_fn: LossFn, config) -> tuple[str, ...]:
@@ -243,6 +304,31 @@ def gspo_token_surrogate(terms: corr.TokenTerms, cfg) -> tuple[jax.Array, dict]:
                      "ratio_mean": s.mean()}
 
 
+VCPO_IS_LEVELS = ("sequence", "token")
+
+
+def vcpo_surrogate(terms: corr.TokenTerms, cfg) -> tuple[jax.Array, dict]:
+  """VCPO's policy gradient with detached truncated importance sampling, at the level
+  config.loss.vcpo_is_level names.
+
+  "sequence" (default; the authors' reference: verl `rollout_is="sequence"`, threshold 8):
+  one weight per response, sg(min(w_i, vcpo_is_cap)) with w_i = exp(sum_t m (logp -
+  behav)), broadcast over its tokens: per-token loss -sg(min(w_i, C)) exp(logp - sg(logp))
+  A, whose gradient is min(w_i, C) A grad logp_t. "token": a different estimator, each
+  token's own ratio truncated (`importance_pg_surrogate("vcpo_is_cap")`).
+  """
+  if cfg.vcpo_is_level == "token":
+    return importance_pg_surrogate("vcpo_is_cap")(terms, cfg)
+  log_cap = jnp.log(cfg.vcpo_is_cap)
+  log_w = corr.sequence_log_weights(terms)
+  weight = jnp.exp(jnp.minimum(log_w, log_cap))[:, None]
+  truncated = jnp.broadcast_to((log_w > log_cap)[:, None], terms.mask.shape)
+  score = jnp.exp(terms.logp - corr.sg(terms.logp))  # value 1, gradient grad logp
+  return -corr.sg(weight) * score * terms.advantages, {
+      "ratio_mean": masked_mean(jnp.exp(terms.stale_log_ratio), terms.mask),
+      "clip_fraction": masked_mean(truncated.astype(jnp.float32), terms.mask)}
+
+
 def importance_pg_surrogate(cap: Optional[str]) -> Callable:
   """Unclipped IS policy gradient against behav, -w A with w = exp(logp - behav) (M2PO), or
   with the weight truncated at config field `cap` (VCPO): value min(r, C), gradient
@@ -271,6 +357,10 @@ class Objective:
   corrections: the method's own `rl.corrections` chain (config.loss.corrections follow).
   uses_prox: whether the method needs proximal log-probs (decoupled PPO).
   overrides: config.loss fields that define the method (e.g. DAPO's eps_high=0.28).
+  reads: the config.loss fields the surrogate reads (`check_settings_read` refuses a
+  setting no part of the objective reads).
+  per_token: whether each token's loss depends on its own log-ratio alone (False for
+  sequence-level ratios and weights: GSPO, VCPO).
   """
   name: str
   doc: str
@@ -278,6 +368,8 @@ class Objective:
   corrections: tuple[str, ...] = ()
   uses_prox: bool = False
   overrides: Mapping[str, object] = dataclasses.field(default_factory=dict)
+  reads: tuple[str, ...] = ()
+  per_token: bool = True
 
   def __call__(self, logp: jax.Array, batch: Rollout, *, prox_logp=None,
                config) -> tuple[jax.Array, dict]:
@@ -309,13 +401,17 @@ class Objective:
 
 def make_objective(surrogate: Callable, corrections: tuple[str, ...] = (),
                    uses_prox: bool = False, *, name: str = "", doc: str = "",
+                   reads: tuple[str, ...] = (), per_token: bool = True,
                    **overrides) -> Objective:
-  """An `Objective` from a surrogate; `overrides` fix the config.loss fields that define
-  the method."""
+  """An `Objective` from a surrogate; `reads` names the config.loss fields it reads and
+  `overrides` fix the config.loss fields that define the method."""
   return Objective(name=name or getattr(surrogate, "__name__", "objective"),
                    doc=doc or (surrogate.__doc__ or ""), surrogate=surrogate,
                    corrections=tuple(corrections), uses_prox=uses_prox,
-                   overrides=dict(overrides))
+                   overrides=dict(overrides), reads=tuple(reads), per_token=per_token)
+
+
+_EPS = ("eps_low", "eps_high")  # the PPO clip widths clipped_surrogate reads by default
 
 
 def _register(name: str, doc: str, *args, **kwargs) -> Objective:
@@ -324,31 +420,38 @@ def _register(name: str, doc: str, *args, **kwargs) -> Objective:
 
 ppo_clip_loss = _register(
     "grpo", "PPO-clip / GRPO (DeepSeekMath): -min(r A, clip(r, 1-eps_low, 1+eps_high) A), r "
-    "against prox when supplied, else behav; optional k3 KL (config.kl_coef).", clipped_surrogate)
+    "against prox when supplied, else behav; optional k3 KL (config.kl_coef).", clipped_surrogate,
+    reads=_EPS)
 _register("dapo", "DAPO: PPO-clip with clip-higher (0.2 / 0.28) and token-mean aggregation. "
           "(Dynamic sampling and overlong shaping act on the data and rewards, not the loss.)",
-          clipped_surrogate, eps_low=0.2, eps_high=0.28, aggregation="token_mean")
+          clipped_surrogate, reads=_EPS, eps_low=0.2, eps_high=0.28, aggregation="token_mean")
 _register("drgrpo", "Dr.GRPO: PPO-clip with a constant normaliser (seq_mean_token_sum_norm, "
           "norm_len); pair with config.advantage.name='drgrpo' (no std division).",
-          clipped_surrogate, aggregation="seq_mean_token_sum_norm")
+          clipped_surrogate, reads=_EPS, aggregation="seq_mean_token_sum_norm")
 _register("gspo", "GSPO: sequence-level ratio exp(mean_t(logp - old)), clipped at sequence level "
           "(eps 3e-4 / 4e-4); one loss per sequence.",
-          gspo_surrogate, eps_low=3e-4, eps_high=4e-4, aggregation="seq_mean_token_mean")
+          gspo_surrogate, reads=_EPS, per_token=False, eps_low=3e-4, eps_high=4e-4,
+          aggregation="seq_mean_token_mean")
 _register("gspo_token", "GSPO-token: per-token ratio sg(s_i) exp(logp - sg(logp)), clipped at "
           "eps 3e-4 / 4e-4; equals GSPO when a sequence's tokens share an advantage.",
-          gspo_token_surrogate, eps_low=3e-4, eps_high=4e-4, aggregation="seq_mean_token_mean")
+          gspo_token_surrogate, reads=_EPS, per_token=False, eps_low=3e-4, eps_high=4e-4,
+          aggregation="seq_mean_token_mean")
 _register("decoupled", "Decoupled PPO (AReaL): clip exp(logp - prox) and weight by "
           "sg(min(exp(prox - behav), is_cap)) (the 'tis' correction; cap 5 by default; use "
           "name='grpo', corrections=('mis',) for the masking variant).",
-          clipped_surrogate, corrections=("tis",), uses_prox=True)
+          clipped_surrogate, corrections=("tis",), uses_prox=True, reads=_EPS)
 _register("m2po", "M2PO: unclipped -(1/N) sum m M exp(logp - behav) A with the second-moment "
           "mask M (the 'm2po' correction), N = valid tokens.",
           importance_pg_surrogate(None), corrections=("m2po",), aggregation="token_mean")
 _register("sat", "SAT: PPO-clip against behav whose high-mismatch tokens get a contracted "
-          "interval (the 'sat' correction).", clipped_surrogate, corrections=("sat",))
-_register("vcpo", "VCPO: truncated-IS (vcpo_is_cap, 8) policy gradient, the off-policy optimal "
-          "baseline per group, and the ESS learning-rate scale (metrics['lr_scale']).",
-          importance_pg_surrogate("vcpo_is_cap"), corrections=("vcpo_baseline", "vcpo_ess"))
+          "interval (the 'sat' correction).", clipped_surrogate, corrections=("sat",),
+          reads=_EPS)
+_register("vcpo", "VCPO: policy gradient with one truncated IS weight per sequence "
+          "(min(w_i, vcpo_is_cap = 8); vcpo_is_level='token' truncates per token), the "
+          "off-policy optimal baseline per group, and the ESS learning-rate scale "
+          "sqrt(min(1, rho / vcpo_rho_ref)) (metrics['lr_scale']).",
+          vcpo_surrogate, corrections=("vcpo_baseline", "vcpo_ess"),
+          reads=("vcpo_is_cap", "vcpo_is_level"), per_token=False)
 _register("mu_grpo", "Mu-GRPO (arXiv 2605.17570): PPO-clip with the relaxed interval "
           "[1 - mu_eps_low, 1 + mu_eps_high] (default [1/2, 2]: keeps the gradients of stale "
           "tokens that eps 0.2 would clip) and the negative-advantage veto (the 'mu_veto' "
@@ -356,7 +459,7 @@ _register("mu_grpo", "Mu-GRPO (arXiv 2605.17570): PPO-clip with the relaxed inte
           "leaves that interval). The paper trains in a few large stages: many updates per "
           "rollout batch (rl.num_minibatches; docs/concepts.md).",
           functools.partial(clipped_surrogate, widths=("mu_eps_low", "mu_eps_high")),
-          corrections=("mu_veto",))
+          corrections=("mu_veto",), reads=("mu_eps_low", "mu_eps_high"))
 
 @register_loss("sft")
 def sft_loss(logp: jax.Array, batch: Rollout, *, prox_logp=None, config) -> tuple[jax.Array, dict]:

@@ -154,16 +154,38 @@ def test_ess_ratio_and_lr_scale_match_the_formula():
                              rho, rtol=1e-5)
   terms = _terms(log_ratio=np.zeros((16, 3)))
   terms = terms.replace(behav=terms.logp - jnp.asarray(np.repeat(log_w[:, None] / 3, 3, 1), jnp.float32))
-  _, metrics = corrections.vcpo_step_scale(rho_ref=0.5)(terms)
-  np.testing.assert_allclose(metrics["lr_scale"], np.sqrt(rho / 0.5), rtol=1e-5)
+  # The authors' reference: lr_scale = min(1.0, ess_ratio / base_ess_ratio), then sqrt.
+  for rho_ref in (0.2, 0.5, 1.0):
+    _, metrics = corrections.vcpo_step_scale(rho_ref=rho_ref)(terms)
+    np.testing.assert_allclose(metrics["lr_scale"], min(1.0, rho / rho_ref) ** 0.5, rtol=1e-5)
   # Huge log-weights do not overflow (log-space computation).
   assert np.isfinite(float(corrections.effective_sample_size_ratio(jnp.asarray([500.0, 0.0]))))
 
 
-def test_lr_scale_is_one_on_policy():
+@pytest.mark.parametrize("rho_ref", [1.0, 0.5, 0.1])
+def test_lr_scale_is_one_on_policy_and_never_above_one(rho_ref):
+  """rho = 1 on-policy: the base rate, also with rho_ref < 1 (unclamped, sqrt(1 / rho_ref)
+  would raise the learning rate on every fresh batch)."""
   terms = _terms(log_ratio=np.zeros((8, 5)))
-  _, metrics = corrections.vcpo_step_scale()(terms)
+  _, metrics = corrections.vcpo_step_scale(rho_ref=rho_ref)(terms)
   np.testing.assert_allclose(metrics["lr_scale"], 1.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("chain, refused", [
+    (("mu_veto", "m2po"), "m2po"), (("mu_veto", "sat"), "sat"),
+    (("mu_veto", "vcpo_ess"), "vcpo_ess"), (("tis", "mu_veto", "vcpo_baseline"), "vcpo_baseline"),
+    (("m2po", "mu_veto"), None), (("mu_veto", "tis"), None)])
+def test_corrections_reading_the_log_ratio_after_the_veto_are_refused(chain, refused):
+  """After 'mu_veto' a dropped token's logp is its anchor's (d = 0): a later m2po / sat /
+  VCPO statistic would count it as on-policy, so that order is refused; before the veto,
+  or a correction that reads prox - behav (tis), is fine."""
+  terms = _terms(log_ratio=np.zeros((4, 3)), prox_shift=np.zeros((4, 3)))
+  config = losses.resolve_config(None)
+  if refused is None:
+    corrections.chain(chain, terms, config)
+    return
+  with pytest.raises(ValueError, match=f"Correction '{refused}' after 'mu_veto'"):
+    corrections.chain(chain, terms, config)
 
 
 def test_optimal_baseline_reduces_gradient_variance_in_a_bandit():

@@ -122,9 +122,23 @@ def test_wandb_without_the_package_is_refused_before_any_work(tmp_path, monkeypa
     ("rl.ppo_epochs", 0, "ppo_epochs = 0 must be >= 1"),
     ("rollout.group_size", 1, "at least 2 completions"),
     ("rollout.prompt_len", 3, "raise config.rollout.prompt_len"),
+    # Settings the objective overrides or never reads (issue: accepted, then ignored).
+    ("loss.name=dapo,loss.eps_high", 0.35, "objective 'dapo' fixes eps_high = 0.28"),
+    ("loss.name=dapo,loss.aggregation", "seq_mean_token_sum_norm",
+     "objective 'dapo' fixes aggregation"),
+    ("loss.name=m2po,loss.eps_low", 0.1, "objective 'm2po' .* never reads eps_low"),
+    ("loss.name=mu_grpo,loss.eps_high", 0.3, "objective 'mu_grpo' .* never reads eps_high"),
+    ("loss.name=vcpo,loss.vcpo_is_level", "row", "Unknown config.loss.vcpo_is_level"),
+    ("loss.name=mu_grpo,loss.corrections", ("m2po",), "Correction 'm2po' after 'mu_veto'"),
 ])
 def test_bad_config_gives_a_clear_error(tmp_path, field, value, message):
+  """`field` is a dotted path, optionally after 'path=value,' settings made first."""
   config = tiny_config(tmp_path)
+  *settings, field = field.split(",")
+  for setting in settings:
+    path, setting_value = setting.split("=")
+    section, name = path.split(".")
+    config[section][name] = setting_value
   section, name = field.split(".")
   config[section][name] = value
   with pytest.raises(ValueError, match=message):

@@ -100,6 +100,87 @@ def test_vcpo_on_policy_is_grpo_with_the_optimal_baseline():
   np.testing.assert_allclose(metrics["lr_scale"], 1.0, rtol=1e-6)
 
 
+def _vcpo_reference_grad(logp, behav, mask, adv, cap, level):
+  """VCPO's policy gradient from its definitions, NumPy float64: d loss / d logp for
+  loss = seq_mean_token_mean(-sg(w) * A) with w = min(exp(sum_t m (logp - behav)), cap)
+  per sequence (verl rollout_is="sequence") or min(exp(logp - behav), cap) per token."""
+  logp, behav, mask, adv = (np.asarray(x, np.float64) for x in (logp, behav, mask, adv))
+  if level == "sequence":
+    w = np.minimum(np.exp(((logp - behav) * mask).sum(1)), cap)[:, None] * np.ones_like(logp)
+  else:
+    w = np.minimum(np.exp(logp - behav), cap)
+  lengths = mask.sum(1, keepdims=True)
+  rows = (lengths[:, 0] > 0).sum()
+  return -w * adv * mask / np.maximum(lengths, 1) / rows
+
+
+@pytest.mark.parametrize("level", ["sequence", "token"])
+def test_vcpo_truncates_one_weight_per_sequence_as_its_authors_do(level):
+  """Stale rows whose sequence weight exceeds the cap 8 (while no single token's ratio
+  does) and rows below it: the gradient equals the reference at the chosen level, and the
+  two levels differ (the default is the sequence level)."""
+  logp, batch = make_batch(seed=5)
+  mask = np.asarray(batch.completion_mask, np.float32)
+  # Every valid token's ratio is e^0.6 = 1.8 < 8 in rows 0-2; their sequence weights are
+  # e^(0.6 n) > 8 for n >= 4 tokens. Rows 3-5: ratio e^-0.3.
+  shift = np.where(np.arange(B)[:, None] < 3, 0.6, -0.3) * mask
+  batch = batch.replace(behavior_logp=jnp.asarray(np.asarray(logp) - shift, jnp.float32))
+  kw = {} if level == "sequence" else {"vcpo_is_level": "token"}
+  fn = losses.get_loss("vcpo")
+  # The baseline correction (tested on its own) sets the advantages the gradient multiplies.
+  terms_adv = _vcpo_advantages(logp, batch)
+  got = jax.grad(lambda lp: fn(lp, batch, config=cfg(name="vcpo", **kw))[0])(logp)
+  expected = _vcpo_reference_grad(logp, batch.behavior_logp, mask, terms_adv, 8.0, level)
+  np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-7)
+  assert (((shift * mask).sum(1) > np.log(8.0)) | (mask.sum(1) < 4)).any()
+  other = _vcpo_reference_grad(logp, batch.behavior_logp, mask, terms_adv, 8.0,
+                               "token" if level == "sequence" else "sequence")
+  assert not np.allclose(expected, other, rtol=1e-3)
+
+
+def _vcpo_advantages(logp, batch):
+  """The per-token advantages VCPO's baseline correction gives this batch."""
+  mask = batch.completion_mask.astype(jnp.float32)
+  terms = corrections.TokenTerms(
+      logp=logp, behav=batch.behavior_logp, prox=None, advantages=batch.advantages,
+      mask=mask, weight=jnp.ones_like(logp), clip_scale=jnp.ones_like(logp),
+      reward=batch.reward, group=batch.group)
+  out, _ = corrections.vcpo_baseline()(terms)
+  return np.asarray(out.advantages)
+
+
+@pytest.mark.parametrize("name, field, value, message", [
+    ("dapo", "eps_high", 0.35, "objective 'dapo' fixes eps_high = 0.28"),
+    ("dapo", "aggregation", "seq_mean_token_sum_norm", "objective 'dapo' fixes aggregation"),
+    ("m2po", "eps_high", 0.3, "objective 'm2po' .* never reads eps_high"),
+    ("vcpo", "eps_low", 0.1, "objective 'vcpo' .* never reads eps_low"),
+    ("mu_grpo", "eps_high", 0.3, "objective 'mu_grpo' .* never reads eps_high"),
+    ("grpo", "m2_tau", 0.1, "objective 'grpo' .* never reads m2_tau"),
+    ("grpo", "norm_len", 50.0, "never reads norm_len"),
+    ("grpo", "prox_estimate", "loglinear", "never reads prox_estimate"),
+    ("gspo", "eps_low", 0.2 + 1e-3, "objective 'gspo' fixes eps_low")])
+def test_a_setting_the_objective_overrides_or_never_reads_is_refused(name, field, value, message):
+  with pytest.raises(ValueError, match=message):
+    losses.check_settings_read(ml_collections.ConfigDict(dict(name=name, **{field: value})))
+
+
+@pytest.mark.parametrize("settings", [
+    dict(name="grpo", eps_high=0.28, aggregation="token_mean"),
+    dict(name="dapo", eps_high=0.28, aggregation="token_mean"),  # the values it fixes
+    dict(name="grpo", corrections=("m2po",), m2_tau=0.1),
+    dict(name="decoupled", prox_estimate="loglinear", is_cap=2.0),
+    dict(name="drgrpo", norm_len=50.0),
+    dict(name="vcpo", vcpo_is_cap=4.0, vcpo_rho_ref=0.5, vcpo_is_level="token"),
+    dict(name="mu_grpo", mu_eps_low=0.3)])
+def test_settings_the_objective_reads_are_accepted(settings):
+  losses.check_settings_read(ml_collections.ConfigDict(settings))
+
+
+def test_sequence_level_objectives_refuse_the_veto():
+  with pytest.raises(ValueError, match="sequence-level ratios"):
+    losses.check_config(ml_collections.ConfigDict(dict(name="vcpo", corrections=("mu_veto",))))
+
+
 def test_decoupled_with_prox_equal_behav_is_ppo():
   logp, batch = make_batch(seed=4, behav_shift=0.4)
   got = loss_and_grad("decoupled", logp, batch, prox=batch.behavior_logp)

@@ -126,8 +126,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.loss.kl_coef = 0.0                # k3 KL to a reference policy (0 = none)
   # Off-policy corrections (rl/corrections.py) appended to the objective's own, in order:
   # 'tis' | 'mis' | 'm2po' | 'sat' | 'vcpo_baseline' | 'vcpo_ess' | 'mu_veto'. Objectives fix
-  # the fields that define them (e.g. dapo: eps 0.2/0.28, token_mean), overriding the values
-  # here.
+  # the fields that define them (e.g. dapo: eps 0.2/0.28, token_mean); setting such a field
+  # to another value, or a field the objective and its corrections never read (eps_* for
+  # m2po), is refused before step 1.
   c.loss.corrections = ()
   c.loss.prox_estimate = "recompute"  # proximal log-probs: "recompute" (a forward) | "loglinear"
   c.loss.is_cap = 5.0                 # TIS truncation / MIS upper bound (decoupled PPO cap)
@@ -135,8 +136,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.loss.m2_tau = 0.04                # M2PO: kept tokens' mean squared log-ratio <= tau
   c.loss.sat_quantile = 0.9           # SAT: tail quantile of |logp - behav| in the batch
   c.loss.sat_bandwidth = 0.1          # SAT: kernel exp(-(|d| - q) / bandwidth)
-  c.loss.vcpo_rho_ref = 1.0           # VCPO: lr scale sqrt(ESS ratio / rho_ref)
+  c.loss.vcpo_rho_ref = 1.0           # VCPO: lr scale sqrt(min(1, ESS ratio / rho_ref))
   c.loss.vcpo_is_cap = 8.0            # VCPO: truncation of the IS weight
+  c.loss.vcpo_is_level = "sequence"   # VCPO: one weight per sequence (the authors') | "token"
   c.loss.mu_eps_low = 0.5             # mu_grpo relaxed clip: ratio >= 1 - mu_eps_low where A < 0;
                                       # a response with A < 0 is vetoed from its first token
                                       # outside [1 - mu_eps_low, 1 + mu_eps_high]
