@@ -107,7 +107,7 @@ def rows_per_prompt(config) -> int:
 _RANGES = (
     [(f"rollout.{k}", 1, True, None) for k in ("prompts_per_step", "group_size", "prompt_len",
                                                "max_new_tokens")]
-    + [(f"rollout.{k}", 0, True, None) for k in ("num_slots", "decode_window", "replay_size",
+    + [(f"rollout.{k}", 0, True, None) for k in ("num_slots", "decode_window",
                                                  "top_k", "temperature")]
     + [("rollout.top_p", 0, False, 1.0)]
     + [("task.eval_size", 1, True, None), ("task.train_pool", 0, True, None)]
@@ -510,11 +510,9 @@ def new_train_state(config, model_config, params, optimizer, phase: str, mesh=No
       model_config, optimizer, mesh, lora=lora))(params)
 
 
-def make_rl_producer(config, ctx, store):
+def make_rl_producer(config, ctx):
   """The RL phase's batch producer (rl.loop.Producer; the one strategy-specific piece of
-  the RL phase) and its partial-rollout pool (None unless rollout.kind='partial'). With
-  config.rollout.replay_size, every produced batch is also kept in the trajectory store's
-  replay ring, keyed by the train step it is trained at."""
+  the RL phase) and its partial-rollout pool (None unless rollout.kind='partial')."""
   rollouts = None
   produce = loop.make_producer(ctx)
   r = config.rollout
@@ -525,17 +523,7 @@ def make_rl_producer(config, ctx, store):
                            decode_window=r.decode_window),
         max_staleness=config.rl.max_staleness)
     produce = partial_rollout.producer(ctx, rollouts)
-  if not r.replay_size:
-    return produce, rollouts
-
-  def produce_and_keep(params, version, train_step, rng, cursor, selection):
-    produced = produce(params, version, train_step, rng, cursor, selection)
-    b = produced.rollout
-    store.append_replay(train_step, jax.device_get(dict(
-        tokens=b.tokens, prompt_mask=b.prompt_mask, completion_mask=b.completion_mask,
-        behavior_logp=b.behavior_logp, version=b.version, group=b.group, reward=b.reward)))
-    return produced
-  return produce_and_keep, rollouts
+  return produce, rollouts
 
 
 TIME_PARTS = ("warm_start", "rollout", "train", "eval")
@@ -683,12 +671,11 @@ class _Run:
             config.workdir, tensorboard=config.metrics.tensorboard,
             wandb_project=config.metrics.wandb_project,
             config=json.loads(self.config_json)) if self.primary else [])
-    # Unfinished partial rollouts and the replay ring live in a zarr3 trajectory store.
+    # Unfinished partial rollouts live in a zarr3 trajectory store.
     self.store = None
-    if config.rollout.kind == "partial" or config.rollout.replay_size:
-      self.store = trajectory_store.TrajectoryStore(
-          os.path.join(config.workdir, "trajectories"), config.rollout.replay_size)
-    self.produce, self.rollouts = make_rl_producer(config, self.contexts[RL][0], self.store)
+    if config.rollout.kind == "partial":
+      self.store = trajectory_store.TrajectoryStore(os.path.join(config.workdir, "trajectories"))
+    self.produce, self.rollouts = make_rl_producer(config, self.contexts[RL][0])
     self.phase_steps = {WARM_START: config.warm_start.steps, RL: config.rl.steps}
     self.done = 0
     self.bar = None
@@ -784,17 +771,12 @@ class _Run:
       if self.rollouts is not None and "partial_ledger" in meta:
         self.rollouts.load(self.store.load_pool(step, partial_rollout.POOL_FIELDS),
                            meta["partial_ledger"])
-      if self.store is not None:
-        self.store.truncate_after(
-            int(self.state.train.step) - 1 if meta["phase"] == RL else -1)
       if self.primary:  # absl logs only warnings here (see main), so say it plainly
         print(f"Starting RL from the warm start in {source}." if from_source else
               f"Resumed from step {step} ({meta['phase']} phase) in {self.config.workdir}.",
               flush=True)
     elif self.primary:
       self.log.truncate_after(-1)
-      if self.store is not None:
-        self.store.truncate_after(-1)
     self.done = ((0 if self.meta["phase"] == WARM_START else self.phase_steps[WARM_START])
                  + self.state.iteration)
     if self.primary:  # once per launch, at the step it starts from

@@ -2,6 +2,7 @@
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -143,6 +144,18 @@ def test_bad_config_gives_a_clear_error(tmp_path, field, value, message):
   config[section][name] = value
   with pytest.raises(ValueError, match=message):
     train_launcher.run(config)
+
+
+def test_replay_is_not_offered(tmp_path):
+  """Nothing trained on a replay buffer, so there is no rollout.replay_size to set (it was
+  accepted, wrote every batch to disk, and changed nothing): the launcher refuses it."""
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.train", "--config.rollout.replay_size=3",
+       f"--config.workdir={tmp_path}"], capture_output=True, text=True, check=False,
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert result.returncode != 0
+  assert "config.rollout has no field 'replay_size'" in result.stderr
+  assert not os.path.exists(tmp_path / "metrics.jsonl")
 
 
 def test_mu_grpo_trains_in_large_stages(tmp_path):

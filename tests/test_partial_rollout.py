@@ -143,24 +143,6 @@ def test_store_rejects_a_pool_of_another_shape(tmp_path):
     other.load(store.load_pool(0, partial_rollout.POOL_FIELDS), small.ledger.as_dict())
 
 
-def test_replay_ring_keeps_recent_batches_and_truncates_after_resume(tmp_path):
-  store = trajectory_store.TrajectoryStore(str(tmp_path), replay_capacity=3)
-  for step in range(5):
-    store.append_replay(step, {"tokens": np.full((2, 4), step, np.int32),
-                               "reward": np.full((2,), step / 10, np.float32)})
-  recent = store.recent(5, ["tokens", "reward"])
-  assert [s for s, _ in recent] == [4, 3, 2]
-  for step, batch in recent:
-    np.testing.assert_array_equal(batch["tokens"], np.full((2, 4), step))
-    np.testing.assert_allclose(batch["reward"], step / 10)
-  # Reopened (as after a crash) and resumed from checkpoint step 3.
-  reopened = trajectory_store.TrajectoryStore(str(tmp_path), replay_capacity=3)
-  reopened.truncate_after(3)
-  assert [s for s, _ in reopened.recent(5, ["tokens"])] == [3, 2]
-  with pytest.raises(ValueError, match="fixed"):
-    reopened.append_replay(5, {"tokens": np.zeros((3, 4), np.int32)})
-
-
 def test_store_prunes_snapshots_of_dropped_checkpoints(tmp_path):
   store = trajectory_store.TrajectoryStore(str(tmp_path))
   for step in (1, 2, 3):

@@ -76,7 +76,6 @@ def get_config() -> ml_collections.ConfigDict:
   c.rollout.train_length_buckets = (24, 48)  # completion slots the train step may cut a
                                       # batch to (its longest row's bucket; () = always
                                       # max_new_tokens)
-  c.rollout.replay_size = 0           # trained batches kept in the trajectory store (0 = none)
 
   c.warm_start = ml_collections.ConfigDict()
   c.warm_start.steps = 900            # supervised steps on reference answers (0 = skip)
