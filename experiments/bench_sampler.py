@@ -15,7 +15,11 @@ outputs + temporaries) are reported per case, each peer process's peak resident 
 once.
 Arbor runs in this process; each peer (Tunix's Qwen2 + sampler, Hugging Face
 transformers `generate` on torch CPU) runs the same shapes in its own virtualenv
-(experiments/peers, created once under --peer_envs), in the same invocation. Reports
+(experiments/peers, created once under --peer_envs), in the same invocation. Every side
+times the same work: a [B, P] token array in, the [B, P + N] token array out, with no
+tokenizer, host copy or detokenisation in the timed call (Arbor: its compiled `generate`;
+Tunix: its sampler's state init, jitted prefill and decode loop, below `Sampler.__call__`;
+transformers: `generate` on token tensors; each peer's docstring says exactly). Reports
 generated tokens/s (best of --repeats after a compiling/warm-up call), the compile (or
 warm-up) time, Arbor's ratio to each peer, and model FLOP utilisation against a large f32
 matmul timed in this run. The machine's streaming read bandwidth is measured too: per batch,

@@ -85,3 +85,119 @@ def test_peer_reports_its_own_peak_memory_not_its_parents():
   own = int(subprocess.run([sys.executable, "-c", code], cwd=_REPO / "experiments" / "peers",
                            capture_output=True, text=True, check=True).stdout)
   assert 0 < 4 * own < parent
+
+
+def _load_peer(name: str, monkeypatch):
+  """experiments/peers/<name>_peer.py as a module (the peers import `peer_memory` from
+  their own folder, as when run as scripts)."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  folder = _REPO / "experiments" / "peers"
+  monkeypatch.syspath_prepend(str(folder))
+  spec = importlib.util.spec_from_file_location(f"{name}_peer_under_test",
+                                                folder / f"{name}_peer.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_tunix_peer_times_token_arrays_without_its_tokenizer(monkeypatch):
+  # B1 must time the same work on both sides: token arrays in, token arrays out. A fake
+  # `tunix` (the real one lives only in the peer's virtualenv) records what the peer's
+  # sampler benchmark calls: never Sampler.__call__ (strings, tokenise, detokenise),
+  # never the tokenizer; init_sample_state gets the [B, P] token array.
+  import types  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  log = []
+
+  class RecordingTokenizer:
+    def __init__(self, inner):
+      self.inner = inner
+
+    def __getattr__(self, name):
+      log.append(("tokenizer", name))
+      return getattr(self.inner, name)
+
+  class FakeSampler:
+    def __init__(self, model, tokenizer, cache_config):
+      del model
+      self.tokenizer, self.cache_config = RecordingTokenizer(tokenizer), cache_config
+
+    def __call__(self, input_strings, *args, **kwargs):
+      raise AssertionError(f"B1 timed Sampler.__call__ on {type(input_strings[0]).__name__}s")
+
+    def model_def_and_state(self):
+      return None, ["params"]
+
+    def init_sample_state(self, all_input_ids, total_sampling_steps, include_logits,
+                          forbidden_token_ids, temperature, top_p, top_k, seed, beam_size,
+                          include_logprobs=False):
+      del include_logits, seed, include_logprobs
+      log.append(("init", all_input_ids, total_sampling_steps, tuple(forbidden_token_ids),
+                  temperature, top_p, top_k, beam_size))
+      buffer = np.full((all_input_ids.shape[0], total_sampling_steps), 7, np.int32)
+      buffer[:, :all_input_ids.shape[1]] = np.asarray(all_input_ids)
+      return types.SimpleNamespace(token_buffer=jnp.asarray(buffer))
+
+    def _compiled_prefill_fn(self, params, state, images, echo):
+      log.append(("prefill", echo))
+      assert params == ["params"] and images is None
+      return state
+
+    def _compiled_decode_fn(self, params, state):
+      log.append(("decode",))
+      assert params == ["params"]
+      return state
+
+  sampler_module = types.SimpleNamespace(Sampler=FakeSampler, CacheConfig=dict)
+  qwen2_module = types.SimpleNamespace(ModelConfig=dict, Qwen2=lambda config, rngs: object())
+  fakes = {"tunix": {}, "tunix.generate": {"sampler": sampler_module},
+           "tunix.generate.sampler": sampler_module, "tunix.models": {},
+           "tunix.models.qwen2": {"model": qwen2_module}, "tunix.models.qwen2.model": qwen2_module}
+  for name, attrs in fakes.items():
+    module = attrs if isinstance(attrs, types.SimpleNamespace) else types.SimpleNamespace(**attrs)
+    monkeypatch.setitem(sys.modules, name, module)
+  peer = _load_peer("tunix", monkeypatch)
+
+  shape = peers.peer_shape(get_preset("b1").replace(vocab_size=64))
+  cases = [dict(batch=3, prompt_len=5, new_tokens=4, temperature=t) for t in (0.0, 1.0)]
+  rows = peer.bench_sampler(dict(shape=shape, repeats=2, cases=cases))
+  assert [r["temperature"] for r in rows] == [0.0, 1.0] and all(r["tokens_per_s"] > 0 for r in rows)
+  assert not [e for e in log if e[0] == "tokenizer"], log
+  inits = [e for e in log if e[0] == "init"]
+  assert len(inits) == 2 * 3  # per case: one compiling call and two timed ones
+  for _, ids, total, forbidden, temperature, top_p, top_k, beam_size in inits:
+    assert not isinstance(ids, (str, list)) and ids.shape == (3, 5) and ids.dtype == np.int32
+    assert total == 5 + 4 and forbidden == (peer.PAD, peer.EOS) and beam_size is None
+    # T = 1: Tunix's top_p mode with p = 1 and no top-k, which samples without a sort.
+    assert (top_p, top_k) == ((None, None) if temperature == 0.0 else (1.0, None))
+  assert [e[0] for e in log].count("decode") == 6 and ("prefill", False) in log
+
+
+def test_torch_peer_times_generate_on_token_tensors(monkeypatch):
+  # transformers' side of B1: `generate` gets the [B, P] token tensor and returns the
+  # [B, P + N] tensor; no tokenizer is involved, and T = 1 adds no top-k / top-p warper.
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  peer = _load_peer("torch", monkeypatch)
+  calls = []
+  original = transformers.Qwen2ForCausalLM.generate
+
+  def recording_generate(self, *args, **kwargs):
+    calls.append((args, kwargs))
+    return original(self, *args, **kwargs)
+
+  monkeypatch.setattr(transformers.Qwen2ForCausalLM, "generate", recording_generate)
+  monkeypatch.setattr(transformers.PreTrainedTokenizerBase, "__init__",
+                      lambda *a, **k: pytest.fail("the torch peer built a tokenizer"))
+  config = get_preset("b1").replace(n_layers=1, d_model=32, n_heads=2, n_kv_heads=1,
+                                    head_dim=16, mlp_dim=64, vocab_size=64, max_seq_len=8)
+  cases = [dict(batch=2, prompt_len=4, new_tokens=4, temperature=t) for t in (0.0, 1.0)]
+  rows = peer.bench_generate(dict(shape=peers.peer_shape(config), repeats=1, cases=cases))
+  assert len(rows) == 2 and len(calls) == 4
+  for args, kwargs in calls:
+    assert not args and kwargs["input_ids"].dtype == torch.int64
+    assert kwargs["input_ids"].shape == (2, 4)
+    assert kwargs["min_new_tokens"] == kwargs["max_new_tokens"] == 4
+    if kwargs.get("do_sample"):
+      assert (kwargs["top_k"], kwargs["top_p"]) == (0, 1.0)

@@ -6,6 +6,16 @@ Started by experiments/bench_sampler.py and experiments/bench_train.py as
     <venv>/bin/python experiments/peers/torch_peer.py '<json spec>'
 
 and prints one JSON line (the results) last on stdout. Never imported by Arbor.
+
+What B1 times here (`bench_generate`): token tensors in, token tensors out, the same work as
+Arbor's side (a compiled `generate` on a [B, P] token array, returning [B, P + N] tokens).
+Each timed call is one `model.generate(input_ids=[B, P] int64 tensor, attention_mask)`
+under `torch.inference_mode()`, returning the [B, P + N] tensor; the prompt tensor is built
+before the timer and no tokenizer exists on this path (nothing is tokenised or
+detokenised). Every row decodes exactly N tokens (`min_new_tokens = max_new_tokens`);
+T = 1 is plain softmax(logits / T) sampling (`top_k=0, top_p=1` add no top-k / top-p
+warper), T = 0 greedy. The TRL GRPO trainer (`bench_grpo`, B2) takes prompt strings: that
+is its interface.
 """
 
 from __future__ import annotations
@@ -37,6 +47,8 @@ def qwen2_model(shape: dict) -> transformers.Qwen2ForCausalLM:
 
 
 def bench_generate(spec: dict) -> list[dict]:
+  """B1's transformers side: for each case, the best of `repeats` timed `generate` calls on
+  token tensors (see the module docstring) after one untimed warm-up call."""
   model = qwen2_model(spec["shape"])
   rows = []
   for case in spec["cases"]:

@@ -6,6 +6,18 @@ Started by experiments/bench_sampler.py and experiments/bench_train.py as
     <venv>/bin/python experiments/peers/tunix_peer.py '<json spec>'
 
 and prints one JSON line (the results) last on stdout. Never imported by Arbor.
+
+What B1 times here (`bench_sampler`): token arrays in, token arrays out, the same work as
+Arbor's side (a compiled `generate` on a [B, P] token array, returning [B, P + N] tokens).
+Each timed call is `generate_tokens`: `Sampler.init_sample_state`, the sampler's jitted
+prefill and decode loop on a pre-built [B, P] int32 prompt array, and a wait for the
+[B, P + N] token buffer. No tokenizer call, no host copy and no detokenisation is timed.
+Until issue #31 (item 9) the peer timed `Sampler.__call__` on prompt strings instead,
+which also tokenises, pads on the host, copies the result to the host, cuts rows and
+detokenises.
+T = 1 draws with `jax.random.categorical` over the full vocabulary (Tunix's top_p mode
+with top_p = 1, top_k = None, which skips the sort in 0.1.7); T = 0 is its greedy mode.
+The GRPO learner (`bench_grpo`, B2) still takes prompt strings: that is its interface.
 """
 
 from __future__ import annotations
@@ -17,6 +29,7 @@ import time
 
 from flax import nnx
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from tunix.generate import sampler as sampler_lib
@@ -64,11 +77,61 @@ def mesh() -> jax.sharding.Mesh:
 
 
 def prompts(n: int, prompt_len: int, vocab_size: int, seed: int) -> list[str]:
+  """Prompt strings for the GRPO learner (bench_grpo), which takes text."""
   rng = np.random.default_rng(seed)
   return [" ".join(f"t{i}" for i in rng.integers(3, vocab_size, prompt_len - 1)) for _ in range(n)]
 
 
+def prompt_ids(batch: int, prompt_len: int, vocab_size: int, seed: int) -> np.ndarray:
+  """[batch, prompt_len] int32 prompt tokens in [3, vocab_size): no pad, BOS or EOS, as
+  Arbor's side of B1 draws them."""
+  return np.random.default_rng(seed).integers(3, vocab_size, (batch, prompt_len)).astype(np.int32)
+
+
+def generate_tokens(sampler, ids, new_tokens: int, temperature: float, seed: int):
+  """Tunix's sampling below `Sampler.__call__`: token array in, token array out.
+
+  What `Sampler.__call__` does between its tokenizer calls, for prompts that need no
+  padding: `init_sample_state` (token buffer, positions, zeroed KV cache; eager), the
+  jitted prefill (which samples the first new token), the jitted decode loop, and a wait
+  for the result. Returns the [B, P + N] token buffer on the device (prompt, then N new
+  tokens), as Arbor's timed call returns its token array. Left out, as on Arbor's side:
+  tokenising the prompt strings, padding them on the host, copying the buffer to the host,
+  cutting each row at EOS and detokenising (all done by `Sampler.__call__`).
+
+  T > 0 is Tunix's "top_p" mode with top_p = 1 and top_k = None: in Tunix 0.1.7
+  `sample_top_p` then draws with `jax.random.categorical` over the whole vocabulary
+  (no sort, no softmax); T = 0 is its "greedy" mode (argmax). Pad and EOS are forbidden,
+  so every row decodes exactly N tokens. Tunix's decode loop runs N steps after the prefill
+  (the last step's token falls outside the [B, P + N] buffer), as in `Sampler.__call__`:
+  its own work, counted. Uses the sampler's `_compiled_prefill_fn` / `_compiled_decode_fn`
+  (private; google-tunix is pinned to 0.1.7).
+
+  Why token arrays rather than strings on both sides: Arbor's sampler has no string
+  interface (its RL loop samples token arrays), and this prefill + decode is what Tunix's
+  own rollout runs inside `Sampler.__call__`; the string handling around it is a host cost
+  set by the tokenizer (here a toy word tokenizer), not by the sampler.
+  """
+  batch, prompt_len = ids.shape
+  _, params = sampler.model_def_and_state()
+  state = sampler.init_sample_state(
+      jnp.asarray(ids), total_sampling_steps=prompt_len + new_tokens, include_logits=False,
+      forbidden_token_ids=(PAD, EOS), temperature=temperature,
+      top_p=1.0 if temperature else None, top_k=None, seed=jax.random.PRNGKey(seed),
+      beam_size=None)
+  # pylint: disable=protected-access
+  state = sampler._compiled_prefill_fn(params, state, None, echo=False)
+  state = sampler._compiled_decode_fn(params, state)
+  # pylint: enable=protected-access
+  tokens = state.token_buffer.block_until_ready()
+  assert tokens.shape == (batch, prompt_len + new_tokens), tokens.shape
+  return tokens
+
+
 def bench_sampler(spec: dict) -> list[dict]:
+  """B1's Tunix side: for each case, the best of `repeats` timed `generate_tokens` calls
+  (token array in, token array out; see its docstring) after one untimed call that
+  compiles. The prompt tokens are built before the timer, as Arbor's are."""
   shape = spec["shape"]
   model = qwen2_model(shape)
   rows = []
@@ -78,24 +141,29 @@ def bench_sampler(spec: dict) -> list[dict]:
     sampler = sampler_lib.Sampler(model, WordTokenizer(), sampler_lib.CacheConfig(
         cache_size=prompt_len + new_tokens, num_layers=shape["n_layers"],
         num_kv_heads=shape["n_kv_heads"], head_dim=shape["head_dim"]))
-    inputs = prompts(batch, prompt_len, shape["vocab_size"], 1)
-    # Temperature sampling is Tunix's top_p mode (p = 1: no truncation); greedy otherwise.
-    kwargs = dict(temperature=temperature, top_p=1.0) if temperature else {}
+    # What Sampler.__call__ sets from its eos_tokens argument (the prefill and the decode
+    # step read it); EOS is forbidden, so no row stops.
+    sampler.eos_ids = jnp.array([EOS])
+    ids = prompt_ids(batch, prompt_len, shape["vocab_size"], 1)
 
     def run(seed):
-      out = sampler(inputs, max_generation_steps=new_tokens, max_prompt_length=prompt_len,
-                    eos_tokens=[EOS], forbidden_tokens=[PAD, EOS], seed=seed, **kwargs)
-      assert all(len(t) == new_tokens for t in out.tokens), [len(t) for t in out.tokens]
-      return out
+      return generate_tokens(sampler, ids, new_tokens, temperature, seed)
+
+    def check(tokens):
+      new = np.asarray(tokens)[:, prompt_len:]
+      assert np.array_equal(np.asarray(tokens)[:, :prompt_len], ids)
+      assert not np.isin(new, (PAD, EOS)).any(), "a pad or EOS among the new tokens"
 
     start = time.perf_counter()
-    run(0)
+    tokens = run(0)
     first = time.perf_counter() - start
+    check(tokens)
     times = []
     for seed in range(1, spec["repeats"] + 1):
       start = time.perf_counter()
-      run(seed)
+      tokens = run(seed)
       times.append(time.perf_counter() - start)
+      check(tokens)
     best = min(times)
     rows.append(dict(case, tokens_per_s=batch * new_tokens / best, best_s=best,
                      compile_s=max(first - best, 0.0)))
