@@ -1,13 +1,20 @@
 """Asynchronous RL (AReaL): a producer thread samples while the trainer trains.
 
-The trainer publishes its parameters after every step (version = trainer step); the
-producer samples each batch with the newest published version. Batch i is trained at
-trainer step `base + i`, so its staleness is `base + i - (oldest version among its
-tokens)`. The bound `max_staleness` is enforced, not logged: before sampling batch i the
-producer waits until version `base + i - max_staleness` is published, and the trainer
-refuses (RuntimeError) a batch beyond the bound (a partial-rollout producer discards groups
-that would exceed it). With `max_staleness = 0` the producer always waits for the newest
-parameters, and the loop reproduces the synchronous loop exactly (same RNG and data order).
+Versions count optimiser updates, as everywhere else (the sync loop, partial rollouts,
+`prox_estimate='loglinear'`): a token's version is the TrainState.step of the parameters
+that sampled it, and a batch's staleness is the step it is trained at minus its oldest
+token's version. One batch takes U = num_minibatches * ppo_epochs updates, so every batch
+trained between sampling and training adds up to U to its staleness.
+
+The trainer publishes its parameters after every batch; the producer samples each batch
+with the newest published ones. The bound `max_staleness` (in updates) is enforced, not
+logged: the producer samples batch i only once batch i - max_staleness // U is trained
+(`batch_lag`), and the trainer refuses (RuntimeError) a batch beyond the bound (a
+partial-rollout producer discards groups that would exceed it). With max_staleness < U
+(0 included) the producer always waits for the newest parameters, and the loop reproduces
+the synchronous loop exactly (same RNG and data order). U is given (`updates_per_batch`)
+or learnt from the first batch: TrainState.step + nonfinite_updates grows by exactly U per
+batch, skipped updates included; until then the producer does not run ahead.
 
 Parameters reach the producer through `publish(params) -> params`, the hook where a sharded
 run reshards trainer -> sampler layout (sharding issue); the default is the identity.
@@ -17,6 +24,7 @@ a leaf returned unchanged by `publish` is copied.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -27,18 +35,31 @@ import jax.numpy as jnp
 
 from rl import loop
 from rl.loop import LoopContext, LoopState, Producer
+from rl.train import TrainState
+
+
+@dataclasses.dataclass(frozen=True)
+class Published:
+  """Parameters handed to the producer. version: their TrainState.step; trained: batches
+  this run had trained when they were published; updates_per_batch: optimiser updates
+  (applied or skipped) one batch takes (given to `run_async`, else None until a batch is
+  trained)."""
+  params: Any
+  version: int
+  trained: int
+  updates_per_batch: int | None = None
 
 
 class ParamChannel:
-  """The newest published parameters and their version, shared by trainer and producer."""
+  """The newest `Published` parameters, shared by trainer and producer."""
 
   def __init__(self):
     self._cond = threading.Condition()
-    self._params, self._version, self._closed = None, -1, False
+    self._newest, self._closed = None, False
 
-  def publish(self, params, version: int) -> None:
+  def publish(self, published: Published) -> None:
     with self._cond:
-      self._params, self._version = params, version
+      self._newest = published
       self._cond.notify_all()
 
   def close(self) -> None:
@@ -46,14 +67,35 @@ class ParamChannel:
       self._closed = True
       self._cond.notify_all()
 
-  def wait_for(self, min_version: int) -> tuple[Any, int]:
-    """Blocks until a version >= min_version is published; returns the newest one."""
+  def wait_for(self, min_trained: int) -> Published:
+    """Blocks until parameters trained on >= min_trained batches are published; returns
+    the newest."""
+    ready = lambda: self._newest is not None and self._newest.trained >= min_trained
     with self._cond:
-      self._cond.wait_for(lambda: self._closed or self._version >= min_version)
-      if self._version < min_version:
+      self._cond.wait_for(lambda: self._closed or ready())
+      if not ready():
         raise RuntimeError("The trainer stopped before publishing the parameters the "
-                           f"producer waits for (version {min_version}).")
-      return self._params, self._version
+                           f"producer waits for (after {min_trained} batches).")
+      return self._newest
+
+
+def batch_lag(max_staleness: int, updates_per_batch: int) -> int:
+  """Batches the producer may sample ahead of the trainer within `max_staleness` updates:
+  each batch trained in between adds up to `updates_per_batch` updates of staleness."""
+  return max_staleness // updates_per_batch
+
+
+def updates_taken(train: TrainState) -> int:
+  """Optimiser updates a TrainState has taken: applied (step) plus skipped as non-finite."""
+  return int(train.step) + int(train.nonfinite_updates)
+
+
+def expected_step(published: Published, batch: int, updates_per_batch: int | None) -> int:
+  """The TrainState.step batch `batch` will be trained at when sampled with `published`:
+  its version plus U updates per batch trained in between (fewer if one is skipped, so the
+  partial-rollout pool's discards against it stay within the bound)."""
+  ahead = batch - published.trained
+  return published.version + ahead * updates_per_batch if ahead else published.version
 
 
 def _detached(published, trainer_state):
@@ -66,9 +108,14 @@ def _detached(published, trainer_state):
 
 def run_async(state: LoopState, ctx: LoopContext, produce: Producer, num_steps: int, *,
               max_staleness: int, publish: Callable[[Any], Any] = lambda params: params,
-              on_step: Callable[[LoopState, dict], None] | None = None
-              ) -> tuple[LoopState, list[dict]]:
+              on_step: Callable[[LoopState, dict], None] | None = None,
+              updates_per_batch: int | None = None) -> tuple[LoopState, list[dict]]:
   """Runs `num_steps` train steps with a concurrent producer; returns the state and metrics.
+
+  max_staleness: bound on (train step - oldest token version), in optimiser updates.
+  updates_per_batch: optimiser updates one train step takes (config.rl.num_minibatches *
+  ppo_epochs); None = learnt from the first batch, so batch 1 is sampled after batch 0 is
+  trained. When given, a train step that takes another number is refused (ValueError).
 
   The producer makes exactly `num_steps` batches, so when this returns nothing is in
   flight: the returned state's RNG, data cursor and selection history are where the
@@ -82,23 +129,29 @@ def run_async(state: LoopState, ctx: LoopContext, produce: Producer, num_steps: 
   """
   if max_staleness < 0:
     raise ValueError(f"max_staleness={max_staleness} must be >= 0 (config.rl.max_staleness).")
-  base = int(state.train.step)
+  if updates_per_batch is not None and updates_per_batch < 1:
+    raise ValueError(f"updates_per_batch={updates_per_batch} must be >= 1.")
   channel = ParamChannel()
-  channel.publish(_detached(publish(state.train.policy_params()), state.train), base)
+  channel.publish(Published(_detached(publish(state.train.policy_params()), state.train),
+                            int(state.train.step), 0, updates_per_batch))
   batches: queue.Queue = queue.Queue()
 
   def producer():
     rng, cursor, selection = state.rng, state.data_cursor, state.selection
+    updates = updates_per_batch
     try:
       for i in range(num_steps):
         started = time.perf_counter()
-        params, version = channel.wait_for(base + i - max_staleness)
+        if i and updates is None:  # learnt once the first batch is trained
+          updates = channel.wait_for(1).updates_per_batch
+        newest = channel.wait_for(i - batch_lag(max_staleness, updates) if i else 0)
         waited = time.perf_counter() - started
         rng, sample_rng = jax.random.split(rng)
-        produced = loop.produce_timed(produce, params, version, base + i, sample_rng, cursor,
+        produced = loop.produce_timed(produce, newest.params, newest.version,
+                                      expected_step(newest, i, updates), sample_rng, cursor,
                                       selection)
         cursor, selection = produced.cursor, produced.selection
-        produced.metrics.update(sampled_version=version, producer_wait_s=waited)
+        produced.metrics.update(sampled_version=newest.version, producer_wait_s=waited)
         batches.put(produced)
       batches.put((rng, cursor, selection))
     except BaseException as error:  # handed to the trainer thread, which re-raises it
@@ -113,13 +166,19 @@ def run_async(state: LoopState, ctx: LoopContext, produce: Producer, num_steps: 
       item = batches.get()
       if isinstance(item, BaseException):
         raise item
-      step = base + i
+      step, before = int(state.train.step), updates_taken(state.train)
       stale = loop.staleness(item.rollout, step)
       if stale > max_staleness:
         raise RuntimeError(f"Batch for trainer step {step} has staleness {stale} > "
                            f"max_staleness={max_staleness}; the producer broke the bound.")
       train, metrics = loop.train_on(state.train, item, ctx, step)
-      channel.publish(_detached(publish(train.policy_params()), train), step + 1)
+      updates = updates_taken(train) - before
+      if updates_per_batch is not None and updates != updates_per_batch:
+        raise ValueError(f"run_async(updates_per_batch={updates_per_batch}), but the train "
+                         f"step took {updates} optimiser updates; pass config.rl."
+                         "num_minibatches * ppo_epochs, or None to learn it.")
+      channel.publish(Published(_detached(publish(train.policy_params()), train),
+                                int(train.step), i + 1, updates))
       state = state.replace(train=train, iteration=state.iteration + 1)
       metrics["time_step_s"] = time.perf_counter() - step_started
       history.append(metrics)

@@ -95,33 +95,38 @@ def sample_with_uniform(uniform: jax.Array, logits: jax.Array, temperature: floa
   """One token per row of logits [B, V] from one uniform [B] in [0, 1) each: (tokens [B],
   behaviour log-probs [B]); temperature > 0.
 
-  The exponentials exp(logits / T - max) serve both the draw (zeroed outside the top-k /
-  top-p set, then `inverse_cdf`) and the log-prob, log softmax(logits / T) at the drawn
-  token before truncation (see `sample_tokens`).
+  The exponentials w = exp(logits / T - max), zeroed outside the top-k / top-p set, are
+  the sampled distribution up to its total: they feed the draw (`inverse_cdf`), and the
+  log-prob is the drawn token's share of their total, log(w_token / sum of kept w), the
+  probability it was drawn with (see `sample_tokens`).
   """
   scaled = logits.astype(jnp.float32) / temperature
   peak = jnp.max(scaled, axis=-1, keepdims=True)
   weights = jnp.exp(scaled - peak)
-  log_total = jnp.log(jnp.sum(weights, axis=-1))
   if top_k or top_p < 1.0:
     kept = top_p_mask(top_k_mask(scaled, top_k), top_p) > _NEG
-    draw_weights = jnp.where(kept, weights, 0.0)
-  else:
-    draw_weights = weights
-  tokens = inverse_cdf(draw_weights, uniform)
+    weights = jnp.where(kept, weights, 0.0)
+  tokens = inverse_cdf(weights, uniform)
   picked = jnp.take_along_axis(scaled - peak, tokens[:, None], axis=-1)[:, 0]
-  return tokens, picked - log_total
+  return tokens, picked - jnp.log(jnp.sum(weights, axis=-1))
 
 
 def sample_tokens(rng: jax.Array, logits: jax.Array, temperature: float, top_k: int = 0,
                   top_p: float = 1.0) -> tuple[jax.Array, jax.Array]:
   """Draws one token per row and returns (tokens [B], behaviour log-probs [B]).
 
-  temperature == 0 is greedy (`rng` unused). The recorded log-prob is
-  log softmax(logits / temperature) at the drawn token, before top-k/top-p truncation: it
-  is the probability the trained policy assigns at the same temperature, so importance
-  ratios against it are exact whenever no truncation is used (the RL default). For greedy
-  decoding it is the temperature-1 log-prob.
+  temperature == 0 is greedy (`rng` unused; evaluation only, RL refuses it) and records
+  the temperature-1 log-prob. Otherwise the recorded log-prob (`Rollout.behavior_logp`,
+  behav) is that of the distribution the token was drawn from: softmax(logits / T)
+  restricted to the top-k tokens, renormalised, restricted to the top-p nucleus of that,
+  renormalised (no truncation: softmax(logits / T) itself).
+
+  The train step's log-prob (rl/train.py `policy_logprobs`, logp) is the untruncated
+  softmax(logits / T): the trained policy. So without truncation exp(logp - behav) is 1 on
+  fresh tokens, and with top-k / top-p it is the importance ratio between the trained
+  policy and the truncated sampler (on fresh tokens the kept mass, at most 1): the
+  mismatch off-policy corrections (TIS, MIS, decoupled PPO) see and correct, as they do
+  staleness.
   """
   if temperature == 0.0:
     return greedy_tokens(logits)

@@ -82,8 +82,9 @@ class SamplerState:
   """Everything a decode loop needs to continue. S = P + N slots per row.
 
   tokens [B, S] ids; token_mask [B, S] real tokens (prompt or generated);
-  prompt_len: P (static); behavior_logp [B, S] sampler log-prob of each generated token
-  (0 elsewhere); version [B, S] parameter version that generated each token (-1 for the
+  prompt_len: P (static); behavior_logp [B, S] log-prob each generated token was drawn
+  with, top-k / top-p truncation included (`sampling.logits.sample_tokens`; 0 elsewhere);
+  version [B, S] parameter version that generated each token (-1 for the
   prompt and empty slots); done [B] rows that emitted a stop token; step: decode steps
   taken (next completion slot is P + step); next_logits [B, V] logits for the next token;
   next_position [B] RoPE position of the next token; cache: KV cache of S slots; rng.

@@ -49,11 +49,17 @@ def _fake_produced(version, cursor):
   return loop.Produced(_fake_batch(version), {}, cursor + 1)
 
 
-def _fake_context(train_seconds):
+def _fake_context(train_seconds, updates=1, skipped_on=()):
+  """A trainer that takes `updates` optimiser updates per batch (TrainState.step counts the
+  applied ones, so w always equals the step); on the batches that train at the steps in
+  `skipped_on`, the last update is non-finite and skipped."""
   def train_step(state, batch):
     del batch
     time.sleep(train_seconds)
-    return state.replace(step=state.step + 1, params={"w": state.params["w"] + 1.0}), {}
+    skipped = int(int(state.step) in skipped_on)
+    applied = updates - skipped
+    return state.replace(step=state.step + applied, params={"w": state.params["w"] + applied},
+                         nonfinite_updates=state.nonfinite_updates + skipped), {}
   return loop.LoopContext(task=None, tokenizer=None, model_config=None, sampling_config=None,
                           prompt_len=3, prompts_per_step=1, group_size=4, train_step=train_step,
                           advantage_fn=None)
@@ -81,6 +87,57 @@ def test_producer_waits_so_max_staleness_is_never_exceeded(max_staleness):
   assert max(h["staleness"] for h in history) == max_staleness  # ran ahead up to the bound
   assert all(s - v <= max_staleness for s, v in sampled)
   assert int(state.train.step) == 8 and state.data_cursor == 8 and state.iteration == 8
+
+
+@pytest.mark.parametrize("max_staleness,known", [(2, False), (3, True), (4, False), (4, True)])
+def test_versions_and_staleness_count_optimiser_updates(max_staleness, known):
+  # Two updates per batch: the tokens carry TrainState.step of the sampling parameters (w),
+  # staleness counts updates, and the producer runs ahead max_staleness // 2 batches, with
+  # the update count given or learnt from the first batch (then batch 1 waits for it).
+  sampled = []
+
+  def produce(params, version, train_step, rng, cursor, selection):
+    assert float(params["w"]) == version
+    sampled.append((train_step, version))
+    return _fake_produced(version, cursor)
+
+  state, history = async_loop.run_async(_fake_state(), _fake_context(0.05, updates=2), produce,
+                                        8, max_staleness=max_staleness,
+                                        updates_per_batch=2 if known else None)
+  lag = max_staleness // 2
+  assert [s for s, _ in sampled] == [2 * i for i in range(8)]  # the step each batch trains at
+  assert [h["staleness"] for h in history] == [s - v for s, v in sampled]
+  assert all(v % 2 == 0 and s - v <= 2 * lag for s, v in sampled)
+  assert max(h["staleness"] for h in history) == 2 * lag  # ran ahead as far as allowed
+  assert int(state.train.step) == 16 and state.iteration == 8
+
+
+def test_skipped_updates_shift_versions_not_the_bound():
+  # The batch trained at step 2 has one non-finite update (skipped): later parameters are
+  # one step behind 2 per batch. Versions stay the parameters' real TrainState.step, and
+  # the bound (2 updates, one batch ahead) still holds against the real step.
+  sampled = []
+
+  def produce(params, version, train_step, rng, cursor, selection):
+    assert float(params["w"]) == version
+    sampled.append(version)
+    return _fake_produced(version, cursor)
+
+  state, history = async_loop.run_async(_fake_state(), _fake_context(0.05, 2, skipped_on=(2,)),
+                                        produce, 5, max_staleness=2)
+  steps = [0, 2, 3, 5, 7]  # the step each batch is trained at
+  assert [h["staleness"] for h in history] == [s - v for s, v in zip(steps, sampled)]
+  assert set(sampled) <= {0, 2, 3, 5, 7} and max(h["staleness"] for h in history) <= 2
+  assert int(state.train.step) == 9 and int(state.train.nonfinite_updates) == 1
+
+
+def test_a_wrong_update_count_is_refused():
+  def produce(params, version, train_step, rng, cursor, selection):
+    return _fake_produced(version, cursor)
+
+  with pytest.raises(ValueError, match="updates_per_batch=1.*took 2"):
+    async_loop.run_async(_fake_state(), _fake_context(0.0, updates=2), produce, 3,
+                         max_staleness=2, updates_per_batch=1)
 
 
 def test_async_steps_report_the_producers_phase_times_and_token_rates():
@@ -200,6 +257,40 @@ def test_async_with_zero_staleness_reproduces_the_sync_loop_exactly(kind):
   # The parameters did change, so the equality above is not vacuous.
   assert any(np.abs(np.asarray(a) - np.asarray(b)).max() > 0 for a, b in
              zip(jax.tree.leaves(start.train.params), jax.tree.leaves(sync_state.train.params)))
+
+
+def test_async_minibatch_tokens_carry_the_step_of_their_sampling_parameters():
+  # num_minibatches = 2: each batch is 2 optimiser updates. Every published copy of the
+  # parameters is kept with the TrainState.step it was published at, and every batch's
+  # tokens must carry the step of the copy the producer sampled it with.
+  ctx, state = _context(_LengthTask())
+  ctx = dataclasses.replace(ctx, train_step=train.make_train_step(
+      ctx.model_config, train.make_optimizer(1e-2), GRPO, num_minibatches=2))
+  published, steps, used, batches = [], [int(state.train.step)], [], []
+
+  def publish(params):
+    copy = jax.tree.map(jnp.copy, params)
+    published.append(jax.tree.leaves(copy)[0])
+    return copy
+
+  inner = loop.make_producer(ctx)
+
+  def produce(params, version, train_step, rng, cursor, selection):
+    leaf = jax.tree.leaves(params)[0]
+    used.append(next(k for k, p in enumerate(published) if p is leaf))
+    produced = inner(params, version, train_step, rng, cursor, selection)
+    batches.append(produced.rollout)
+    return produced
+
+  state, history = async_loop.run_async(
+      state, ctx, produce, 4, max_staleness=2, publish=publish,
+      on_step=lambda s, _: steps.append(int(s.train.step)))
+  assert steps == [0, 2, 4, 6, 8]  # two updates per batch, none skipped
+  for k, batch, metrics, trained_at in zip(used, batches, history, steps):
+    versions = np.asarray(batch.version)[np.asarray(batch.completion_mask)]
+    assert versions.size and (versions == steps[k]).all(), (k, np.unique(versions))
+    assert metrics["sampled_version"] == steps[k]
+    assert metrics["staleness"] == trained_at - steps[k] <= 2
 
 
 class _FixedPrompts:

@@ -140,3 +140,22 @@ def test_switches_compose_or_are_refused(tmp_path, kind, selection, async_, stal
     first_loss[data] = records[0]["loss"]
   if len(first_loss) == 2:  # the sharded run trains on the same first batch
     np.testing.assert_allclose(first_loss[2], first_loss[1], rtol=0, atol=1e-5)
+
+
+def test_async_with_minibatches_counts_versions_in_optimiser_updates(tmp_path):
+  """The async x minibatch cell: rl.num_minibatches = 2 makes each batch 2 optimiser
+  updates, so with rl.max_staleness = 2 the producer samples one batch ahead. Versions and
+  staleness count updates, as in the sync loop: batch t trains at TrainState.step 2t, its
+  tokens carry the (even) step of the parameters that sampled it, and a batch sampled a
+  batch ahead is 2 updates stale. (The producer learns the 2 from batch 0, so batch 1
+  waits for it; batch 2 is sampled while batch 1 trains.)"""
+  config = _config(str(tmp_path), "independent", "uniform", True, 0, 1)
+  config.rl.update(num_minibatches=2, max_staleness=2, steps=3)
+  config.eval.every = config.checkpoint.every = 3  # one run_async call over all 3 steps
+  launcher.run(config)
+  records = _rl_records(str(tmp_path))
+  assert len(records) == 3 and all(r["update_skipped"] == 0 for r in records)
+  versions = [r["sampled_version"] for r in records]
+  assert all(v % 2 == 0 for v in versions), versions
+  assert [r["staleness"] for r in records] == [2 * t - v for t, v in enumerate(versions)]
+  assert max(r["staleness"] for r in records) == 2, versions

@@ -46,6 +46,15 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ({"model.dtype": "float16"}, r"config.model.dtype = 'float16'"),
     ({"model.tokenizer": "tok.json"}, r"config.model.tokenizer = 'tok.json' is the tokenizer "
                                       r"of a pretrained checkpoint; set config.model.checkpoint"),
+    # Issue #31: G identical greedy completions give zero advantages, so RL never learns.
+    ({"rollout.temperature": 0.0}, r"config.rollout.temperature = 0.0 is greedy decoding.*"
+                                   r"Set config.rollout.temperature > 0"),
+    # One batch is 2 updates, so a batch sampled one batch ahead is 2 updates stale: a bound
+    # of 1 admits no overlap (the async loop would silently run synchronously).
+    ({"rl.async_": True, "rl.num_minibatches": 2, "rl.max_staleness": 1},
+     r"config.rl.max_staleness = 1 .*num_minibatches \* ppo_epochs = 2"),
+    ({"rl.async_": True, "rl.ppo_epochs": 3, "rl.max_staleness": 2},
+     r"config.rl.max_staleness = 2 .*num_minibatches \* ppo_epochs = 3"),
 ])
 def test_bad_config_fails_before_any_work(tmp_path, overrides, message):
   workdir = tmp_path / "run"
@@ -58,6 +67,16 @@ def test_bad_config_fails_before_any_work(tmp_path, overrides, message):
 def test_default_configs_validate():
   train_launcher.validate(default.get_config())
   train_launcher.validate(tiny_run_config("unused"))
+
+
+@pytest.mark.parametrize("overrides", [
+    {"rl.steps": 0, "rollout.temperature": 0.0},  # no RL rollouts: nothing samples at T = 0
+    {"rl.async_": True, "rl.num_minibatches": 2, "rl.max_staleness": 0},  # synchronous
+    {"rl.async_": True, "rl.num_minibatches": 2, "rl.max_staleness": 2},  # one batch ahead
+    {"rl.num_minibatches": 2, "rl.max_staleness": 1},  # sync partial pools may bound below U
+])
+def test_settings_next_to_the_refused_ones_validate(overrides):
+  train_launcher.validate(tiny_run_config("unused", overrides))
 
 
 def test_unknown_field_lists_the_valid_ones():

@@ -116,6 +116,80 @@ def test_top_k_and_top_p_masks_match_numpy():
   np.testing.assert_array_equal(kept, [True, False, False, False, False])
 
 
+def truncated_logp_reference(logits, temperature, top_k=0, top_p=1.0):
+  """Slow NumPy (float64) log-probs [V] of the distribution a row is drawn from, -inf off
+  it: softmax(logits / T); keep the top_k largest (every token tied with the k-th kept);
+  renormalise; keep the nucleus, the shortest prefix in descending order whose mass reaches
+  top_p (every token tied with its last one kept); renormalise."""
+  z = np.asarray(logits, np.float64) / temperature
+  keep = np.ones(z.shape, bool)
+  if 0 < top_k < z.size:
+    keep &= z >= np.sort(z)[::-1][top_k - 1]
+  if top_p < 1.0:
+    probs = np.where(keep, np.exp(z - z.max()), 0.0)
+    probs /= probs.sum()
+    order = np.argsort(-z, kind="stable")
+    mass_before = np.cumsum(probs[order]) - probs[order]
+    keep &= z >= z[order][mass_before < top_p].min()
+  weights = np.where(keep, np.exp(z - z.max()), 0.0)
+  with np.errstate(divide="ignore"):
+    return np.log(weights) - np.log(weights.sum())
+
+
+# (logits, temperature, top_k, top_p), each away from a float32 rounding boundary of p.
+TRUNCATION_CASES = [
+    ([2.0, 1.0, 0.5, 0.0, -1.0, 3.0], 0.7, 2, 1.0),  # top-k at a temperature
+    ([2.0, 2.0, 1.0, 0.0, -1.0, 0.5], 1.0, 1, 1.0),  # top_k = 1 keeps both tied maxima
+    ([3.0, 1.0, 2.0, 0.0, -1.0, 0.2], 1.0, 1, 1.0),  # top_k = 1: one token, log-prob 0
+    ([3.0, 1.0, 2.0, 0.0, -1.0, 0.2], 1.3, 6, 1.0),  # top_k >= V: the full softmax
+    ([3.0, 1.0, 2.0, 0.0, -1.0, 0.2], 1.3, 9, 1.0),
+    ([3.0, 1.0, 2.0, 0.0, -1.0, 0.2], 1.0, 0, 0.05),  # top_p keeps one token
+    ([3.0, 1.0, 1.0, 0.0, -2.0, -1.0], 1.0, 0, 0.8),  # the nucleus ends in a tie: both kept
+    ([1.0, 0.9, 0.8, 0.7, 0.0, -0.5], 0.5, 0, 0.9),  # nucleus at a temperature
+    ([2.0, 1.5, 1.0, 0.5, 0.0, -0.5], 0.8, 4, 0.7),  # top-k, then the nucleus of what is left
+]
+
+
+@pytest.mark.parametrize("logits,temperature,top_k,top_p", TRUNCATION_CASES)
+def test_truncated_sampling_records_the_logprob_it_draws_with(logits, temperature, top_k, top_p):
+  """With top-k / top-p the behaviour log-prob is log of the truncated, renormalised
+  distribution at T (the probability the token was drawn with), tokens off it are never
+  drawn, and the draws follow it (chi-square)."""
+  n = 20000
+  reference = truncated_logp_reference(logits, temperature, top_k, top_p)
+  tokens, logp = logits_lib.sample_tokens(jax.random.PRNGKey(5), jnp.tile(jnp.asarray(
+      logits, jnp.float32), (n, 1)), temperature, top_k, top_p)
+  tokens = np.asarray(tokens)
+  kept = np.isfinite(reference)
+  assert kept[tokens].all(), (np.unique(tokens), np.flatnonzero(kept))
+  np.testing.assert_allclose(np.asarray(logp), reference[tokens], rtol=0, atol=2e-6)
+  probs = np.exp(reference)
+  counts = np.bincount(tokens, minlength=len(logits))
+  if kept.sum() > 1:
+    chi2 = ((counts[kept] - n * probs[kept]) ** 2 / (n * probs[kept])).sum()
+    assert chi2 < 25.0, (counts / n, probs)  # p < 1e-4 for <= 5 degrees of freedom
+
+
+def test_sampler_records_truncated_behaviour_logprobs(params):
+  """End to end through the jitted decode loop with top-k and top-p: every recorded
+  log-prob is the NumPy truncated log-prob of an uncached forward's logits at that slot."""
+  tokens, mask = prompts()
+  config = SamplingConfig(max_new_tokens=7, temperature=0.8, top_k=4, top_p=0.85)
+  gen = generate(params, tokens, mask, jax.random.PRNGKey(3), CONFIG, config)
+  full_mask = gen.prompt_mask | gen.completion_mask
+  logits, _ = transformer.forward(params, gen.tokens, transformer.positions_from_mask(full_mask),
+                                  full_mask, CONFIG)
+  logits, completion = np.asarray(logits), np.asarray(gen.completion_mask)
+  checked = 0
+  for row, slot in zip(*np.nonzero(completion)):
+    reference = truncated_logp_reference(logits[row, slot - 1], 0.8, 4, 0.85)
+    token = int(gen.tokens[row, slot])
+    assert np.isfinite(reference[token]), (row, slot)
+    np.testing.assert_allclose(float(gen.behavior_logp[row, slot]), reference[token], atol=1e-5)
+    checked += reference[token] != 0.0  # a row with one kept token says nothing
+  assert checked > 4
+
+
 def test_stop_tokens_end_rows_and_pad_after(params):
   tokens, mask = prompts()
   config = SamplingConfig(max_new_tokens=12, temperature=1.5, stop_tokens=(2, 3, 4), pad_id=0)
