@@ -858,6 +858,7 @@ class _Run:
       self.state, _ = async_loop.run_async(
           self.state, ctx, self.produce, boundary - self.state.iteration,
           max_staleness=config.rl.max_staleness, publish=ctx.publish or (lambda p: p),
+          updates_per_batch=config.rl.num_minibatches * config.rl.ppo_epochs,
           on_step=lambda _, step_metrics: self.record_step(RL, step_metrics))
     else:
       self.state, step_metrics = loop.grpo_iteration(self.state, ctx, self.produce)

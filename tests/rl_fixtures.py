@@ -40,3 +40,37 @@ class DigitTask:
 
   def exact_match(self, completion, example):
     return bool(completion) and completion.isdigit()
+
+
+def digit_share_reward(answer: str, entry: dict) -> float:
+  """The share of digits among the answer's characters: an untrained policy's completions
+  score different fractions, so a group of a few of them has reward variance (advantages
+  that are not all zero) with overwhelming probability, for any seed."""
+  del entry
+  return sum(ch.isdigit() for ch in answer) / len(answer) if answer else 0.0
+
+
+def products_key(entry: dict) -> str:
+  return entry["question"]
+
+
+def products_prompt(entry: dict) -> str:
+  """reasoning-gym products' numbers in the character tokenizer's alphabet: "12*7="."""
+  return entry["metadata"]["expression"].replace(" ", "") + "="
+
+
+def products_answer(entry: dict) -> str:
+  return str(entry["answer"])
+
+
+DIGIT_TASK = "products"  # the reasoning-gym dataset `register_digit_task` makes a task
+
+
+def register_digit_task():
+  """Registers reasoning-gym's products questions as a launcher task rewarded by
+  `digit_share_reward`; returns a function that unregisters it."""
+  from rl import tasks  # pylint: disable=import-outside-toplevel
+  tasks.register_task(DIGIT_TASK, key=products_key, compact_prompt=products_prompt,
+                      compact_answer=products_answer, default_eval_size=8,
+                      reward=digit_share_reward)
+  return lambda: tasks._SPECS.pop(DIGIT_TASK)  # pylint: disable=protected-access

@@ -45,7 +45,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.rollout = ml_collections.ConfigDict()
   c.rollout.prompt_len = 16           # prompt slots (BOS + prompt, left-padded)
   c.rollout.max_new_tokens = 101      # completion slots (the longest worked solution + EOS)
-  c.rollout.temperature = 1.0         # sampling temperature of GRPO rollouts (0 = greedy)
+  c.rollout.temperature = 1.0         # sampling temperature of GRPO rollouts (> 0; evaluation
+                                      # decodes greedily)
   c.rollout.top_k = 0                 # 0 = off
   c.rollout.top_p = 1.0               # 1.0 = off
   c.rollout.group_size = 8            # completions per prompt (G)
