@@ -7,6 +7,7 @@ The cells are tests/grid_cell.py, a stand-in that takes a fraction of a second."
 import json
 import os
 import pathlib
+import runpy
 import signal
 import subprocess
 import sys
@@ -174,3 +175,54 @@ def test_a_result_records_the_commit_it_ran(tmp_path, monkeypatch):
   assert grid.source_commit() == head
   (tmp_path / "f.txt").write_text("b")
   assert grid.source_commit() == head + "-dirty"
+
+
+def _b5_result(name, seed, curve, rl_step_means, minibatches=1):
+  """A result file as experiments.grid writes it for a B5 cell (the fields the page reads)."""
+  flags_ = {"config.loss.name": name.split("_k")[0]}
+  if minibatches > 1:
+    flags_["config.rl.num_minibatches"] = str(minibatches)
+  steps = [900 + 10 * i for i in range(len(curve))]
+  return {"name": f"{name}_s{seed}", "seed": seed, "module": "experiments.train",
+          "flags": flags_, "commit": "abc", "load_average": [2.0, 2.0, 2.0],
+          "summary": {"final_accuracy": curve[-1], "warm_start_accuracy": curve[0],
+                      "accuracy_curve": [{"step": s, "event": "eval", "accuracy": a,
+                                          "stderr": 0.01} for s, a in zip(steps, curve)],
+                      "rl_step_means": rl_step_means}}
+
+
+def test_b5_page_tabulates_final_accuracy_area_and_step_metrics(tmp_path):
+  b5 = runpy.run_path(os.path.join(_REPO, "experiments", "grids", "b5_staleness.py"))
+  results = [_b5_result("grpo_k0", 0, [0.3, 0.5, 0.7], {"clip_fraction": 0.1}),
+             _b5_result("grpo_k0", 1, [0.3, 0.7, 0.9], {"clip_fraction": 0.3}),
+             _b5_result("stages_grpo_S4", 0, [0.3, 0.6], {"grad_norm": 2.0}, minibatches=4)]
+  # Updates 0, 10, 20: trapezoid (0.3 + 2 * 0.5 + 0.7) / 4 = 0.5 and 0.65 for seed 1.
+  assert b5["area_under_curve"](*b5["rl_curve"](results[0])) == pytest.approx(0.5)
+  assert b5["rl_curve"](results[2])[0] == [0, 40]  # a stage step is 4 updates
+  page = b5["render_page"](results, str(tmp_path / "b5.md"))
+  assert "3 of 84 cells finished" in page
+  row = next(line for line in page.splitlines() if line.startswith("| grpo_k0 |"))
+  cells = [c.strip() for c in row.split("|")[1:-1]]
+  assert cells[1] == "0,1" and cells[2] == "0.800 ± 0.141" and cells[4] == "0.575 ± 0.106"
+  assert cells[5] == "0.200 ± 0.141"  # the clip fraction's mean over seeds
+  assert any(line.startswith("| stages_grpo_S4 |") for line in page.splitlines())
+  assert (tmp_path / "b5.png").exists()
+
+
+def test_page_keeps_hand_written_text_around_the_generated_part(tmp_path):
+  spec_path = tmp_path / "spec.py"
+  spec_path.write_text("SPEC = {'cells': [{'name': 'a', 'module': 'm', 'seed': 0}]}\n"
+                       "def render_page(results, page):\n"
+                       "  return f'{len(results)} results'\n")
+  spec = grid.load_spec(str(spec_path))
+  page = tmp_path / "page.md"
+  page.write_text("# Title\n\nFindings written by hand.\n")
+  grid.write_page(str(spec_path), spec, str(tmp_path / "out"), str(page))
+  grid.write_page(str(spec_path), spec, str(tmp_path / "out"), str(page))  # idempotent
+  text = page.read_text()
+  assert text.startswith("# Title\n\nFindings written by hand.\n")
+  assert text.count(grid.PAGE_BEGIN) == 1 and "0 results" in text
+  page.write_text(text.replace("Findings", "New findings") + "\nA closing note.\n")
+  grid.write_page(str(spec_path), spec, str(tmp_path / "out"), str(page))
+  text = page.read_text()
+  assert "New findings" in text and text.endswith("A closing note.\n")
