@@ -13,8 +13,9 @@ Reward: 1 for a correct answer, else 0. With `format_reward = w > 0` it is
 a box or on a '####' line (not only as the last number of the text; not a box holding
 anything but a plain numeral, such as a copied '\\boxed{answer}'): a correct boxed answer
 scores 1, a correct bare number 1 - w, a wrong boxed answer w. `exact_match` is correctness
-alone. Scoring runs in rl.scoring's worker with `reward_timeout_s` per completion (math-verify
-can take a second on a hostile box before its own timeout fires).
+alone. Scoring runs in rl.scoring's worker with `reward_timeout_s` per completion. A hostile
+box can keep math-verify busy forever: rl.math_answer ends it after a second with a
+TimeoutError, which the worker counts in `reward_timeouts` (reward 0).
 
 Items are index-addressable: item i of a stream seeded s is drawn by `Random(s + i)`, which
 picks a generator and then its numbers. As in rl.tasks, the eval split is the first
@@ -103,7 +104,8 @@ def until_eos(completion: str) -> str:
 
 @functools.lru_cache(maxsize=64)  # the worker asks reward, then exact_match, of each completion
 def score(completion: str, gold: str, format_reward: float = 0.0) -> tuple[float, bool]:
-  """(reward, correct) of a completion against the numeric reference `gold`."""
+  """(reward, correct) of a completion against the numeric reference `gold`. TimeoutError
+  when math-verify runs past rl.math_answer's bound (the scoring worker counts it)."""
   answer = math_answer.extract_answer(until_eos(completion))
   correct = answer is not None and math_answer.equivalent(answer, gold)
   formatted = math_answer.is_formatted(answer)
@@ -131,7 +133,7 @@ class GsmTask:
   """
 
   name = NAME
-  reward_timeout_s = 5.0  # math-verify's alarms (1 s each) cut most slow cases short
+  reward_timeout_s = 5.0  # rl.math_answer's 1 s bound ends math-verify first; this is the backstop
 
   def __init__(self, prompt_style: str = "full", seed: int = 0,
                eval_size: int = DEFAULT_EVAL_SIZE, **difficulty):

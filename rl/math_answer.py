@@ -23,20 +23,25 @@ sympy's `parse_expr` (which evaluates Python) on free text. In the LaTeX path
 (latex2sympy2_extended, an ANTLR grammar) `parse_expr` is reached only through
 `sympy.Number(token)` on the lexer's number tokens (digits, '.', ','), never on free text.
 Input is bounded before it reaches math-verify: a box of more than `MAX_ANSWER_CHARS`
-characters is not an answer, a numeral of more than `MAX_DIGITS` digits is not a number,
-and math-verify's own timeouts (SIGALRM, whole seconds: `VERIFY_TIMEOUT_S`) cut a slow
-parse or comparison short. Those alarms need the main thread, which is where the scoring
-worker (rl/scoring.py) scores; what they cannot interrupt (C code that never returns to the
-interpreter) is ended by the worker's per-completion time limit and counted as a timeout.
-A math-verify timeout itself makes the answer wrong (reward 0), not a counted timeout. In
-another thread no alarm can be set, and math-verify runs without one.
+characters is not an answer, and a numeral of more than `MAX_DIGITS` digits is not a number.
+
+Time. math-verify's work on one answer (parse and comparison together) is bounded by
+Arbor's own wall-clock alarm, `VERIFY_TIMEOUT_S`, which raises TimeoutError: the scoring
+worker (rl/scoring.py) counts that completion in `reward_timeouts`, with reward 0. (math-
+verify's own alarms are off: when they fire, math-verify returns "not equal", and a
+timeout would be a silent wrong answer.) The alarm is SIGALRM, which needs the main
+thread, where the worker scores; what it cannot interrupt (C code that never returns to the
+interpreter) is ended by the worker's per-completion time limit and counted the same way.
+In another thread no alarm can be set, and math-verify runs unbounded.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import fractions
+import logging
 import re
+import signal
 import threading
 
 from math_verify import LatexExtractionConfig, parse, verify
@@ -44,7 +49,8 @@ import sympy
 
 MAX_ANSWER_CHARS = 100  # longer boxed content is not an answer (bounds the LaTeX parser)
 MAX_DIGITS = 30         # a numeral with more digits is not a number
-VERIFY_TIMEOUT_S = 1    # math-verify's per-parse and per-comparison alarm (whole seconds)
+VERIFY_TIMEOUT_S = 1.0  # wall-clock seconds for math-verify's parse and comparison of an answer
+_REPEAT_S = 0.05        # the alarm fires again this often until the call has ended
 
 SOURCES = ("boxed", "####", "number")
 _MAX_BOX_TRIES = 16      # boxes tried, from the last one back
@@ -67,6 +73,15 @@ _PLAIN = r"(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]*)?|\.[0-9]+"
 _FRAC = re.compile(rf"\\frac\s*\{{\s*(-?(?:{_PLAIN}))\s*\}}\s*\{{\s*({_PLAIN})\s*\}}")
 _SLASH = re.compile(rf"({_PLAIN})\s*/\s*({_PLAIN})")
 _DECIMAL = re.compile(_PLAIN)
+
+
+def _without_timeout_warning(record: logging.LogRecord) -> bool:
+  """Drops math-verify's warning that its own timeout is off: `_within` bounds the call."""
+  return not record.getMessage().startswith("Timeout is disabled")
+
+
+for _logger in ("math_verify.parser", "math_verify.grader"):
+  logging.getLogger(_logger).addFilter(_without_timeout_warning)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,27 +198,56 @@ def _as_verifiable(answer: Answer):
   if answer.source != "boxed":  # a number pattern that is not a numeral: '1,23'
     return []
   return parse("\\boxed{" + answer.text + "}", extraction_config=[LatexExtractionConfig()],
-               parsing_timeout=_alarm_s())
+               parsing_timeout=None)
 
 
-def _alarm_s() -> int | None:
-  """math-verify's timeout: VERIFY_TIMEOUT_S in the main thread; None (no alarm) elsewhere,
-  where SIGALRM cannot be set (the scoring worker's time limit still bounds the call)."""
-  return VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+class _Expired(BaseException):
+  """The alarm of `_within`. A BaseException, so that the `except Exception` handlers of
+  math-verify and sympy let it through (as math-verify's own TimeoutException does)."""
+
+
+def _expire(signum, frame):
+  del signum, frame
+  raise _Expired
+
+
+def _within(seconds: float, function, *args):
+  """function(*args), ended with TimeoutError after `seconds` of wall-clock time (SIGALRM,
+  in the main thread; elsewhere no alarm can be set and the call is unbounded). The alarm
+  repeats every `_REPEAT_S` until the call ends: an exception raised where Python ignores
+  it (a garbage-collector callback, a __del__) would otherwise let the call run on."""
+  if threading.current_thread() is not threading.main_thread():
+    return function(*args)
+  previous = signal.signal(signal.SIGALRM, _expire)
+  try:
+    try:
+      signal.setitimer(signal.ITIMER_REAL, seconds, _REPEAT_S)
+      return function(*args)
+    finally:
+      signal.setitimer(signal.ITIMER_REAL, 0)
+  except _Expired:
+    raise TimeoutError(f"math-verify took more than {seconds} s on one answer") from None
+  finally:
+    signal.signal(signal.SIGALRM, previous)
 
 
 def equivalent(answer: Answer, gold: str) -> bool:
   """True when `answer` equals the numeric reference `gold` (a trusted numeral such as
-  '288'), as math-verify decides. Raises ValueError when `gold` is not a numeral."""
+  '288'), as math-verify decides. Raises ValueError when `gold` is not a numeral, and
+  TimeoutError when math-verify takes more than VERIFY_TIMEOUT_S."""
   reference = parse_number(gold)
   if reference is None:
     raise ValueError(f"Reference answer {gold!r} is not a numeral; the math task compares "
                      "numeric answers only.")
+  return _within(VERIFY_TIMEOUT_S, _equals, answer, reference)
+
+
+def _equals(answer: Answer, reference: fractions.Fraction) -> bool:
   target = _as_verifiable(answer)
   if isinstance(target, list) and not target:
     return False
   return bool(verify(sympy.Rational(reference.numerator, reference.denominator), target,
-                     timeout_seconds=_alarm_s()))
+                     timeout_seconds=None))
 
 
 def is_formatted(answer: Answer | None) -> bool:

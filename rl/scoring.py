@@ -6,30 +6,49 @@ every completion is scored in a separate worker process, and
 
   - a completion whose scoring takes longer than the time limit gets reward 0 and counts
     as a timeout (`Scores.timeouts`, the step metric `reward_timeouts`); the worker is
-    killed and a fresh one scores the rest of the batch;
-  - a scorer that raises, returns something that is not a finite number, or kills its
-    process (segfault, `os._exit`, out of memory) gives that completion reward 0 and counts
-    as an error (`Scores.errors`, `reward_errors`);
+    killed and a fresh one scores the rest of the batch. So does a completion whose
+    scoring uses more CPU time than `Limits.cpu_s` (the kernel ends the worker), and one
+    whose scorer raises TimeoutError (a scorer that bounds its own time, as
+    rl.math_answer bounds math-verify's: the worker goes on);
+  - a scorer that raises, returns something that is not a finite number, runs out of
+    memory (`Limits.memory_mb`), writes a file larger than `Limits.file_mb`, kills its
+    process (segfault, `os._exit`) or sends the trainer anything but a well-formed reply
+    gives that completion reward 0 and counts as an error (`Scores.errors`,
+    `reward_errors`); after a crash, a malformed reply or a MemoryError the worker is
+    replaced;
   - a completion that already timed out or crashed in a batch is not scored again when the
     same text answers the same example later in the batch (groups repeat completions): it
     gets the same result straight away.
 
+What the worker is and is not isolated from (docs/add_task.md says it for task authors):
+it runs in a fresh scratch directory (removed with it) under resource limits (`Limits`:
+address space, CPU time per completion, file size; no core files), and its replies are
+fixed binary records read as numbers, never unpickled, so nothing a scorer writes into the
+reply channel runs in the trainer. It is the same user as the trainer: it can read and write
+whatever the user can (outside its directory too, each file up to the size limit), reach
+the network, and start processes. It bounds accidents and completions that trip a scorer
+up; it is not a sandbox for running policy-written code.
+
 Any task works: an object with a `name` and `reward(completion, example) -> float`, and
 optionally `exact_match(completion, example) -> bool` (default: reward >= 1); both run in
 the worker, under the same limit. The time limit is the task's `reward_timeout_s` attribute
-when it has one, else `DEFAULT_TIMEOUT_S`. The worker rebuilds the task from a pickle, once
-per worker, so a task's class and the functions it holds must be importable (defined at
-module level in a module, or in a `python -m` main module; not in a main script or a
-notebook, not as a lambda); a task that does not pickle is a ValueError saying so.
+when it has one, else `DEFAULT_TIMEOUT_S`; the resource limits are its `reward_limits`
+attribute (a `Limits`) when it has one, else `DEFAULT_LIMITS`. The worker rebuilds the task
+from a pickle, once per worker, so a task's class and the functions it holds must be
+importable (defined at module level in a module, or in a `python -m` main module; not in a
+main script or a notebook, not as a lambda); a task that does not pickle is a ValueError
+saying so. (Pickles go only from the trainer to the worker, which trusts the trainer.)
 
 Cost. One persistent worker per trainer process, started on first use as a fresh Python
 interpreter (`python -c`, not multiprocessing's fork or spawn: it inherits no JAX threads
 or locks, and it does not re-run the trainer's main script); starting it costs an
 interpreter and the imports of the task, once, and again only after a timeout or crash.
-A batch goes to the worker in one message; the worker scores it in order and sends results
-back in chunks (at most every `_FLUSH_S`), and writes the index it is working on to a
-shared page, which is how the parent knows which completion hung. So a batch costs one
-round trip plus the scorer's own time (docs/add_task.md has the measurement).
+A batch goes to the worker in one message; the worker scores it in order, sends each result
+back before it starts the next completion (so the first unscored completion is always the
+one that hung, crashed or wrote a malformed reply), and writes the index it is working on to
+a shared page, which starts that completion's clock. So a batch costs one message out, a
+small one back per completion (3-60 us on a loaded two-core machine) and the scorer's own
+time (docs/add_task.md has the measurement).
 """
 
 from __future__ import annotations
@@ -40,7 +59,10 @@ import dataclasses
 import importlib
 import math
 import mmap
+import os
 import pickle
+import resource
+import shutil
 import signal
 import socket
 import struct
@@ -51,18 +73,47 @@ import threading
 import time
 import traceback
 import types
-from multiprocessing.connection import Connection
 from typing import Any, Sequence
 
 import numpy as np
 
 DEFAULT_TIMEOUT_S = 2.0  # a reasoning-gym scorer takes microseconds to milliseconds
 LOAD_TIMEOUT_S = 300.0   # starting a worker and importing the task's modules
-_FLUSH_S = 0.01          # the worker sends finished results at least this often
 _POLL_S = 0.01           # how often the parent checks the worker's progress
-_OK, _ERROR, _TIMEOUT = 0, 1, 2
+_EXIT_WAIT_S = 1.0       # how long the parent waits for a worker that closed its socket to exit
+_OK, _ERROR, _TIMEOUT, _MEMORY = 0, 1, 2, 3  # _MEMORY: an error, and the worker is replaced
 _PROGRESS = struct.Struct("q")  # the shared page: index of the completion being scored
+_HEADER = struct.Struct("!Q")   # every message: its length in bytes, then the bytes
+# The worker's replies, fixed binary records: b"r", index, reward, exact, status for one
+# completion; b"l", task token, then a load error's traceback as UTF-8 (none: loaded).
+_RESULT = struct.Struct("!cqd?B")
+_LOADED = struct.Struct("!cq")
+_MAX_TRACEBACK = 2**16          # bytes of a load error's traceback sent back
+_MAX_REPLY_BYTES = _LOADED.size + _MAX_TRACEBACK  # a longer reply is malformed
 _WORKER_CODE = "import sys; sys.path[:0] = {path!r}; from rl import scoring; scoring.serve({fd}, {page})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  """What the scoring worker may use, as Linux resource limits set in the worker.
+
+  memory_mb: address space beyond the worker's own at start-up (RLIMIT_AS; the worker
+    starts at about 140 MB, an interpreter and NumPy, and the math task's imports take
+    another 110 MB of the allowance). Past it, allocation raises MemoryError: reward 0,
+    an error, and a fresh worker for the next batch.
+  file_mb: the largest file the worker may write (RLIMIT_FSIZE). Writing past it is an
+    OSError: reward 0, an error. (Its standard output and error count too when the
+    trainer's are files.)
+  cpu_s: CPU seconds per completion (RLIMIT_CPU, re-armed before each); None is the time
+    limit plus one second. Past it the kernel ends the worker: reward 0, a timeout. It
+    holds when the trainer does not watch the clock (stalled, stopped in a debugger).
+  """
+  memory_mb: int = 4096
+  file_mb: int = 1024
+  cpu_s: float | None = None
+
+
+DEFAULT_LIMITS = Limits()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,13 +128,18 @@ class Scores:
 
 def score_one(task, completion: str, example) -> tuple[float, bool, int]:
   """(reward, exact, status) of one completion, in the calling process: the worker's unit
-  of work. A raising scorer or a reward that is not a finite number is status _ERROR."""
+  of work. A raising scorer or a reward that is not a finite number is status _ERROR; a
+  TimeoutError (a scorer's own time bound) is _TIMEOUT; a MemoryError is _MEMORY."""
   try:
     reward = float(task.reward(completion, example))
     if not math.isfinite(reward):
       return 0.0, False, _ERROR
     exact_match = getattr(task, "exact_match", None)
     exact = bool(exact_match(completion, example)) if exact_match else reward >= 1.0
+  except TimeoutError:
+    return 0.0, False, _TIMEOUT
+  except MemoryError:
+    return 0.0, False, _MEMORY
   except (Exception, SystemExit):  # pylint: disable=broad-except  (any failure scores 0)
     return 0.0, False, _ERROR
   return reward, exact, _OK
@@ -92,39 +148,108 @@ def score_one(task, completion: str, example) -> tuple[float, bool, int]:
 def serve(fd: int, page_fd: int) -> None:
   """The worker process's main loop: loads tasks and scores batches until its socket closes.
 
-  Messages in: ("load", token, sys.path, pickled task) and ("score", token, [(index,
-  completion, example)]). Out: ("loaded", token, None or a traceback) and ("results",
-  [(index, reward, exact, status)]), in chunks.
+  Messages in (pickles, from the trainer): ("load", token, sys.path, limits, pickled task)
+  and ("score", token, limits, [(index, completion, example)]), where limits is (address
+  space bytes, file bytes, CPU seconds per completion). Out: a `_LOADED` record per load
+  and a `_RESULT` record per completion, sent before the next completion starts, so that a
+  reply a scorer forges in the socket comes before its own result and after every earlier
+  one: the trainer then knows whose it is.
   """
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
   _die_with_parent()
-  conn = Connection(fd)
+  _set_soft_limit(resource.RLIMIT_CORE, 0)  # a worker the kernel ends leaves no core file
+  channel = socket.socket(fileno=fd)
+  stream = channel.makefile("rb")
   page = mmap.mmap(page_fd, _PROGRESS.size)
-  tasks = {}
+  base = _address_space()
+  cpu, tasks = _CpuLimit(), {}
   while True:
+    cpu.allow(LOAD_TIMEOUT_S)  # reading a message, loading a task
     try:
-      message = conn.recv()
+      message = _read_message(stream)
     except (EOFError, OSError):
       return
     if message[0] == "load":
-      _, token, path, blob = message
+      _, token, path, limits, blob = message
+      _apply_limits(limits, base)
       sys.path[:] = path  # modules the task needs may sit on a path added after start-up
       try:
         tasks[token] = pickle.loads(blob)
-        conn.send(("loaded", token, None))
+        error = b""
       except BaseException:  # pylint: disable=broad-except
-        conn.send(("loaded", token, traceback.format_exc()))
+        error = traceback.format_exc().encode("utf-8", "replace")[-_MAX_TRACEBACK:]
+      channel.sendall(_frame(_LOADED.pack(b"l", token) + error))
       continue
-    _, token, items = message
-    task, done, last = tasks[token], [], time.monotonic()
+    _, token, limits, items = message
+    _apply_limits(limits, base)
+    task = tasks[token]
     for index, completion, example in items:
       _PROGRESS.pack_into(page, 0, index)
-      done.append((index, *score_one(task, completion, example)))
-      if time.monotonic() - last > _FLUSH_S:
-        conn.send(("results", done))
-        done, last = [], time.monotonic()
-    if done:  # an empty message would outlive the batch and answer the next request
-      conn.send(("results", done))
+      cpu.allow(limits[2])
+      channel.sendall(_frame(_RESULT.pack(b"r", index, *score_one(task, completion, example))))
+
+
+def _read_message(stream):
+  """The trainer's next message (a length, then a pickle); EOFError when the socket closed."""
+  header = stream.read(_HEADER.size)
+  if len(header) < _HEADER.size:
+    raise EOFError
+  (size,) = _HEADER.unpack(header)
+  payload = stream.read(size)
+  if len(payload) < size:
+    raise EOFError
+  return pickle.loads(payload)
+
+
+def _frame(payload: bytes) -> bytes:
+  return _HEADER.pack(len(payload)) + payload
+
+
+def _address_space() -> int | None:
+  """The worker's address space in bytes (Linux /proc), or None where it cannot be read
+  (then no address-space limit is set)."""
+  try:
+    with open("/proc/self/statm", encoding="ascii") as statm:
+      return int(statm.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+  except (OSError, ValueError, IndexError):
+    return None
+
+
+def _apply_limits(limits: tuple[int, int, float], base: int | None) -> None:
+  """Sets the worker's address-space limit to `base` plus limits[0] bytes and its file-size
+  limit to limits[1] bytes (soft limits: the next task may set others)."""
+  if base is not None:
+    _set_soft_limit(resource.RLIMIT_AS, base + limits[0])
+  _set_soft_limit(resource.RLIMIT_FSIZE, limits[1])
+
+
+class _CpuLimit:
+  """The worker's CPU-time limit (RLIMIT_CPU counts the whole process's CPU time, so it is
+  moved forward before each completion)."""
+
+  def __init__(self):
+    self._armed = None
+
+  def allow(self, seconds: float) -> None:
+    """Lets the worker use `seconds` more CPU time (at least; the limit is whole seconds)
+    before the kernel ends it with SIGXCPU. Sets the limit only when it changes: about once
+    per CPU second for fast scorers, so a completion costs a clock read, not two syscalls."""
+    limit = math.ceil(time.process_time() + seconds)
+    if limit != self._armed:
+      _set_soft_limit(resource.RLIMIT_CPU, limit)
+      self._armed = limit
+
+
+def _set_soft_limit(kind: int, value: int) -> None:
+  """Sets the soft limit `kind` to `value`, capped by the hard limit, which stays as it was;
+  a platform that refuses the limit leaves it as it was."""
+  _, hard = resource.getrlimit(kind)
+  if hard != resource.RLIM_INFINITY:
+    value = min(value, hard)
+  try:
+    resource.setrlimit(kind, (value, hard))
+  except (ValueError, OSError):
+    pass
 
 
 def _die_with_parent() -> None:
@@ -177,18 +302,99 @@ class _Buffer(list):
     return b"".join(self)
 
 
+def _result(frame: bytes, pending: set[int]) -> tuple[int, float, bool, int] | None:
+  """(index, reward, exact, status) from a result record, or None unless the frame is
+  exactly one (`_RESULT`) for an unscored index, with a finite reward and a known status.
+  Replies are read as numbers, never unpickled: whoever wrote them, they are data."""
+  if len(frame) != _RESULT.size:
+    return None
+  kind, index, reward, exact, status = _RESULT.unpack(frame)
+  if (kind != b"r" or index not in pending or not math.isfinite(reward)
+      or status not in (_OK, _ERROR, _TIMEOUT, _MEMORY)):
+    return None
+  return index, reward, exact, status
+
+
+def _load_error(frame: bytes | None, token: int) -> tuple[bool, str | None]:
+  """(well formed, traceback or None) of the worker's answer to loading task `token`."""
+  if frame is None or len(frame) < _LOADED.size:
+    return False, None
+  kind, loaded = _LOADED.unpack_from(frame)
+  if kind != b"l" or loaded != token:
+    return False, None
+  return True, frame[_LOADED.size:].decode("utf-8", "replace") or None
+
+
+class _Channel:
+  """The trainer's end of the worker's socket: pickled messages out (the worker trusts the
+  trainer), length-prefixed binary records in. Replies are assembled from whatever bytes have
+  arrived, so a partial or garbled one (a scorer can write into the socket) never blocks
+  the trainer, which keeps watching the clock."""
+
+  def __init__(self, sock: socket.socket):
+    self._sock = sock
+    self._buffer = bytearray()
+
+  def send(self, message) -> None:
+    self._sock.settimeout(None)
+    self._sock.sendall(_frame(_dumps(message)))
+
+  def receive(self, wait_s: float) -> bytes | None:
+    """The next whole reply, or None when none arrived within `wait_s`. EOFError when the
+    worker's end is closed; ValueError for a reply longer than `_MAX_REPLY_BYTES`."""
+    deadline = time.monotonic() + wait_s
+    while (frame := self._take()) is None:
+      left = deadline - time.monotonic()
+      if left <= 0:
+        return None
+      self._sock.settimeout(left)
+      try:
+        data = self._sock.recv(2**20)
+      except TimeoutError:
+        return None
+      except OSError:
+        data = b""
+      if not data:
+        raise EOFError
+      self._buffer += data
+    return frame
+
+  def _take(self) -> bytes | None:
+    if len(self._buffer) < _HEADER.size:
+      return None
+    (size,) = _HEADER.unpack_from(self._buffer)
+    if size > _MAX_REPLY_BYTES:
+      raise ValueError(f"a {size}-byte reply")
+    end = _HEADER.size + size
+    if len(self._buffer) < end:
+      return None
+    frame = bytes(self._buffer[_HEADER.size:end])
+    del self._buffer[:end]
+    return frame
+
+  def close(self) -> None:
+    self._sock.close()
+
+
+def _worker_path() -> list[str]:
+  """sys.path for the worker, whose working directory is its own: relative entries ('' is
+  the working directory) made absolute."""
+  return [os.path.abspath(entry) for entry in sys.path]
+
+
 class Scorer:
   """One worker process that scores batches for any number of tasks (thread-safe)."""
 
   def __init__(self):
     self._lock = threading.Lock()
-    self._process = self._conn = self._page = None
+    self._process = self._channel = self._page = self._scratch = None
+    self._exhausted = False  # a scorer ran out of memory: the next batch gets a fresh worker
     self._loaded: set[int] = set()  # task tokens the current worker holds
     self._tokens: dict[int, tuple[Any, int, bytes]] = {}  # id(task) -> (task, token, pickle)
     self._next_token = 0
 
   def score(self, task, completions: Sequence[str], examples: Sequence,
-            timeout_s: float | None = None) -> Scores:
+            timeout_s: float | None = None, limits: Limits | None = None) -> Scores:
     """Scores completions[i] against examples[i]; see the module docstring."""
     if len(completions) != len(examples):
       raise ValueError(f"{len(completions)} completions for {len(examples)} examples.")
@@ -197,13 +403,16 @@ class Scorer:
     if not timeout_s > 0:
       raise ValueError(f"Task {getattr(task, 'name', task)!r}: reward_timeout_s={timeout_s} "
                        "must be > 0.")
+    limits = _worker_limits(task, limits, timeout_s)
     results: list[tuple[float, bool, int] | None] = [None] * len(completions)
     with self._lock:
       token, blob = self._pickled(task)
       while any(r is None for r in results):
         self._start()
-        self._load(task, token, blob)
-        self._run(token, completions, examples, results, timeout_s)
+        self._load(task, token, blob, limits)
+        self._run(token, completions, examples, results, timeout_s, limits)
+      if self._exhausted:
+        self._stop()
     status = np.array([r[2] for r in results], np.int32)
     return Scores(rewards=np.array([r[0] for r in results], np.float32),
                   exact=np.array([r[1] for r in results], bool),
@@ -234,78 +443,102 @@ class Scorer:
     return self._next_token, blob
 
   def _start(self) -> None:
+    """Starts a worker, unless one is running, in a fresh scratch directory."""
     if self._process is not None and self._process.poll() is None:
       return
     self._stop()
     ours, theirs = socket.socketpair()
+    self._scratch = tempfile.mkdtemp(prefix="arbor-scoring-")
     with tempfile.TemporaryFile() as page_file:
       page_file.truncate(_PROGRESS.size)
       self._page = mmap.mmap(page_file.fileno(), _PROGRESS.size)
-      code = _WORKER_CODE.format(path=list(sys.path), fd=theirs.fileno(),
+      code = _WORKER_CODE.format(path=_worker_path(), fd=theirs.fileno(),
                                  page=page_file.fileno())
       # Started from one long-lived thread: Linux's parent-death signal (`_die_with_parent`)
       # follows the thread that started the worker, and a producer thread that scored first
       # may end long before the trainer does.
       self._process = _SPAWNER.submit(
           subprocess.Popen, [sys.executable, "-c", code], stdin=subprocess.DEVNULL,
-          pass_fds=(theirs.fileno(), page_file.fileno())).result()
+          cwd=self._scratch, pass_fds=(theirs.fileno(), page_file.fileno())).result()
     theirs.close()
-    self._conn = Connection(ours.detach())
+    self._channel = _Channel(ours)
 
   def _stop(self) -> None:
+    """Kills the worker and removes its scratch directory."""
     if self._process is not None:
       self._process.kill()
       self._process.wait()
-      self._conn.close()
-      self._page.close()
-    self._process = self._conn = self._page = None
+    for held in (self._channel, self._page):
+      if held is not None:
+        held.close()
+    if self._scratch is not None:
+      shutil.rmtree(self._scratch, ignore_errors=True)
+    self._process = self._channel = self._page = self._scratch = None
     self._loaded = set()
+    self._exhausted = False
 
-  def _load(self, task, token: int, blob: bytes) -> None:
+  def _load(self, task, token: int, blob: bytes, limits: tuple[int, int, float]) -> None:
     if token in self._loaded:
       return
-    self._conn.send(("load", token, list(sys.path), blob))
-    reply = self._conn.poll(LOAD_TIMEOUT_S) and self._receive()
-    if not reply:
+    try:
+      self._channel.send(("load", token, _worker_path(), limits, blob))
+      frame = self._channel.receive(LOAD_TIMEOUT_S)
+    except (EOFError, OSError, ValueError):
+      frame = None
+    well_formed, error = _load_error(frame, token)
+    if not well_formed:
       self._stop()
       raise RuntimeError(f"The scoring worker did not load task {task.name!r} within "
-                         f"{LOAD_TIMEOUT_S:.0f} s (it hung or died while importing it).")
-    if reply[2] is not None:
+                         f"{LOAD_TIMEOUT_S:.0f} s (it hung, died or sent a malformed reply "
+                         "while importing it).")
+    if error is not None:
       raise ValueError(f"The scoring worker could not rebuild task {task.name!r} from its "
                        f"pickle; its class and functions must be importable in a fresh "
-                       f"process (docs/add_task.md):\n{reply[2]}")
+                       f"process (docs/add_task.md):\n{error}")
     self._loaded.add(token)
 
-  def _receive(self):
-    try:
-      return self._conn.recv()
-    except (EOFError, OSError):
-      return None
-
-  def _run(self, token: int, completions, examples, results, timeout_s: float) -> None:
+  def _run(self, token: int, completions, examples, results, timeout_s: float,
+           limits: tuple[int, int, float]) -> None:
     """Sends the unscored items to the worker and collects results until all are in, or
-    until one times out or the worker dies (then the worker is stopped and the caller
-    starts another for what is left). The clock of an item starts when the worker starts
-    it: receiving the batch (which may import the examples' modules) is not its time."""
-    items = [(i, completions[i], examples[i]) for i, r in enumerate(results) if r is None]
+    until one times out, the worker dies or a reply is malformed (then the worker is
+    stopped, the first unscored item, whose result is the one missing, gets the failure,
+    and the caller starts another worker for what is left). The clock of an item starts
+    when the worker starts it (the shared page): receiving the batch (which may import the
+    examples' modules) is not its time. It restarts only for an index not seen before, so
+    a page written back and forth cannot hold it off."""
+    pending = {i for i, r in enumerate(results) if r is None}
     _PROGRESS.pack_into(self._page, 0, -1)
-    self._conn.send(("score", token, items))
-    pending, watched, since = len(items), -1, time.monotonic()
+    try:
+      self._channel.send(("score", token, limits,
+                          [(i, completions[i], examples[i]) for i in sorted(pending)]))
+    except OSError:  # the worker is gone already
+      self._fail(min(pending), _ERROR, completions, examples, results)
+      return
+    seen, since = set(), time.monotonic()
     while pending:
-      if self._conn.poll(_POLL_S):
-        reply = self._receive()
-        if reply is None:  # the worker died on the completion it was scoring
-          self._fail(max(self._current(), items[0][0]), _ERROR, completions, examples, results)
+      try:
+        frame = self._channel.receive(_POLL_S)
+      except EOFError:  # the worker died on the completion it was scoring
+        self._fail(min(pending), self._exit_status(), completions, examples, results)
+        return
+      except ValueError:
+        frame = b""  # an oversized reply: malformed
+      if frame is not None:
+        result = _result(frame, pending)
+        if result is None:  # not what `serve` writes: a scorer wrote into the socket
+          self._fail(min(pending), _ERROR, completions, examples, results)
           return
-        for index, *result in reply[1]:
-          results[index] = tuple(result)
-        pending -= len(reply[1])
+        index, reward, exact, status = result
+        results[index] = (reward, exact, _ERROR if status == _MEMORY else status)
+        self._exhausted |= status == _MEMORY
+        pending.discard(index)
         continue
       current, now = self._current(), time.monotonic()
-      if current != watched:
-        watched, since = current, now
+      if current not in seen:
+        seen.add(current)
+        since = now
       elif current >= 0 and now - since > timeout_s:
-        self._fail(current, _TIMEOUT, completions, examples, results)
+        self._fail(min(pending), _TIMEOUT, completions, examples, results)
         return
       elif current < 0 and now - since > LOAD_TIMEOUT_S:
         self._stop()
@@ -315,6 +548,14 @@ class Scorer:
   def _current(self) -> int:
     """The index of the completion the worker is scoring; -1 before it starts the batch."""
     return _PROGRESS.unpack_from(self._page, 0)[0]
+
+  def _exit_status(self) -> int:
+    """_TIMEOUT for a worker the kernel ended for its CPU time (SIGXCPU), else _ERROR."""
+    try:
+      code = self._process.wait(timeout=_EXIT_WAIT_S)
+    except subprocess.TimeoutExpired:
+      return _ERROR
+    return _TIMEOUT if code == -signal.SIGXCPU else _ERROR
 
   def _fail(self, index: int, status: int, completions, examples, results) -> None:
     """Stops the worker and gives reward 0 with `status` to `index` and to every unscored
@@ -326,12 +567,26 @@ class Scorer:
         results[i] = (0.0, False, status)
 
 
+def _worker_limits(task, limits: Limits | None, timeout_s: float) -> tuple[int, int, float]:
+  """(address space bytes, file bytes, CPU seconds per completion) for the worker: `limits`,
+  else the task's `reward_limits`, else DEFAULT_LIMITS; a ValueError for a bad one."""
+  if limits is None:
+    limits = getattr(task, "reward_limits", DEFAULT_LIMITS)
+  cpu_s = getattr(limits, "cpu_s", None)
+  cpu_s = timeout_s + 1.0 if cpu_s is None else cpu_s
+  if not (isinstance(limits, Limits) and limits.memory_mb > 0 and limits.file_mb > 0
+          and cpu_s > 0):
+    raise ValueError(f"Task {getattr(task, 'name', task)!r}: reward_limits={limits!r} must "
+                     "be an rl.scoring.Limits with positive memory_mb, file_mb and cpu_s.")
+  return int(limits.memory_mb * 2**20), int(limits.file_mb * 2**20), float(cpu_s)
+
+
 _SPAWNER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="scorer-spawn")
 _DEFAULT = Scorer()
 atexit.register(_DEFAULT.close)
 
 
 def score(task, completions: Sequence[str], examples: Sequence,
-          timeout_s: float | None = None) -> Scores:
+          timeout_s: float | None = None, limits: Limits | None = None) -> Scores:
   """Scores completions[i] against examples[i] with the process-wide worker (`Scorer`)."""
-  return _DEFAULT.score(task, completions, examples, timeout_s)
+  return _DEFAULT.score(task, completions, examples, timeout_s, limits)

@@ -1,4 +1,4 @@
-"""Test-session set-up that must happen before JAX starts.
+"""Test-session set-up that must happen before JAX starts, and tests that run alone.
 
 - `HF_HUB_OFFLINE=1`: tests never reach the network.
 - `XLA_FLAGS=--xla_force_host_platform_device_count=8`: eight virtual CPU devices for the
@@ -10,10 +10,16 @@
  quarters of a cold run's time). Entries are keyed by the computation, the compile options
  and the jax/jaxlib version, so a stale entry is never used; the folder is capped at 2 GiB. Override the place with
  JAX_COMPILATION_CACHE_DIR.
+- Tests marked `serial` run alone: while one runs, no other test of the session does (its
+ setup and teardown included). See `pytest_runtest_protocol`.
 """
 
+import contextlib
+import fcntl
 import os
 import pathlib
+
+import pytest
 
 _CACHE_HOME = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
@@ -45,3 +51,60 @@ import jax  # pylint: disable=wrong-import-position  (must follow the environmen
 
 for _name, _value in _CACHE_SETTINGS.items():  # in case a plugin imported jax first
   jax.config.update(_name, type(_value)(os.environ[_name.upper()]))
+
+
+def pytest_configure(config):
+  config.addinivalue_line(
+      "markers", "serial: runs alone; no other test of the session runs meanwhile (for "
+      "wall-clock bounds; tests/conftest.py)")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):  # pylint: disable=unused-argument
+  """Runs each test (setup, call and teardown) holding the session's run-alone lock: shared
+  for an ordinary test, exclusive for a `serial` one, which so waits for the tests running
+  in the other xdist workers to finish and keeps new ones from starting until it is done.
+
+  Why a lock: `--dist loadgroup` and `xdist_group` only put tests in the same worker, and
+  the other workers go on running theirs; a second pytest invocation for serial tests would
+  split the README's one test command. The lock is two files in the session's base
+  temporary folder, which every worker of the session shares (pytest removes it with old
+  sessions). The serial test takes the gate first and holds it, so it cannot be starved by
+  ordinary tests that keep taking the shared lock. The locks are POSIX record locks
+  (`fcntl.lockf`): they belong to the process, so a child a test forks does not hold them,
+  and they go with it, so a crashed worker never leaves the session locked. Outside an xdist worker (`-n 0`, Bazel's
+  one process per target) there is nothing to wait for; Bazel runs a target that holds a
+  serial test alone through the target's "exclusive" tag (BUILD). Processes outside the
+  session, on the same machine, are not held off: a wall-clock bound still needs a margin.
+  """
+  with _run_alone_lock(item.config, item.get_closest_marker("serial") is not None):
+    return (yield)
+
+
+@contextlib.contextmanager
+def _run_alone_lock(config, alone: bool):
+  """Holds the session's run-alone lock: exclusive when `alone`, else shared."""
+  folder = _lock_folder(config)
+  if folder is None:
+    yield
+    return
+  gate, lock = (os.open(folder / f"run-alone-{name}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+                for name in ("gate", "tests"))
+  try:
+    fcntl.lockf(gate, fcntl.LOCK_EX)  # one test at a time through the gate ...
+    fcntl.lockf(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+    if not alone:
+      fcntl.lockf(gate, fcntl.LOCK_UN)  # ... which a serial test keeps shut until it is done
+    yield
+  finally:
+    os.close(lock)  # closing a file releases its locks
+    os.close(gate)
+
+
+def _lock_folder(config) -> pathlib.Path | None:
+  """The folder every xdist worker of this session shares: the parent of the worker's base
+  temporary folder (xdist gives each local worker <session basetemp>/popen-gwN). None
+  outside a local worker."""
+  if not hasattr(config, "workerinput") or not config.option.basetemp:
+    return None
+  return pathlib.Path(config.option.basetemp).parent

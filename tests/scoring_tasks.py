@@ -1,4 +1,5 @@
-"""Tasks whose scorers misbehave on purpose, for tests/test_scoring.py.
+"""Tasks whose scorers misbehave on purpose, for tests/test_scoring.py, and hostile
+completions of the math task, for the tests that time its scorer.
 
 They live in a module of their own that imports only the standard library, because the
 scoring worker imports a task's module to rebuild it, after every restart.
@@ -7,9 +8,31 @@ scoring worker imports a task's module to rebuild it, after every restart.
 import dataclasses
 import math
 import os
+import pickle
+import stat
+import struct
 import time
 
 HANG_MARKER = "9**9**9"
+HOARD_CHUNK = 2**28       # HOARD allocates this much at a time ...
+HOARD_CAP = 256 * 2**28   # ... and stops at 64 GiB when nothing stopped it sooner
+BIG_FILE_OFFSET = 2**31   # BIGFILE writes one byte past 2 GiB (a sparse file)
+
+# Completions that attack the math task's answer parser (rl/gsm.py, rl/math_answer.py). The
+# first MATH_UNFINISHABLE never finish in math-verify: each is ended by rl.math_answer's
+# bound (VERIFY_TIMEOUT_S, about a second) and counted as a timeout.
+MATH_HOSTILE = [
+    "\\boxed{10^{10^{10}}}", "\\boxed{9^{9^{9}}}", "\\boxed{2^{2^{2^{2^{2^{2}}}}}}",
+    "\\boxed{99999999999^{99999999}}", "\\boxed{10!!!!!}",
+    "\\boxed{" + "(" * 23 + "1" + ")" * 23 + "}",                 # ANTLR backtracking
+    "\\boxed{" + "{" * 40 + "1" + "}" * 40 + "}",
+    "\\boxed{" + "\\frac{1}{" * 200 + "2" + "}" * 200 + "}",     # over MAX_ANSWER_CHARS
+    "\\boxed{" * 100_000, "#### " * 100_000, "1" * 1_000_000, "1," * 300_000,
+    "-" * 100_000 + "1", "x" * 1_000_000,
+    "\\boxed{__import__('os').system('touch PWNED')}",
+    "#### __import__('os').system('touch PWNED')",
+]
+MATH_UNFINISHABLE = 7
 
 
 def power_tower(text: str) -> int:
@@ -21,14 +44,71 @@ def power_tower(text: str) -> int:
   return value
 
 
+class _CreatesFile:
+  """Unpickling this opens `path` for writing, creating it: the proof that a reply ran."""
+
+  def __init__(self, path: str):
+    self.path = path
+
+  def __reduce__(self):
+    return open, (self.path, "w")
+
+
+def crafted_reply(length_format: str, marker: str) -> bytes:
+  """A pickle that creates `marker` when loaded, behind a big-endian length in
+  `length_format` ("i": multiprocessing's Connection frame, "Q": an 8-byte length)."""
+  payload = pickle.dumps(_CreatesFile(marker))
+  return struct.pack("!" + length_format, len(payload)) + payload
+
+
+def write_to_sockets(data: bytes) -> None:
+  """Writes `data` into every socket this process holds (the scoring worker's: its reply
+  channel to the trainer), as a scorer tricked into running code could."""
+  for name in os.listdir("/proc/self/fd"):
+    try:
+      if stat.S_ISSOCK(os.fstat(int(name)).st_mode):
+        os.write(int(name), data)
+    except OSError:  # the directory's own descriptor, closed since listing
+      pass
+
+
+def hoard() -> int:
+  """Allocates HOARD_CHUNK bytes at a time until a MemoryError or HOARD_CAP. The chunks are
+  never touched, so they take address space and no RAM."""
+  chunks = []
+  while len(chunks) * HOARD_CHUNK < HOARD_CAP:
+    chunks.append(bytes(HOARD_CHUNK))
+  return len(chunks)
+
+
 @dataclasses.dataclass(frozen=True)
 class MisbehavingTask:
   """Reward min(len, 10) / 10, except on markers: SLEEP and SPIN never return, POW computes
-  9**9**9, RAISE raises, NAN returns NaN, TEXT returns a string, EXIT kills the process."""
+  9**9**9, RAISE raises, NAN returns NaN, TEXT returns a string, EXIT kills the process,
+  HOARD allocates without bound (1 if it reaches HOARD_CAP), "REPLY <i|Q> <path>" writes a
+  `crafted_reply` into the worker's socket (then 1), WRITE writes a file in the working
+  directory and that directory's path into the file named by the example (then 1), BIGFILE
+  writes a byte past BIG_FILE_OFFSET into a file (then 1)."""
   name: str = "misbehaving"
 
   def reward(self, completion, example):
-    del example
+    if completion == "HOARD":
+      return float(hoard() * HOARD_CHUNK >= HOARD_CAP)
+    if completion.startswith("REPLY "):
+      _, length_format, marker = completion.split(" ", 2)
+      write_to_sockets(crafted_reply(length_format, marker))
+      return 1.0
+    if completion == "WRITE":
+      with open("scorer-output", "w", encoding="utf-8") as output:
+        output.write("written by a scorer")
+      with open(example, "w", encoding="utf-8") as report:
+        report.write(os.getcwd())
+      return 1.0
+    if completion == "BIGFILE":
+      with open("big-output", "wb") as output:
+        output.seek(BIG_FILE_OFFSET)
+        output.write(b"x")
+      return 1.0
     if completion == "SLEEP":
       time.sleep(3600)
     if completion == "SPIN":
@@ -49,8 +129,8 @@ class MisbehavingTask:
 
 @dataclasses.dataclass(frozen=True)
 class SlowTask:
-  """Reward 1 after `seconds` of sleep: slower than the worker's flush interval, so each
-  result goes back in a message of its own."""
+  """Reward 1 after `seconds` of sleep: a scorer slow enough that each result goes back well
+  before the next (tests/test_scoring.py's stale-message test)."""
   name: str = "slow"
   seconds: float = 0.02
 

@@ -19,8 +19,10 @@ from rl import math_answer
 from rl import scoring
 from rl import tasks
 from rl.math_answer import Answer
+from tests import scoring_tasks
 
 F = Fraction
+HOSTILE = scoring_tasks.MATH_HOSTILE
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # (completion, source of the extracted answer, its value); None: no answer at all.
@@ -213,19 +215,6 @@ def test_reward_and_exact_match_through_the_scoring_worker():
   assert plain.timeouts == plain.errors == shaped.timeouts == shaped.errors == 0
 
 
-HOSTILE = [
-    "\\boxed{10^{10^{10}}}", "\\boxed{9^{9^{9}}}", "\\boxed{2^{2^{2^{2^{2^{2}}}}}}",
-    "\\boxed{99999999999^{99999999}}", "\\boxed{10!!!!!}",
-    "\\boxed{" + "(" * 23 + "1" + ")" * 23 + "}",                 # ANTLR backtracking
-    "\\boxed{" + "{" * 40 + "1" + "}" * 40 + "}",
-    "\\boxed{" + "\\frac{1}{" * 200 + "2" + "}" * 200 + "}",     # over MAX_ANSWER_CHARS
-    "\\boxed{" * 100_000, "#### " * 100_000, "1" * 1_000_000, "1," * 300_000,
-    "-" * 100_000 + "1", "x" * 1_000_000,
-    "\\boxed{__import__('os').system('touch PWNED')}",
-    "#### __import__('os').system('touch PWNED')",
-]
-
-
 def test_hostile_completions_are_bounded_in_the_worker(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
   task = _task()
@@ -236,19 +225,57 @@ def test_hostile_completions_are_bounded_in_the_worker(tmp_path, monkeypatch):
   elapsed = time.perf_counter() - start
   assert scores.rewards.tolist() == [0.0] * len(HOSTILE) + [1.0]
   assert not (tmp_path / "PWNED").exists()
-  # math-verify's own alarms end the slow ones (about a second each) before the worker's
-  # limit; whatever they could not interrupt would be a timeout, never a hang.
-  assert scores.errors == 0 and scores.timeouts <= 2
+  # Arbor's bound on math-verify ends the unfinishable ones (about a second each) and each
+  # counts as a timeout; whatever it could not interrupt would hit the worker's limit and
+  # count the same way, never hang.
+  assert scores.errors == 0 and scores.timeouts == scoring_tasks.MATH_UNFINISHABLE
   assert elapsed < len(HOSTILE) * (task.reward_timeout_s + 2), elapsed
 
 
+def test_a_math_verify_timeout_counts_as_a_reward_timeout():
+  # 9^(9^9) has 370 million digits: math-verify never finishes it. Arbor's bound on the call
+  # (VERIFY_TIMEOUT_S) ends it with a TimeoutError, which the worker counts in
+  # reward_timeouts; math-verify's own alarm used to return "not equal" and count nothing.
+  task = _task()
+  example = task.examples("eval", 1)[0]
+  with pytest.raises(TimeoutError):
+    gsm.score("\\boxed{9^{9^{9}}}", "72")
+  scores = scoring.score(task, ["\\boxed{9^{9^{9}}}", example.answer], [example] * 2)
+  assert scores.rewards.tolist() == [0.0, 1.0]
+  assert scores.timeouts == 1 and scores.errors == 0
+
+
+def test_the_bound_on_math_verify_survives_a_swallowed_alarm():
+  # Python ignores an exception raised in a garbage-collector callback or a __del__: when the
+  # alarm lands there, the bound must fire again (tests/test_run_alone.py once saw
+  # math-verify run on for 5 s after JAX's gc callback swallowed the alarm).
+  def swallow_the_first_alarm():
+    end = time.monotonic() + 3
+    try:
+      while time.monotonic() < end:
+        pass
+    except BaseException:  # pylint: disable=broad-except  (as Python does in a gc callback)
+      pass
+    while time.monotonic() < end:
+      pass
+
+  start = time.monotonic()
+  with pytest.raises(TimeoutError):
+    math_answer._within(0.2, swallow_the_first_alarm)  # pylint: disable=protected-access
+  assert time.monotonic() - start < 1.5
+
+
 def test_each_hostile_completion_takes_at_most_a_few_seconds_in_process():
-  # The worker's limit is the backstop; in the main thread math-verify's SIGALRM fires. Timed
-  # in this process's CPU seconds (each takes ~1 s, one alarm, on an idle machine): wall time
-  # also counts whatever else the machine runs (8.5 s once, beside another pytest worker).
+  # The worker's limit is the backstop; in the main thread rl.math_answer's alarm fires. Timed
+  # in this process's CPU seconds, which other processes' load does not inflate (each takes
+  # ~1 s of wall time on an idle machine; 8.5 s once beside another pytest worker); CPU time
+  # cannot see a blocking hang, so tests/test_run_alone.py bounds wall time, alone.
   for completion in HOSTILE:
     start = time.process_time()
-    assert gsm.score(completion, "72") == (0.0, False)
+    try:
+      assert gsm.score(completion, "72") == (0.0, False)
+    except TimeoutError:
+      pass
     assert time.process_time() - start < 3.5, completion[:40]
 
 
@@ -289,8 +316,8 @@ def test_the_launcher_refuses_a_bad_format_reward_before_any_work(tmp_path, conf
 
 
 def test_scoring_outside_the_main_thread_runs_without_alarms():
-  # SIGALRM can only be set in the main thread: math-verify then runs without its timeouts
-  # (the scoring worker's limit still holds), rather than raising.
+  # SIGALRM can only be set in the main thread: math-verify then runs without rl.math_answer's
+  # alarm (the scoring worker's limit still holds), rather than raising.
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
     assert pool.submit(gsm.score, "\\boxed{2 \\cdot 36} (in a thread)", "72").result() == (
         1.0, True)

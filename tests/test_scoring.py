@@ -177,10 +177,87 @@ def test_misbehaving_scorers_give_zero_and_are_counted():
   assert again.rewards.tolist() == [0.5] and again.timeouts == again.errors == 0
 
 
+def test_a_scorer_that_allocates_without_bound_is_stopped_and_counted():
+  # HOARD allocates 256 MiB at a time until something stops it (untouched: address space,
+  # not RAM); without a memory limit it reaches 64 GiB and scores 1. The worker's limit
+  # (DEFAULT_LIMITS, 4 GiB over its start-up size) makes it a MemoryError: reward 0, an
+  # error, the rest of the batch scored, and a fresh worker for the next batch.
+  scorer = scoring.Scorer()
+  task, example = scoring_tasks.MisbehavingTask(), ("prompt", 1)
+  try:
+    assert scorer.score(task, ["ab"], [example]).rewards.tolist() == [pytest.approx(0.2)]
+    pid = scorer._process.pid  # pylint: disable=protected-access
+    scores = scorer.score(task, ["HOARD", "abc"], [example] * 2)
+    assert scores.rewards.tolist() == [0.0, pytest.approx(0.3)]
+    assert scores.errors == 1 and scores.timeouts == 0
+    again = scorer.score(task, ["abcd"], [example])
+    assert again.rewards.tolist() == [pytest.approx(0.4)] and again.errors == 0
+    assert scorer._process.pid != pid  # pylint: disable=protected-access
+  finally:
+    scorer.close()
+
+
+def test_a_crafted_reply_is_counted_and_never_run(tmp_path):
+  # A scorer tricked into running code can write into the worker's reply channel. Here it
+  # writes a pickle that would create a marker file when loaded, framed as multiprocessing
+  # frames a message (4-byte length) and as rl.scoring does (8-byte length). The trainer
+  # reads replies as fixed records of numbers: the marker never appears, the completion that
+  # wrote each is an error (exactly that one), and the others are scored.
+  markers = [tmp_path / "unpickled-i", tmp_path / "unpickled-Q"]
+  completions = ["ab", f"REPLY i {markers[0]}", "abc", f"REPLY Q {markers[1]}", "abcd"]
+  scorer = scoring.Scorer()
+  try:
+    scores = scorer.score(scoring_tasks.MisbehavingTask(), completions,
+                          [("prompt", 1)] * len(completions))
+  finally:
+    scorer.close()
+  assert not any(marker.exists() for marker in markers)
+  np.testing.assert_allclose(scores.rewards, [0.2, 0, 0.3, 0, 0.4])
+  assert scores.errors == 2 and scores.timeouts == 0
+
+
+def test_a_scorer_that_spins_is_ended_by_its_cpu_time_limit():
+  # The trainer's wall-clock watch is 60 s here; the worker's own CPU-time limit (1 s per
+  # completion, RLIMIT_CPU) ends SPIN first, which holds even when the trainer is not
+  # watching (stalled, or stopped in a debugger). A CPU-time limit is a time limit: a timeout.
+  scorer = scoring.Scorer()
+  task, example = scoring_tasks.MisbehavingTask(), ("prompt", 1)
+  start = time.perf_counter()
+  try:
+    scores = scorer.score(task, ["SPIN", "ab"], [example] * 2, timeout_s=60.0,
+                          limits=scoring.Limits(cpu_s=1.0))
+  finally:
+    scorer.close()
+  assert time.perf_counter() - start < 30
+  assert scores.rewards.tolist() == [0.0, pytest.approx(0.2)]
+  assert scores.timeouts == 1 and scores.errors == 0
+
+
+def test_a_scorer_writes_in_a_scratch_directory_under_a_file_size_limit(tmp_path, monkeypatch):
+  # WRITE leaves a file in its working directory and reports which one that was; BIGFILE
+  # writes past 2 GiB (over the 1 GiB default limit: an error, not a file). Neither lands in
+  # the trainer's working directory, and the scratch directory goes with the worker.
+  trainer_cwd, report = tmp_path / "trainer", tmp_path / "report"
+  trainer_cwd.mkdir()
+  monkeypatch.chdir(trainer_cwd)
+  scorer = scoring.Scorer()
+  try:
+    scores = scorer.score(scoring_tasks.MisbehavingTask(), ["WRITE", "BIGFILE", "ab"],
+                          [str(report)] * 3)
+    scratch = report.read_text()
+    assert os.path.exists(os.path.join(scratch, "scorer-output"))
+  finally:
+    scorer.close()
+  np.testing.assert_allclose(scores.rewards, [1, 0, 0.2])
+  assert scores.errors == 1 and scores.timeouts == 0
+  assert list(trainer_cwd.iterdir()) == []
+  assert scratch != str(trainer_cwd) and not os.path.exists(scratch)
+
+
 def test_slow_scorer_leaves_no_stale_message_for_the_next_request():
-  # Each 20 ms result outlasts the worker's 10 ms flush interval, so the last one goes back
-  # on its own; the worker used to send an empty message after it, which then answered the
-  # next request (a task load: IndexError) in place of its own reply.
+  # Each result goes back on its own. When the worker sent results in 10 ms chunks, it once
+  # sent an empty message after the last one, which then answered the next request (a task
+  # load: IndexError) in place of its own reply.
   scorer = scoring.Scorer()
   try:
     for seconds in (0.02, 0.03, 0.02):  # three tasks: a load, then a batch, each time
