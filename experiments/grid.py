@@ -19,7 +19,7 @@ the last two); "seeds" makes one cell per seed, named <name>_s<seed>, and "{seed
 value becomes the cell's seed. Its output goes to <out>/logs/<name>.log. When it exits 0
 having written <workdir>/summary.json, its result goes to <out>/<name>.json: that summary,
 the command, the return code, the wall time of the attempt that finished, the git commit
-the cell ran and the load average when it finished, written to a temporary file and
+the cell ran, its machine (CPU model and cores) and the load average when it finished, written to a temporary file and
 renamed, so a result file is whole or absent.
 
 Rerunning the grid skips the cells that have a result. A cell killed midway reruns in the
@@ -53,6 +53,7 @@ import concurrent.futures
 import dataclasses
 import json
 import os
+import platform
 import re
 import runpy
 import shlex
@@ -189,7 +190,8 @@ def run_cell(cell: Cell, spec: Spec, out: str) -> dict | None:
   result = {"name": cell.name, "module": cell.module, "flags": dict(cell.flags),
             "seed": cell.seed, "command": argv, "returncode": returncode,
             "wall_s": time.time() - started, "commit": source_commit(),
-            "load_average": os.getloadavg(), "summary": read_json(summary_path)}
+            "machine": machine(), "load_average": os.getloadavg(),
+            "summary": read_json(summary_path)}
   write_json_atomic(path, result)
   return result
 
@@ -205,6 +207,23 @@ def source_commit() -> str:
   except (OSError, subprocess.CalledProcessError):
     return "unknown"
   return head + ("-dirty" if changed else "")
+
+
+def machine() -> str:
+  """The CPU the cell ran on: its model name (Linux /proc/cpuinfo) and core count. XLA's CPU
+  kernels differ between processors (e.g. with and without AVX-512), and so do float
+  results and whole training trajectories: cells to compare should share a machine."""
+  model = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      info = f.read()
+    model = next(line.split(":", 1)[1].strip() for line in info.splitlines()
+                 if line.startswith("model name"))
+    if " avx512f " in f" {info} ":
+      model += ", AVX-512"
+  except (OSError, StopIteration):
+    pass
+  return f"{model}, {os.cpu_count()} cores"
 
 
 def pending(spec: Spec, out: str) -> list[Cell]:

@@ -83,6 +83,8 @@ def test_a_killed_grid_resumes_without_running_a_cell_twice(tmp_path):
     for result in (got, want):
       # The attempt's time and the machine's load then; the out folder.
       del result["wall_s"], result["load_average"], result["command"]
+    assert got["machine"] == grid.machine() and got["machine"].endswith(
+        f", {os.cpu_count()} cores")
     assert got == want
   table = (out / "results.md").read_text()
   assert table == (fresh / "results.md").read_text()
