@@ -721,13 +721,15 @@ class _Run:
     `run_phase` builds them. Its metrics records up to that checkpoint are copied into this
     run's log, so the curves and the summary cover the whole run."""
     step = self.phase_steps[WARM_START]
-    manager = checkpoint.make_manager(os.path.join(source, "checkpoints"))
-    if step not in manager.all_steps():
+    directory = os.path.join(source, "checkpoints")
+    steps = (checkpoint.make_manager(directory).all_steps() if os.path.isdir(directory)
+             else [])  # never create a folder in another run's workdir
+    if step not in steps:
       raise ValueError(
           f"config.warm_start.init_from = {source!r} holds no checkpoint at the end of its "
-          f"warm start (step {step}; it holds {sorted(manager.all_steps())}): a run that went "
+          f"warm start (step {step}; it holds {sorted(steps)}): a run that went "
           "on into RL may have pruned it. Train a warm start alone with --config.rl.steps=0.")
-    tree, meta = checkpoint.restore_tree(manager, step)
+    tree, meta = checkpoint.restore_tree(checkpoint.make_manager(directory), step)
     if meta["phase"] != RL or meta["iteration"] != 0:
       raise ValueError(f"{source} checkpoint {step} is not the end of a warm start (phase "
                        f"{meta['phase']!r}, iteration {meta['iteration']}).")
