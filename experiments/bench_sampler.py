@@ -3,6 +3,8 @@
     python -m experiments.bench_sampler                 # B1 shapes, Arbor + Tunix + transformers
     python -m experiments.bench_sampler --peers=        # Arbor only
     python -m experiments.bench_sampler --smoke         # tiny shapes, one repetition (CI)
+    python -m experiments.bench_sampler --checkpoint=smollm2 --batch_sizes=8 --new_tokens=64
+                                                        # Arbor alone on real weights
 
 Every row of the B1 table decodes exactly `new_tokens` tokens (no stop tokens; the peers
 forbid EOS). The long-tailed batch (Arbor only; --long_tail_batch rows) stops each row at
@@ -25,7 +27,10 @@ warm-up) time, Arbor's ratio to each peer, and model FLOP utilisation against a 
 matmul timed in this run. The machine's streaming read bandwidth is measured too: per batch,
 Arbor's greedy tokens/s at the longest completion over the shortest ("flat cost") is shown
 next to the ratio that reading each step's extra KV cache at that bandwidth would allow.
-Peers are skipped when the environment variable CI is set.
+Peers are skipped when the environment variable CI is set. With --checkpoint (a Hugging
+Face folder, a .gguf file or "smollm2"), Arbor alone decodes the given shapes with those
+weights in float32 (random prompt tokens: throughput does not depend on them); the peers
+and the long-tailed batch are skipped.
 Writes bench_sampler.json, bench_sampler.md and bench_sampler.png to --out.
 """
 
@@ -49,6 +54,7 @@ from experiments.measure import load, matmul_peak_flops, stream_bandwidth, timed
 from experiments.peers import PEER_LABELS, peer_shape
 from models import transformer
 from models.config import ModelConfig, get_preset
+from models.pretrained import load_pretrained
 from sampling import sampler
 from sampling.sampler import SamplingConfig, generate
 
@@ -61,6 +67,8 @@ _NEW_TOKENS = flags.DEFINE_list("new_tokens", ["64", "256", "1024"], "B1 complet
 _LONG_TAIL = flags.DEFINE_integer("long_tail_batch", 64, "Rows of the long-tailed batch (0: skip).")
 _ROUNDS = flags.DEFINE_integer("rounds", 1, "Rounds of (Arbor, peers), order alternating.")
 _PEER_ENVS = flags.DEFINE_string("peer_envs", "runs/peer_envs", "Where peer virtualenvs live.")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", "", "Time Arbor alone on these weights (HF "
+                                  "folder, .gguf or 'smollm2') instead of the B1 decoder.")
 
 
 def peak_bytes(compiled) -> int:
@@ -70,9 +78,8 @@ def peak_bytes(compiled) -> int:
              - m.alias_size_in_bytes)
 
 
-def bench_case(config: ModelConfig, batch: int, prompt_len: int, new_tokens: int,
+def bench_case(config: ModelConfig, params, batch: int, prompt_len: int, new_tokens: int,
                temperature: float, repeats: int) -> dict:
-  params = transformer.init_params(config, jax.random.PRNGKey(0))
   prompts = jax.random.randint(jax.random.PRNGKey(1), (batch, prompt_len), 3, config.vocab_size)
   mask = jnp.ones((batch, prompt_len), bool)
   sampling_config = SamplingConfig(max_new_tokens=new_tokens, temperature=temperature)
@@ -112,12 +119,11 @@ def _generate_lengths(params, prompts, mask, rng, lengths, model_config, samplin
                         position_limit=budget).token_mask
 
 
-def long_tail_case(config: ModelConfig, batch: int, prompt_len: int, temperature: float,
+def long_tail_case(config: ModelConfig, params, batch: int, prompt_len: int, temperature: float,
                    repeats: int) -> dict:
   """Real tokens/s on a batch whose rows stop at the default task's solution lengths:
   the decode loop as configured vs one full-width, full-length loop."""
   lengths, new_tokens = task_lengths(batch)
-  params = transformer.init_params(config, jax.random.PRNGKey(0))
   prompts = jax.random.randint(jax.random.PRNGKey(1), (batch, prompt_len), 3, config.vocab_size)
   mask = jnp.ones((batch, prompt_len), bool)
   lengths_array = jnp.asarray(lengths, jnp.int32)
@@ -146,7 +152,8 @@ def markdown(result: dict) -> str:
   head += [f"{PEER_LABELS[n]} compile s" for n in names]
   head += [f"{PEER_LABELS[n]} util" for n in names]
   head += ["Arbor KV MiB", "Arbor peak MiB"]
-  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  lines = [f"Weights: {result['checkpoint']}\n"] if result["checkpoint"] else []
+  lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for case in result["cases"]:
     cells = [str(case["batch"]), str(case["new_tokens"]), str(case["temperature"])]
     cells += [f"{case[n]['tokens_per_s']:.0f}" for n in names]
@@ -209,8 +216,17 @@ def main(argv):
     cases = list(itertools.product(map(int, _BATCHES.value), (16,), map(int, _NEW_TOKENS.value),
                                    (0.0, 1.0)))
     repeats, peak_size, tail_rows = _REPEATS.value, 2048, _LONG_TAIL.value
-  config = config.replace(max_seq_len=max(p + n for _, p, n, _ in cases))
-  peer_names = peers.peers_enabled(_PEERS.value)
+  max_seq_len = max(p + n for _, p, n, _ in cases)
+  if _CHECKPOINT.value:
+    config, params, _ = load_pretrained(_CHECKPOINT.value)
+    if max_seq_len > config.max_seq_len:
+      raise ValueError(f"--new_tokens needs {max_seq_len} positions; {_CHECKPOINT.value!r} has "
+                       f"{config.max_seq_len}.")
+    peer_names, tail_rows = [], 0
+  else:
+    config = config.replace(max_seq_len=max_seq_len)
+    params = transformer.init_params(config, jax.random.PRNGKey(0))
+    peer_names = peers.peers_enabled(_PEERS.value)
   load_before = load()
   peak = matmul_peak_flops(peak_size, repeats)
   bandwidth = stream_bandwidth(2 ** 28 if not _SMOKE.value else 2 ** 20, repeats)
@@ -220,7 +236,7 @@ def main(argv):
 
   def run(name: str) -> list[dict]:
     if name == "arbor":
-      return [bench_case(config, *case, repeats) for case in cases]
+      return [bench_case(config, params, *case, repeats) for case in cases]
     out = peers.run_peer(name, spec, _PEER_ENVS.value)
     versions[name] = {k: v for k, v in out.items() if k != "generate"}
     return out["generate"]
@@ -254,12 +270,13 @@ def main(argv):
     for name in peer_names:
       row[f"arbor_over_{name}"] = row["arbor"]["tokens_per_s"] / row[name]["tokens_per_s"]
     rows.append(row)
-  long_tail = [long_tail_case(config, tail_rows, 16, temperature, repeats)
+  long_tail = [long_tail_case(config, params, tail_rows, 16, temperature, repeats)
                 for temperature in (0.0, 1.0)] if tail_rows else []
   max_rss = {name: v.pop("max_rss_bytes") for name, v in versions.items()
              if "max_rss_bytes" in v}
   max_rss["arbor"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-  result = {"device": str(jax.devices()[0]), "matmul_peak_flops": peak,
+  result = {"device": str(jax.devices()[0]), "checkpoint": _CHECKPOINT.value,
+            "matmul_peak_flops": peak,
             "stream_bandwidth": bandwidth, "config": str(config),
             "repeats": repeats, "rounds": _ROUNDS.value, "frameworks": frameworks,
             "peer_versions": versions, "kv_bytes_per_token": kv_bytes_per_token(config),

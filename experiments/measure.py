@@ -49,15 +49,17 @@ def load() -> str:
 
 
 def write_results(out_dir: str, name: str, result: dict, markdown: Callable[[dict], str],
-                  plot: Callable[[dict, str], None]) -> None:
-  """Writes <name>.json, <name>.md and <name>.png to out_dir and prints the table."""
+                  plot: Callable[[dict, str], None] | None) -> None:
+  """Writes <name>.json, <name>.md and (with `plot`) <name>.png to out_dir and prints the
+  table."""
   os.makedirs(out_dir, exist_ok=True)
   with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
     json.dump(result, f, indent=2)
   table = markdown(result)
   with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
     f.write(table)
-  plot(result, os.path.join(out_dir, f"{name}.png"))
+  if plot is not None:
+    plot(result, os.path.join(out_dir, f"{name}.png"))
   print(table)
   peak = result.get("matmul_peak_flops")  # benchmarks that report no utilisation measure none
   peak_text = f"matmul peak {peak / 1e9:.1f} GFLOP/s; " if peak else ""

@@ -8,10 +8,13 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from experiments import decode_cost
 from experiments import peers
+from models import hf_checkpoint
+from models import transformer
 from models.config import get_preset
 
 _REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -32,6 +35,23 @@ def test_benchmark_smoke_run_writes_its_results(module, outputs, tmp_path):
   assert result["matmul_peak_flops"] > 0
 
 
+def test_sampler_benchmark_times_a_loaded_checkpoint_alone(tmp_path):
+  """--checkpoint decodes with the folder's weights and shape (not the B1 decoder); no peers."""
+  config = get_preset("tiny").replace(d_model=48, n_heads=2, n_kv_heads=1, head_dim=24,
+                                      mlp_dim=96, max_seq_len=64)
+  params = transformer.init_params(config, jax.random.PRNGKey(0))
+  hf_checkpoint.save_hf(str(tmp_path / "ckpt"), params, config)
+  env = dict(os.environ, PYTHONPATH=str(_REPO))  # no CI: the checkpoint alone skips the peers
+  subprocess.run([sys.executable, "-m", "experiments.bench_sampler", "--smoke",
+                  f"--checkpoint={tmp_path / 'ckpt'}", f"--out={tmp_path / 'out'}"],
+                 cwd=_REPO, env=env, check=True, timeout=300)
+  result = json.loads((tmp_path / "out" / "bench_sampler.json").read_text())
+  assert result["frameworks"] == ["arbor"] and result["long_tail"] == []
+  assert result["checkpoint"] == str(tmp_path / "ckpt")
+  assert "d_model=48" in result["config"]
+  assert result["kv_bytes_per_token"] == decode_cost.kv_bytes_per_token(config)
+
+
 def test_token_choice_benchmark_smoke_run_times_both_sides(tmp_path):
   env = dict(os.environ, PYTHONPATH=str(_REPO))
   subprocess.run([sys.executable, "-m", "experiments.bench_logits", "--smoke", f"--out={tmp_path}"],
@@ -41,6 +61,16 @@ def test_token_choice_benchmark_smoke_run_times_both_sides(tmp_path):
   cases = json.loads((tmp_path / "bench_logits.json").read_text())["cases"]
   assert [c["mode"] for c in cases] == ["greedy", "T = 1"]
   assert all(c["arbor_s"] > 0 and c["reference_s"] > 0 for c in cases)
+
+
+def test_scoring_benchmark_smoke_run_times_both_sides_on_equal_rewards(tmp_path):
+  env = dict(os.environ, PYTHONPATH=str(_REPO))
+  subprocess.run([sys.executable, "-m", "experiments.bench_scoring", "--smoke",
+                  f"--out={tmp_path}"], cwd=_REPO, env=env, check=True, timeout=300)
+  case, = json.loads((tmp_path / "bench_scoring.json").read_text())["cases"]
+  assert case["task"] == "running_sum" and case["batch"] == 8
+  assert 0 < case["rewarded"] < 8  # both scorer paths ran (the worker agreed, or it fails)
+  assert case["in_process_s"] > 0 and case["worker_s"] > 0
 
 
 def test_peers_are_skipped_under_ci_and_unknown_peers_rejected(monkeypatch):
