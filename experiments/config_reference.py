@@ -175,7 +175,16 @@ def composition_table() -> list[str]:
         except ValueError as error:
           cells.append("refused: `" + str(error).split(" ")[0] + "`")
       out.append(f"| `{kind}` | `{selection}` | " + " | ".join(cells) + " |")
-  return out
+  return out + [
+      "", "Several optimiser updates per batch (`rl.num_minibatches * rl.ppo_epochs = U > 1`)",
+      "compose with every cell that runs: versions, `staleness`, `rl.staleness` and",
+      "`rl.max_staleness` count optimiser updates everywhere. `rl.staleness` must be a",
+      "multiple of U (parameters change once per batch). With `rl.async_`, U > 1 needs",
+      "`rl.max_staleness = 0` (synchronous) or `>= U` (the producer runs `max_staleness // U`",
+      "batches ahead); `0 < max_staleness < U` is refused naming `config.rl.max_staleness`.",
+      "Both are tested through the launcher (tests/test_feature_matrix.py: async with",
+      "`rl.num_minibatches = 2` and `max_staleness = 2` samples versions 0, 2, 4; simulated",
+      "`rl.staleness = 4` with 2 updates per batch gives tokens 4 updates old)."]
 
 
 def undocumented(source: str | None = None) -> list[str]:

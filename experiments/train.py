@@ -178,6 +178,17 @@ def check_names(config: ml_collections.ConfigDict) -> None:
                      "'reprefill'.")
 
 
+def updates_per_batch(config: ml_collections.ConfigDict) -> int:
+  """Optimiser updates one RL batch takes: rl.num_minibatches * rl.ppo_epochs."""
+  return config.rl.num_minibatches * config.rl.ppo_epochs
+
+
+def staleness_in_batches(config: ml_collections.ConfigDict) -> int:
+  """Simulated staleness as the loop applies it: config.rl.staleness counts optimiser
+  updates (like every version), the loop lags whole batches (validate checks the multiple)."""
+  return config.rl.staleness // updates_per_batch(config)
+
+
 def check_composition(config: ml_collections.ConfigDict) -> None:
   """Refuses the switch combinations that do not compose (docs/configuration.md has the
   whole matrix): every other combination of rollout.kind, selection.kind, rl.async_,
@@ -193,7 +204,12 @@ def check_composition(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"config.rl.async_ has real staleness (bounded by rl.max_staleness); "
                      f"config.rl.staleness = {config.rl.staleness} simulates it in the sync "
                      "loop. Set one of them: rl.staleness = 0 or rl.async_ = False.")
-  updates = config.rl.num_minibatches * config.rl.ppo_epochs
+  updates = updates_per_batch(config)
+  if config.rl.staleness % updates:
+    raise ValueError(f"config.rl.staleness = {config.rl.staleness} counts optimiser updates, "
+                     f"and parameters change once per batch of config.rl.num_minibatches * "
+                     f"ppo_epochs = {updates} updates: set rl.staleness to a multiple of "
+                     f"{updates} (sampling then lags rl.staleness // {updates} batches).")
   if config.rl.async_ and 0 < config.rl.max_staleness < updates:
     raise ValueError(f"config.rl.max_staleness = {config.rl.max_staleness} counts optimiser "
                      f"updates, and one batch is config.rl.num_minibatches * ppo_epochs = "
@@ -301,7 +317,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
 
 # The config fields that decide what a warm start trains: a run may start its RL phase from
-# another run's warm start (config.warm_start.init_from) only when these agree.
+# another run's warm start (config.warm_start.init_from) only when these agree
+# (task.train_pool excepted: the warm start reads the unbounded train split whatever it is).
 WARM_START_FIELDS = ("seed", "task", "model", "warm_start", "rollout.prompt_len",
                      "rollout.max_new_tokens", "rollout.train_length_buckets",
                      "rl.max_grad_norm", "rl.num_microbatches")
@@ -325,6 +342,7 @@ def warm_start_settings(config_json: dict) -> dict:
       node = node.get(name) if isinstance(node, dict) else None
     settings.update(_flat(node, path))
   settings.pop("warm_start.init_from", None)
+  settings.pop("task.train_pool", None)  # RL's finite prompt pool; the warm start ignores it
   return settings
 
 
@@ -474,7 +492,7 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None):
       sampling_config=sampling_config, prompt_len=config.rollout.prompt_len,
       prompts_per_step=prompts, group_size=config.rollout.group_size, train_step=step,
       advantage_fn=advantages.get_advantage_fn(config.advantage.name),
-      staleness=config.rl.staleness if phase == RL else 0,
+      staleness=staleness_in_batches(config) if phase == RL else 0,
       selection=ml_collections.FrozenConfigDict(config.selection),
       train_pool=config.task.train_pool, **sharded)
   if config.rollout.kind == "tree":
@@ -553,13 +571,16 @@ def _new_meta() -> dict:
   """Run-level records kept in the checkpoint meta, so a resumed run reports the whole run:
   held-out evaluations, the histogram of RL rollout completion lengths, the prompts
   selection skipped, the wall time spent in each part (seconds; compilation counts where
-  it happens; the rollout time also split into sample and score) and the real tokens
-  sampled and trained."""
+  it happens; the rollout time also split into sample and score), the RL steps' wall time
+  (time_rl_s: evaluations and checkpoints excluded, async rollout and training overlapping
+  counted once) and its value at each evaluation (time_rl_at_evals_s: clocks stay out of the
+  evaluation records), and the real tokens sampled and trained."""
   return {"phase": WARM_START, "data_cursor": 0, "iteration": 0, "evals": [],
           "completion_length_counts": [],
           "time_s": dict.fromkeys(TIME_PARTS + ROLLOUT_PARTS, 0.0),
           "prompts_skipped": 0, "tokens": dict.fromkeys(TOKEN_COUNTS, 0),
-          "rl_metric_sums": {}, "rl_steps_recorded": 0}
+          "rl_metric_sums": {}, "rl_steps_recorded": 0, "time_rl_s": 0.0,
+          "time_rl_at_evals_s": [], "eval_step_sums": []}
 
 
 def _upgrade_meta(meta: dict) -> dict:
@@ -567,6 +588,14 @@ def _upgrade_meta(meta: dict) -> dict:
   meta.setdefault("prompts_skipped", 0)
   meta.setdefault("rl_metric_sums", {})
   meta.setdefault("rl_steps_recorded", 0)
+  meta.setdefault("time_rl_s", 0.0)
+  # Evaluations restored from a checkpoint written before their RL clock and step sums were
+  # kept: a warm-start evaluation's are known (no RL yet); an RL one's are unknown (None).
+  for name, before_rl in (("time_rl_at_evals_s", 0.0),
+                          ("eval_step_sums", {"steps": 0, "sums": {}})):
+    known = meta.setdefault(name, [])
+    missing = meta["evals"][:len(meta["evals"]) - len(known)]
+    meta[name] = [before_rl if e["phase"] == WARM_START else None for e in missing] + known
   for part in ROLLOUT_PARTS:
     meta["time_s"].setdefault(part, 0.0)
   meta.setdefault("tokens", {})
@@ -593,10 +622,31 @@ def rl_step_means(meta: dict) -> dict[str, float]:
           } if count else {}
 
 
+def step_means_between_evals(meta: dict) -> list[dict[str, float]]:
+  """Per evaluation, each RL step metric's mean over the RL steps since the previous
+  evaluation (empty where there were none, e.g. the warm start's; None where a restored
+  checkpoint predates these records): how clip fractions, informative groups, rewards, ...
+  move over the run, at the evaluations' resolution."""
+  windows, previous = [], {"steps": 0, "sums": {}}
+  for current in meta["eval_step_sums"]:
+    if current is None or previous is None:  # restored from a checkpoint that lacked them
+      windows.append(None)
+      previous = current
+      continue
+    steps = current["steps"] - previous["steps"]
+    windows.append({name: (total - previous["sums"].get(name, 0.0)) / steps
+                    for name, total in sorted(current["sums"].items())} if steps else {})
+    previous = current
+  return windows
+
+
 def accuracy_curve(meta: dict) -> list[dict]:
-  """The run's held-out evaluations in order: step, event, accuracy and its stderr."""
+  """The run's held-out evaluations in order: step, event, accuracy and its stderr, and
+  the RL tokens sampled before it (decoded: a tree's shared nodes once, every selection
+  round's and every partial-rollout round's tokens)."""
   return [{"step": e["step"], "event": e["event"], "accuracy": e["eval_accuracy"],
-           "stderr": e["eval_accuracy_stderr"]} for e in meta["evals"]]
+           "stderr": e["eval_accuracy_stderr"], "sampled_tokens": e.get("sampled_tokens", 0)}
+          for e in meta["evals"]]
 
 
 def throughput_summary(meta: dict) -> dict:
@@ -611,9 +661,9 @@ def throughput_summary(meta: dict) -> dict:
           "trained_tokens_per_s": per_second(tokens["trained"], time_s["train"])}
 
 
-def _eval_record(result, step: int, phase: str, label: str) -> dict:
-  """The metrics.jsonl record of one held-out evaluation."""
-  record = {"step": step, "phase": phase, "event": label,
+def _eval_record(result, step: int, phase: str, label: str, sampled_tokens: int) -> dict:
+  """The metrics.jsonl record of one held-out evaluation (with the RL tokens sampled so far)."""
+  record = {"step": step, "phase": phase, "event": label, "sampled_tokens": sampled_tokens,
             "eval_accuracy": result.accuracy, "eval_accuracy_stderr": result.accuracy_stderr,
             "eval_reward": result.mean_reward, "eval_length": result.mean_length}
   if result.accuracy_by_size:
@@ -710,7 +760,7 @@ class _Run:
 
   def history(self, params):
     """Simulated staleness's parameter history (None without staleness)."""
-    staleness = self.config.rl.staleness
+    staleness = staleness_in_batches(self.config)
     return loop.init_history(params, staleness) if staleness else None
 
   def restore_warm_start(self, source: str) -> tuple[int, loop.LoopState, dict]:
@@ -836,10 +886,14 @@ class _Run:
         batch_size=config.eval.batch_size, mesh=self.mesh)
     eval_s = time.perf_counter() - eval_started
     self.meta["time_s"]["eval"] += eval_s
-    record = _eval_record(result, self.done, self.meta["phase"], label)
+    record = _eval_record(result, self.done, self.meta["phase"], label,
+                          self.meta["tokens"]["sampled"])
     self.meta["evals"].append(record)
+    self.meta["time_rl_at_evals_s"].append(self.meta["time_rl_s"])
+    self.meta["eval_step_sums"].append({"steps": self.meta["rl_steps_recorded"],
+                                        "sums": dict(self.meta["rl_metric_sums"])})
     if self.primary:  # its wall time goes to the log only: meta's records stay clock-free
-      self.log.write(dict(record, time_eval_s=eval_s))
+      self.log.write(dict(record, time_eval_s=eval_s, time_rl_s=self.meta["time_rl_s"]))
     self.bar.write(f"[step {self.done}] {label}: held-out accuracy {result.accuracy:.3f}, "
                    f"mean reward {result.mean_reward:.3f}")
 
@@ -860,7 +914,7 @@ class _Run:
       self.state, _ = async_loop.run_async(
           self.state, ctx, self.produce, boundary - self.state.iteration,
           max_staleness=config.rl.max_staleness, publish=ctx.publish or (lambda p: p),
-          updates_per_batch=config.rl.num_minibatches * config.rl.ppo_epochs,
+          updates_per_batch=updates_per_batch(config),
           on_step=lambda _, step_metrics: self.record_step(RL, step_metrics))
     else:
       self.state, step_metrics = loop.grpo_iteration(self.state, ctx, self.produce)
@@ -871,7 +925,10 @@ class _Run:
     start ends with an evaluation and hands its parameters to RL with a fresh optimiser."""
     self.bar.set_description(phase)
     while self.state.iteration < self.phase_steps[phase]:
+      started = time.perf_counter()
       self.advance(phase)
+      if phase == RL:
+        self.meta["time_rl_s"] += time.perf_counter() - started
       iteration = self.state.iteration
       if phase == RL and iteration % self.config.eval.every == 0:
         self.evaluate("eval")
@@ -928,7 +985,10 @@ class _Run:
     if self.rollouts is not None:
       summary["partial_ledger"] = self.rollouts.ledger.as_dict()
     summary["accuracy_curve"] = accuracy_curve(meta)
+    summary["time_rl_s"] = meta["time_rl_s"]
+    summary["time_rl_at_evals_s"] = list(meta["time_rl_at_evals_s"])
     summary["rl_step_means"] = rl_step_means(meta)
+    summary["rl_step_means_between_evals"] = step_means_between_evals(meta)
     if "warm_start_from" in meta:
       summary["warm_start_from"] = meta["warm_start_from"]
     return summary

@@ -78,6 +78,18 @@ def check_step_metrics(config, records: list[dict], summary: dict) -> None:
       sum(r["time_sample_s"] for r in rl))
   assert summary["sampled_tokens_per_s"] == pytest.approx(
       summary["tokens"]["sampled"] / summary["rollout_time_s"]["sample"])
+  # Each evaluation carries the RL tokens sampled before it and the RL steps' wall time at
+  # it (evaluations and checkpoints excluded), for accuracy against tokens and wall time.
+  curve = summary["accuracy_curve"]
+  assert [e["step"] for e in curve] == [r["step"] for r in evals]
+  assert [e["sampled_tokens"] for e in curve] == [
+      sum(r["sampled_tokens"] for r in rl if r["step"] <= e["step"]) for e in curve]
+  assert len(summary["time_rl_at_evals_s"]) == len(curve)
+  assert summary["time_rl_at_evals_s"] == sorted(summary["time_rl_at_evals_s"])
+  assert summary["time_rl_at_evals_s"][0] == 0.0  # the warm start's evaluation
+  rl_steps_s = sum(r["time_step_s"] for r in rl)
+  assert rl_steps_s <= summary["time_rl_s"] <= rl_steps_s + 5.0
+  assert summary["time_rl_at_evals_s"][-1] <= summary["time_rl_s"]
 
 
 def check_tensorboard(workdir, records: list[dict], config_steps: list[int]) -> None:
@@ -190,3 +202,27 @@ def test_mu_grpo_trains_in_large_stages_and_its_veto_fires(tmp_path, digit_task)
     # Averaged over the stage's 4 updates: the last 3 train on older data.
     assert abs(stage["ratio_mean"] - 1.0) > 1e-4 and stage["approx_kl_behavior"] > 0
     assert stage["vetoed_fraction"] > 0 and stage["vetoed_response_fraction"] > 0
+
+
+def test_step_means_between_evaluations_and_checkpoints_that_predate_them():
+  """Each evaluation's window is the mean over the RL steps since the previous one; a
+  checkpoint written before these records gets the known warm-start entries and None for
+  RL evaluations (never a window that silently spans the unknown steps)."""
+  meta = train_launcher._new_meta()  # pylint: disable=protected-access
+  meta["evals"] = [{"phase": "warm_start"}, {"phase": "rl"}, {"phase": "rl"}]
+  meta["eval_step_sums"] = [{"steps": 0, "sums": {}},
+                            {"steps": 2, "sums": {"clip_fraction": 0.5, "reward_mean": 1.0}},
+                            {"steps": 5, "sums": {"clip_fraction": 0.8, "reward_mean": 4.0}}]
+  assert train_launcher.step_means_between_evals(meta) == [
+      {}, {"clip_fraction": 0.25, "reward_mean": 0.5},
+      {"clip_fraction": pytest.approx(0.1), "reward_mean": 1.0}]
+
+  old = train_launcher._new_meta()  # pylint: disable=protected-access
+  old["evals"] = [{"phase": "warm_start"}, {"phase": "rl"}, {"phase": "rl"}]
+  for name in ("time_rl_at_evals_s", "eval_step_sums", "time_rl_s"):
+    del old[name]
+  old = train_launcher._upgrade_meta(old)  # pylint: disable=protected-access
+  assert old["time_rl_at_evals_s"] == [0.0, None, None]
+  old["evals"].append({"phase": "rl"})  # one evaluation after the resume
+  old["eval_step_sums"].append({"steps": 7, "sums": {"reward_mean": 3.5}})
+  assert train_launcher.step_means_between_evals(old) == [{}, None, None, None]

@@ -171,3 +171,14 @@ def test_async_with_minibatches_counts_versions_in_optimiser_updates(tmp_path):
   assert all(v % 2 == 0 for v in versions), versions
   assert [r["staleness"] for r in records] == [2 * t - v for t, v in enumerate(versions)]
   assert max(r["staleness"] for r in records) == 2, versions
+
+
+def test_simulated_staleness_counts_optimiser_updates_with_minibatches(tmp_path):
+  """rl.staleness = 4 with 2 updates per batch lags sampling by 2 batches: once the lag is
+  reached, every batch's tokens are exactly 4 optimiser updates old (the unit of
+  max_staleness and of every version)."""
+  config = _config(str(tmp_path), "independent", "uniform", False, 0, 1)
+  config.rl.update(num_minibatches=2, staleness=4, steps=4)
+  launcher.run(config)
+  records = _rl_records(str(tmp_path))
+  assert [r["staleness"] for r in records] == [0, 2, 4, 4]

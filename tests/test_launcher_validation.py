@@ -55,6 +55,9 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
      r"config.rl.max_staleness = 1 .*num_minibatches \* ppo_epochs = 2"),
     ({"rl.async_": True, "rl.ppo_epochs": 3, "rl.max_staleness": 2},
      r"config.rl.max_staleness = 2 .*num_minibatches \* ppo_epochs = 3"),
+    # Simulated staleness counts optimiser updates too; parameters change once per batch.
+    ({"rl.staleness": 3, "rl.num_minibatches": 2},
+     r"config.rl.staleness = 3 counts optimiser updates.*multiple of 2"),
 ])
 def test_bad_config_fails_before_any_work(tmp_path, overrides, message):
   workdir = tmp_path / "run"

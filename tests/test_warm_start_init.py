@@ -33,8 +33,9 @@ def warm_start_dir(tmp_path_factory):
   return str(workdir)
 
 
-@pytest.mark.parametrize("overrides", [{}, {"rl.staleness": 2}, {"lora.rank": 2}],
-                         ids=["plain", "staleness", "lora"])
+@pytest.mark.parametrize("overrides", [{}, {"rl.staleness": 2}, {"lora.rank": 2},
+                                       {"task.train_pool": 8, "selection.kind": "greso"}],
+                         ids=["plain", "staleness", "lora", "finite_pool"])
 def test_run_from_a_shared_warm_start_equals_one_that_trained_its_own(
     warm_start_dir, tmp_path, overrides):
   own = launcher.run(_config(tmp_path / "own", **overrides))
@@ -42,8 +43,9 @@ def test_run_from_a_shared_warm_start_equals_one_that_trained_its_own(
                                 **{"warm_start.init_from": warm_start_dir}))
   assert _records(tmp_path / "shared") == _records(tmp_path / "own")
   clock_free = lambda s: {k: v for k, v in s.items()
-                          if k not in ("wall_time_s", "time_s", "rollout_time_s",
-                                       "warm_start_from") and not k.endswith("_per_s")}
+                          if k not in ("wall_time_s", "time_s", "rollout_time_s", "time_rl_s",
+                                       "time_rl_at_evals_s", "warm_start_from")
+                          and not k.endswith("_per_s")}
   assert clock_free(shared) == clock_free(own)
   assert shared["warm_start_from"] == os.path.abspath(warm_start_dir)
   assert len(shared["accuracy_curve"]) == 3  # warm start end, RL steps 2 and 3

@@ -101,7 +101,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl.ppo_epochs = 1                 # passes over each rollout batch (GRPO's mu)
   c.rl.num_microbatches = 1           # gradient accumulation within an update; num_minibatches
                                       # * num_microbatches divides prompts*group_size
-  c.rl.staleness = 0                  # simulated staleness k: sample with params k steps old
+  c.rl.staleness = 0                  # simulated staleness k: sample with params k optimiser
+                                      # updates old (a multiple of num_minibatches * ppo_epochs)
   c.rl.async_ = False                 # producer thread samples while the trainer trains (AReaL)
   c.rl.max_staleness = 4              # async / partial: bound on train step - oldest token version
                                       # (versions count optimiser updates, several per batch
