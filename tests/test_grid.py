@@ -16,6 +16,7 @@ import time
 import pytest
 
 from experiments import grid
+from experiments.grids import pages
 
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 _ENV = dict(os.environ, PYTHONPATH=str(_REPO))
@@ -200,10 +201,10 @@ def test_b5_page_tabulates_final_accuracy_area_and_step_metrics(tmp_path):
              _b5_result("grpo_k0", 1, [0.3, 0.7, 0.9], {"clip_fraction": 0.3}),
              _b5_result("stages_grpo_S4", 0, [0.3, 0.6], {"grad_norm": 2.0}, minibatches=4)]
   # Updates 0, 10, 20: trapezoid (0.3 + 2 * 0.5 + 0.7) / 4 = 0.5 and 0.65 for seed 1.
-  assert b5["area_under_curve"](*b5["rl_curve"](results[0])) == pytest.approx(0.5)
-  assert b5["rl_curve"](results[2])[0] == [0, 40]  # a stage step is 4 updates
+  assert pages.area_under_curve(*pages.rl_curve(results[0])) == pytest.approx(0.5)
+  assert pages.rl_curve(results[2])[0] == [0, 40]  # a stage step is 4 updates
   page = b5["render_page"](results, str(tmp_path / "b5.md"))
-  assert "3 of 84 cells finished" in page
+  assert "3 of 90 cells finished" in page
   row = next(line for line in page.splitlines() if line.startswith("| grpo_k0 |"))
   cells = [c.strip() for c in row.split("|")[1:-1]]
   assert cells[1] == "0,1" and cells[2] == "0.800 ± 0.141" and cells[4] == "0.575 ± 0.106"
@@ -229,3 +230,108 @@ def test_page_keeps_hand_written_text_around_the_generated_part(tmp_path):
   grid.write_page(str(spec_path), spec, str(tmp_path / "out"), str(page))
   text = page.read_text()
   assert "New findings" in text and text.endswith("A closing note.\n")
+
+
+def _cell_result(name, seed, curve, tokens, seconds, step_means, windows=None, **summary):
+  """A result file as experiments.grid writes it for a launcher cell: held-out accuracy at
+  evaluations 10 steps apart, the RL tokens sampled and RL seconds before each."""
+  steps = [900 + 10 * i for i in range(len(curve))]
+  return {"name": f"{name}_s{seed}", "seed": seed, "module": "experiments.train", "flags": {},
+          "commit": "abc", "summary": {
+              "final_accuracy": curve[-1], "warm_start_accuracy": curve[0],
+              "final_accuracy_stderr": 0.02, "prompts_skipped": 0,
+              "accuracy_curve": [{"step": s, "event": "eval", "accuracy": a, "stderr": 0.02,
+                                  "sampled_tokens": t} for s, a, t in zip(steps, curve, tokens)],
+              "time_rl_at_evals_s": seconds, "time_rl_s": seconds[-1],
+              "tokens": {"sampled": tokens[-1]}, "time_s": {"rollout": seconds[-1] / 2},
+              "rl_step_means": step_means,
+              "rl_step_means_between_evals": windows or [{}] * len(curve), **summary}}
+
+
+def test_pages_read_accuracy_against_tokens_and_seconds():
+  result = _cell_result("a", 0, [0.3, 0.5, 0.7], [0, 1000, 2000], [0.0, 4.0, 9.0], {})
+  assert pages.rl_curve(result, "tokens") == ([0.0, 1000.0, 2000.0], [0.3, 0.5, 0.7])
+  assert pages.rl_curve(result, "seconds")[0] == [0.0, 4.0, 9.0]
+  assert pages.first_reaching(*pages.rl_curve(result, "tokens"), 0.5) == 1000.0
+  assert pages.first_reaching(*pages.rl_curve(result, "tokens"), 0.71) is None
+  assert pages.mean_std([None, 0.5]) == "0.500"
+  with pytest.raises(ValueError, match="Unknown x axis"):
+    pages.rl_curve(result, "steps")
+
+
+def _row(page: str, name: str) -> list[str]:
+  row = next(line for line in page.splitlines() if line.startswith(f"| {name} |"))
+  return [c.strip() for c in row.split("|")[1:-1]]
+
+
+def test_b3_page_compares_trees_with_independent_sampling_per_seed(tmp_path):
+  b3 = runpy.run_path(os.path.join(_REPO, "experiments", "grids", "b3_tree.py"))
+  assert len(b3["SPEC"]["cells"]) == 12
+  results = [
+      _cell_result("independent", 0, [0.3, 0.6, 0.8], [0, 20000, 40000], [0.0, 10.0, 20.0],
+                   {"decoded_tokens": 2000.0, "rollouts": 64.0}),
+      _cell_result("entropy", 0, [0.3, 0.8, 0.8], [0, 12000, 24000], [0.0, 8.0, 16.0],
+                   {"decoded_tokens_per_leaf": 18.75})]
+  page = b3["render_page"](results, str(tmp_path / "b3.md"))
+  independent, entropy = _row(page, "independent"), _row(page, "entropy")
+  assert independent[3] == "31.2" and entropy[3] == "18.8"  # 2000 / 64 decoded per leaf
+  assert entropy[4] == "0.60"                               # 18.75 / 31.25
+  assert entropy[6] == "12k" and independent[6] == "40k"    # first eval reaching 0.8
+  assert (tmp_path / "b3.png").exists()
+
+
+def test_b4_page_counts_sequences_per_decode_step_and_seconds_to_sync(tmp_path):
+  b4 = runpy.run_path(os.path.join(_REPO, "experiments", "grids", "b4_partial_async.py"))
+  assert len(b4["SPEC"]["cells"]) == 15
+  results = [
+      _cell_result("sync", 1, [0.3, 0.6, 0.8], [0, 1, 2], [0.0, 50.0, 100.0],
+                   {"rollouts": 64.0, "decode_steps": 100.0}),
+      _cell_result("partial_kept_kv", 1, [0.3, 0.8, 0.8], [0, 1, 2], [0.0, 40.0, 80.0],
+                   {"rollouts": 64.0, "decode_steps": 40.0, "staleness": 1.5})]
+  page = b4["render_page"](results, str(tmp_path / "b4.md"))
+  sync, partial = _row(page, "sync"), _row(page, "partial_kept_kv")
+  assert sync[4] == "0.640" and partial[4] == "1.600" and partial[5] == "2.50"
+  assert sync[8] == "100" and partial[8] == "40" and partial[9] == "1.50"
+
+
+def test_b6_page_measures_tokens_to_half_of_uniforms_gain(tmp_path):
+  b6 = runpy.run_path(os.path.join(_REPO, "experiments", "grids", "b6_selection.py"))
+  assert len(b6["SPEC"]["cells"]) == 12
+  assert {c["flags"]["config.task.train_pool"] for c in b6["SPEC"]["cells"]} == {256}
+  windows = lambda shares: [{}] + [{"informative_groups": 1.0 - s} for s in shares]
+  results = [
+      _cell_result("uniform", 2, [0.3, 0.4, 0.55, 0.7], [0, 3000, 6000, 9000],
+                   [0.0, 1.0, 2.0, 3.0], {}, windows([0.5, 0.6, 0.7])),
+      _cell_result("greso", 2, [0.3, 0.5, 0.6, 0.7], [0, 2000, 4000, 6000],
+                   [0.0, 1.0, 2.0, 3.0], {}, windows([0.5, 0.3, 0.2]), prompts_skipped=40)]
+  assert b6["target"](results[0]) == pytest.approx(0.5)  # 0.3 + (0.7 - 0.3) / 2
+  page = b6["render_page"](results, str(tmp_path / "b6.md"))
+  uniform, greso = _row(page, "uniform"), _row(page, "greso")
+  assert uniform[2] == "1/1" and uniform[3] == "6.0k" and greso[3] == "2.0k"
+  assert greso[4] == "3.00x"                                   # 6000 / 2000 tokens
+  assert greso[7] == "0.50 -> 0.20" and greso[8] == "40"
+  assert (tmp_path / "b6_zero_variance.png").exists()
+
+
+@pytest.mark.parametrize("spec", ["b3_tree", "b4_partial_async", "b5_staleness", "b6_selection",
+                                  "warm_starts"])
+def test_every_benchmark_cell_is_a_valid_launcher_config(spec):
+  """Each cell's flags name real fields with accepted values on the default config (the
+  shared warm start's folder aside: it exists only once warm_starts.py has run)."""
+  from experiments import train as launcher  # pylint: disable=import-outside-toplevel
+  from experiments.configs import default  # pylint: disable=import-outside-toplevel
+  entries = runpy.run_path(os.path.join(_REPO, "experiments", "grids", f"{spec}.py"))["SPEC"]
+  assert entries["cells"]
+  for cell in entries["cells"]:
+    config = default.get_config()
+    for path, value in cell["flags"].items():
+      if path == "config.warm_start.init_from":
+        assert "{seed}" in value  # each seed starts from its own warm start
+        continue
+      *parents, leaf = path.removeprefix("config.").split(".")
+      node = config
+      for name in parents:
+        node = node[name]
+      assert leaf in node, (cell["name"], path)
+      node[leaf] = value
+    launcher.validate(config)

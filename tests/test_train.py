@@ -151,7 +151,7 @@ def test_loglinear_prox_over_minibatches_keeps_fresh_tokens_at_behav():
 
 def test_decoupled_equals_grpo_on_policy_over_minibatches():
   """On-policy (behav = the starting policy) decoupled PPO's proximal policy is behav, so
-  over several updates per batch it is still PPO (bench_staleness shares its k = 0 cell)."""
+  over several updates per batch it is still PPO."""
   params = transformer.init_params(CONFIG, jax.random.PRNGKey(5))
   optimizer = train.make_optimizer(5e-2)
   batch = random_rollout(seed=6, batch=8)

@@ -15,6 +15,10 @@ optimiser update each; held-out greedy accuracy every 10 steps):
   (120 updates, 960 prompts as in the per-step run) and 8 stages of 16 (128 updates, 1024
   prompts: 120 is not a multiple of 16). Mu-GRPO's claim is about equal updates: compare
   each against the other objective at the same S and against k = 0.
+- `<objective>_U4_k32` (a follow-up, after the grid's first seed): grpo and decoupled at
+  k = 32 with 4 updates per batch (30 steps of 32 prompts, rl.num_minibatches = 4): decoupled
+  PPO clips against the policy at the start of a batch's updates, which with one update
+  per batch is the current policy, so only U > 1 lets its clip act.
 
 Cells run seed by seed (all of seed 0 first), so a grid stopped midway has whole seeds.
 `render_page` writes the page's tables and figure from the committed results:
@@ -25,7 +29,7 @@ Cells run seed by seed (all of seed 0 first), so a grid stopped midway has whole
 
 import os
 
-import numpy as np
+from experiments.grids import pages
 
 SEEDS = (0, 1, 2)
 OBJECTIVES = ("grpo", "m2po", "sat", "decoupled", "mu_grpo", "vcpo")
@@ -55,7 +59,20 @@ def _cells(seed: int) -> list[dict]:
   return cells
 
 
-SPEC = {"cells": [cell for seed in SEEDS for cell in _cells(seed)]}
+def _stale_stage_cells(seed: int) -> list[dict]:
+  """Decoupled PPO clips against the policy at the start of the batch's updates, so with
+  one update per batch its clip never acts; these cells give it (and GRPO, for reference)
+  U = 4 updates per batch at k = 32, the setting where it collapsed with U = 1."""
+  return [_entry(f"{objective}_U4_k32", seed, {
+      "config.loss.name": objective, "config.rl.num_minibatches": 4,
+      "config.rollout.prompts_per_step": 32, "config.rl.steps": 30, "config.rl.staleness": 32,
+      "config.eval.every": EVAL_EVERY_UPDATES // 4}) for objective in ("grpo", "decoupled")]
+
+
+# The main grid seed by seed, then the follow-up on decoupled PPO's clip (added after the
+# first seed showed decoupled PPO collapsing at k >= 32 with one update per batch).
+SPEC = {"cells": [cell for seed in SEEDS for cell in _cells(seed)]
+                 + [cell for seed in SEEDS for cell in _stale_stage_cells(seed)]}
 
 
 # --- The page (python -m experiments.grid ... --render --page=docs/benchmarks_staleness.md) ---
@@ -68,93 +85,37 @@ STEP_METRICS = (("clip_fraction", "clip"), ("masked_fraction", "mask"),
                 ("grad_norm", "grad norm"))
 
 
-def rl_curve(result: dict) -> tuple[list[int], list[float]]:
-  """(optimiser updates since the warm start, held-out accuracy) of a cell's evaluations,
-  the warm start's first. Stage cells take rl.num_minibatches updates per RL step."""
-  curve = result["summary"]["accuracy_curve"]
-  start = curve[0]["step"]
-  updates = int(result["flags"].get("config.rl.num_minibatches", 1))
-  return [(e["step"] - start) * updates for e in curve], [e["accuracy"] for e in curve]
-
-
-def area_under_curve(updates: list[int], accuracy: list[float]) -> float:
-  """Mean held-out accuracy over the RL phase: the trapezoid area under accuracy against
-  optimiser updates, divided by the updates (a curve that rises early scores higher)."""
-  if updates[-1] == 0:
-    return accuracy[0]
-  return float(np.trapezoid(accuracy, updates) / updates[-1])
-
-
-def _setting(result: dict) -> str:
-  return result["name"].rsplit("_s", 1)[0]
-
-
-def _stats(values: list[float]) -> str:
-  if not values:
-    return "-"
-  if len(values) == 1:
-    return f"{values[0]:.3f}"
-  return f"{np.mean(values):.3f} ± {np.std(values, ddof=1):.3f}"
-
-
 def _row(name: str, group: list[dict]) -> str:
   finals = [r["summary"]["final_accuracy"] for r in group]
-  areas = [area_under_curve(*rl_curve(r)) for r in group]
+  areas = [pages.area_under_curve(*pages.rl_curve(r)) for r in group]
   gains = [r["summary"]["final_accuracy"] - r["summary"]["warm_start_accuracy"] for r in group]
   means = [r["summary"]["rl_step_means"] for r in group]
-  steps = [_stats([m[key] for m in means if key in m]) for key, _ in STEP_METRICS]
+  steps = [pages.mean_std([m[key] for m in means if key in m]) for key, _ in STEP_METRICS]
   seeds = ",".join(str(r["seed"]) for r in group)
-  return (f"| {name} | {seeds} | {_stats(finals)} | {_stats(gains)} | {_stats(areas)} | "
-          + " | ".join(steps) + " |")
+  return (f"| {name} | {seeds} | {pages.mean_std(finals)} | {pages.mean_std(gains)} | "
+          f"{pages.mean_std(areas)} | " + " | ".join(steps) + " |")
 
 
 def _plot(groups: dict[str, list[dict]], path: str) -> None:
   """Accuracy against updates: one panel per staleness k (the objectives' mean over seeds,
   a band from the lowest to the highest seed) and one for the stage schedules."""
-  import matplotlib  # pylint: disable=import-outside-toplevel  (only when rendering)
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  panels = [(f"k = {k}", [f"{o}_k{k}" for o in OBJECTIVES]) for k in STALENESS]
-  panels.append(("stages", ["grpo_k0"] + [f"stages_{o}_S{s}" for s in STAGES
-                                          for o in ("grpo", "mu_grpo")]))
-  fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), sharey=True)
-  for ax, (title, names) in zip(axes, panels):
-    for name in names:
-      curves = [rl_curve(r) for r in groups.get(name, [])]
-      if not curves:
-        continue
-      length = min(len(u) for u, _ in curves)
-      x = curves[0][0][:length]
-      ys = np.array([a[:length] for _, a in curves])
-      label = name.rsplit("_k", 1)[0] if title.startswith("k") else name
-      line, = ax.plot(x, ys.mean(0), label=label, lw=1.4)
-      ax.fill_between(x, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.15, lw=0)
-    ax.set_title(title, fontsize=10)
-    ax.set_xlabel("optimiser updates")
-    ax.legend(fontsize=7)
-  axes[0].set_ylabel("held-out greedy accuracy")
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
+  panels = [(f"k = {k}", "updates", {o: groups.get(f"{o}_k{k}", []) for o in OBJECTIVES})
+            for k in STALENESS]
+  stage_names = ["grpo_k0"] + [f"stages_{o}_S{s}" for s in STAGES for o in ("grpo", "mu_grpo")]
+  panels.append(("stages", "updates", {n: groups.get(n, []) for n in stage_names}))
+  pages.plot_panels(panels, path)
 
 
 def render_page(results: list[dict], page_path: str) -> str:
   """B5's tables and figure from the finished cells' results (experiments.grid)."""
-  groups: dict[str, list[dict]] = {}
-  for result in results:
-    groups.setdefault(_setting(result), []).append(result)
-  total = len(SPEC["cells"])
-  commits = sorted({r.get("commit", "unknown") for r in results})
-  loads = [r["load_average"][0] for r in results if "load_average" in r]
+  groups = pages.by_setting(results)
   header = ("| cell | seeds | final accuracy | gain over warm start | area under curve | "
             + " | ".join(label for _, label in STEP_METRICS) + " |\n|"
             + "---|" * (5 + len(STEP_METRICS)))
-  lines = [f"{len(results)} of {total} cells finished; mean ± sample std over the seeds "
-           "listed. Final accuracy: held-out greedy exact match (500 problems) after the RL "
-           "phase; area under curve: mean accuracy over the RL phase (trapezoid against "
-           "optimiser updates, warm start included); step columns: means over the RL steps.",
-           "", f"Commits: {', '.join(commits) or '-'}. Load average (1 min) when cells "
-           f"finished: {min(loads):.1f}-{max(loads):.1f}." if loads else "", "",
+  lines = [pages.provenance(results, len(SPEC["cells"])), "",
+           "Final accuracy: held-out greedy exact match (500 problems) after the RL phase; "
+           "area under curve: mean accuracy over the RL phase (trapezoid against optimiser "
+           "updates, warm start included); step columns: means over the RL steps.", "",
            "### Staleness k x objective", "", header]
   for k in STALENESS:
     for objective in OBJECTIVES:
@@ -165,6 +126,12 @@ def render_page(results: list[dict], page_path: str) -> str:
   for name in ["grpo_k0"] + [f"stages_{o}_S{s}" for s in STAGES for o in ("grpo", "mu_grpo")]:
     if name in groups:
       lines.append(_row(name, groups[name]))
+  follow_up = [f"{o}_U4_k32" for o in ("grpo", "decoupled")]
+  if any(name in groups for name in follow_up):
+    lines += ["", "### Four updates per batch at k = 32 (decoupled PPO's clip acting)", "",
+              header]
+    lines += [_row(name, groups[name]) for name in ["grpo_k32", "decoupled_k32"] + follow_up
+              if name in groups]
   figure = os.path.splitext(page_path)[0] + ".png"
   if results:
     _plot(groups, figure)
