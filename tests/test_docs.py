@@ -114,8 +114,9 @@ def test_add_objective_recipe(recipe_folder):
 
 def test_math_page_example(recipe_folder):
   files = write_blocks("math.md", recipe_folder)
-  assert list(files) == ["check_gsm.py"]
+  assert list(files) == ["check_gsm.py", "prompt_lengths.py"]
   runpy.run_path(str(files["check_gsm.py"]))  # its asserts are the check
+  runpy.run_path(str(files["prompt_lengths.py"]))  # the config's prompt_len fits every prompt
 
 
 def test_add_task_recipe(recipe_folder):
