@@ -4,9 +4,9 @@
 
 reasoning-gym's chain_sum with 2-3 terms of 1-2 digits in the compact prompt style ("4-1="):
 answers are ~3 tokens, so it is fast and every code path runs on it, but GRPO gains only
-~+9 points over its warm start (docs/benchmarks.md). The end-to-end tests and the B3-B6
-benchmark pages ran on it; it keeps their numbers reproducible. Every field not set here is
-the default's (experiments/configs/default.py).
+~+9 points over its warm start. The end-to-end tests run on it (shrunk), and the earlier
+B3, B5 and B6 measurements in docs/benchmarks_history.md ran on it. Every field not set
+here is the default's (experiments/configs/default.py).
 """
 
 import ml_collections
