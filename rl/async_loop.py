@@ -122,10 +122,13 @@ def run_async(state: LoopState, ctx: LoopContext, produce: Producer, num_steps: 
   producer stopped, and a checkpoint of it resumes exactly. `on_step(state, metrics)` is
   called after each step (logging, progress) from the trainer thread.
 
-  Each step's time_step_s is the trainer thread's time since the previous step ended
-  (waiting for the batch, training, publishing; `on_step` excluded). The batch's
-  time_sample_s / time_score_s were spent by the producer thread, overlapping earlier
-  train steps, so here they need not sum to less than time_step_s.
+  Each step's time_step_s is the trainer thread's time from the previous step's end (just
+  before it published its parameters) to this step's end: publishing the previous
+  parameters, the previous step's `on_step`, waiting for the batch and training. Steps
+  tile the trainer's time with no gap. The batch's time_sample_s / time_score_s were spent
+  by the producer thread, overlapping earlier train steps when it runs ahead, so they need
+  not sum to less than time_step_s; with max_staleness = 0 they do (the producer samples
+  only after the previous step's end).
   """
   if max_staleness < 0:
     raise ValueError(f"max_staleness={max_staleness} must be >= 0 (config.rl.max_staleness).")
@@ -158,7 +161,7 @@ def run_async(state: LoopState, ctx: LoopContext, produce: Producer, num_steps: 
       batches.put(error)
 
   thread = threading.Thread(target=producer, name="arbor-producer", daemon=True)
-  step_started = time.perf_counter()
+  step_started = time.perf_counter()  # the producer starts after this
   thread.start()
   history = []
   try:
@@ -177,14 +180,17 @@ def run_async(state: LoopState, ctx: LoopContext, produce: Producer, num_steps: 
         raise ValueError(f"run_async(updates_per_batch={updates_per_batch}), but the train "
                          f"step took {updates} optimiser updates; pass config.rl."
                          "num_minibatches * ppo_epochs, or None to learn it.")
+      # The step ends just before its parameters are published: the producer can use them
+      # only after that, so a batch it samples from them falls inside the next step's time.
+      step_ended = time.perf_counter()
       channel.publish(Published(_detached(publish(train.policy_params()), train),
                                 int(train.step), i + 1, updates))
       state = state.replace(train=train, iteration=state.iteration + 1)
-      metrics["time_step_s"] = time.perf_counter() - step_started
+      metrics["time_step_s"] = step_ended - step_started
       history.append(metrics)
       if on_step is not None:
         on_step(state, metrics)
-      step_started = time.perf_counter()
+      step_started = step_ended
     item = batches.get()
     if isinstance(item, BaseException):
       raise item
