@@ -271,12 +271,13 @@ def test_b3_page_compares_trees_with_independent_sampling_per_seed(tmp_path):
       _cell_result("independent", 0, [0.3, 0.6, 0.8], [0, 20000, 40000], [0.0, 10.0, 20.0],
                    {"decoded_tokens": 2000.0, "rollouts": 64.0}),
       _cell_result("entropy", 0, [0.3, 0.8, 0.8], [0, 12000, 24000], [0.0, 8.0, 16.0],
-                   {"decoded_tokens_per_leaf": 18.75})]
+                   {"decoded_tokens_per_leaf": 18.75, "leaves": 52.0})]
   page = b3["render_page"](results, str(tmp_path / "b3.md"))
   independent, entropy = _row(page, "independent"), _row(page, "entropy")
-  assert independent[3] == "31.2" and entropy[3] == "18.8"  # 2000 / 64 decoded per leaf
-  assert entropy[4] == "0.60"                               # 18.75 / 31.25
-  assert entropy[6] == "12k" and independent[6] == "40k"    # first eval reaching 0.8
+  assert independent[3] == "8.0" and entropy[3] == "6.5"    # 64 and 52 rows of 8 prompts
+  assert independent[4] == "31.2" and entropy[4] == "18.8"  # 2000 / 64 decoded per leaf
+  assert entropy[5] == "0.60"                               # 18.75 / 31.25
+  assert entropy[7] == "12k" and independent[7] == "40k"    # first eval reaching 0.8
   assert (tmp_path / "b3.png").exists()
 
 
