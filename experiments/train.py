@@ -784,8 +784,13 @@ class _Run:
       raise ValueError(f"{source} checkpoint {step} is not the end of a warm start (phase "
                        f"{meta['phase']!r}, iteration {meta['iteration']}).")
     trained = tree["train"]["frozen"] or tree["train"]["params"]
-    params = jax.tree.map(lambda like, value: jax.numpy.asarray(value, like.dtype),
-                          self.state.train.params, trained)
+    # Each host array goes where this run's parameters live: one device, or with a mesh
+    # the trainer's sharding (every process giving its own shards).
+    params = jax.tree.map(
+        lambda like, value: jax.make_array_from_callback(
+            like.shape, like.sharding,
+            lambda index: jax.numpy.asarray(value, like.dtype)[index]),
+        self.state.train.params, trained)
     rng = jax.numpy.asarray(tree["rng"])
     if self.mesh is not None:
       rng = multihost.replicate(rng, self.mesh)

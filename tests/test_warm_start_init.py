@@ -4,6 +4,7 @@ run's finished warm start exactly as if it had trained that warm start itself.""
 import json
 import os
 
+import numpy as np
 import pytest
 
 from experiments import train as launcher
@@ -65,6 +66,19 @@ def test_a_stopped_run_from_a_shared_warm_start_resumes_from_its_own_checkpoint(
   steps = lambda workdir: [r for r in _records(workdir) if "loss" in r]
   assert steps(tmp_path / "parts") == steps(tmp_path / "whole")
   assert parts["final_accuracy"] == whole["final_accuracy"]
+
+
+def test_a_run_on_a_mesh_starts_from_a_single_device_warm_start(warm_start_dir, tmp_path):
+  """The restored warm-start weights are placed in the mesh's sharding (data 2 x fsdp 4 on
+  8 devices) and train as the single-device run from the same warm start does."""
+  single = launcher.run(_config(tmp_path / "one", **{"warm_start.init_from": warm_start_dir}))
+  sharded = launcher.run(_config(tmp_path / "mesh", **{"warm_start.init_from": warm_start_dir,
+                                                       "mesh.data": 2, "mesh.fsdp": -1}))
+  assert sharded["warm_start_accuracy"] == single["warm_start_accuracy"]  # copied records
+  losses = lambda workdir: [r["loss"] for r in _records(workdir)
+                            if r["phase"] == "rl" and "loss" in r]
+  np.testing.assert_allclose(losses(tmp_path / "mesh"), losses(tmp_path / "one"),
+                             rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("field, value", [
