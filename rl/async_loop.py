@@ -154,7 +154,7 @@ def run_async(state: LoopState, ctx: LoopContext, produce: Producer, num_steps: 
                                       expected_step(newest, i, updates), sample_rng, cursor,
                                       selection)
         cursor, selection = produced.cursor, produced.selection
-        produced.metrics.update(sampled_version=newest.version, producer_wait_s=waited)
+        produced.metrics.update(sampled_version=newest.version, time_producer_wait_s=waited)
         batches.put(produced)
       batches.put((rng, cursor, selection))
     except BaseException as error:  # handed to the trainer thread, which re-raises it
