@@ -2,8 +2,8 @@
 records, then check that another tree reproduces them bit for bit.
 
     git worktree add /tmp/before <the commit before the change>
-    (cd /tmp/before && python -m experiments.golden --out=/tmp/golden_before)
-    python -m experiments.golden --out=/tmp/golden_after
+    (cd /tmp/before && python -m experiments.golden --record=/tmp/golden_before)
+    python -m experiments.golden --record=/tmp/golden_after
     python -m experiments.golden --compare=/tmp/golden_before,/tmp/golden_after
 
 Each cell is one `python -m experiments.train` process (so that the mesh cell gets its own
@@ -30,7 +30,8 @@ import sys
 from absl import app
 from absl import flags
 
-_OUT = flags.DEFINE_string("out", "", "Record the goldens into this folder.")
+# Flag names no other experiments module defines: tests import several into one process.
+_RECORD = flags.DEFINE_string("record", "", "Record the goldens into this folder.")
 _COMPARE = flags.DEFINE_list("compare", [], "Two golden folders to compare.")
 _CELLS = flags.DEFINE_list("cells", [], "Record only these cells (default: all).")
 
@@ -152,12 +153,12 @@ def main(argv):
     problems = compare(*_COMPARE.value)
     print("\n".join(problems) or "identical")
     sys.exit(1 if problems else 0)
-  if not _OUT.value:
-    raise app.UsageError("Give --out=<folder> to record, or --compare=<before>,<after>.")
+  if not _RECORD.value:
+    raise app.UsageError("Give --record=<folder>, or --compare=<before>,<after>.")
   unknown = sorted(set(_CELLS.value) - set(CELLS))
   if unknown:
     raise app.UsageError(f"Unknown cells {unknown}; known: {sorted(CELLS)}.")
-  record(_OUT.value, _CELLS.value or list(CELLS))
+  record(_RECORD.value, _CELLS.value or list(CELLS))
 
 
 if __name__ == "__main__":

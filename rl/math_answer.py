@@ -39,9 +39,11 @@ from __future__ import annotations
 
 import dataclasses
 import fractions
+import functools
 import logging
 import re
 import signal
+import sys
 import threading
 
 from math_verify import LatexExtractionConfig, parse, verify
@@ -219,6 +221,8 @@ def _within(seconds: float, function, *args):
   if threading.current_thread() is not threading.main_thread():
     return function(*args)
   previous = signal.signal(signal.SIGALRM, _expire)
+  previous_hook = sys.unraisablehook
+  sys.unraisablehook = functools.partial(_ignore_expired, previous_hook)
   try:
     try:
       signal.setitimer(signal.ITIMER_REAL, seconds, _REPEAT_S)
@@ -229,6 +233,15 @@ def _within(seconds: float, function, *args):
     raise TimeoutError(f"math-verify took more than {seconds} s on one answer") from None
   finally:
     signal.signal(signal.SIGALRM, previous)
+    sys.unraisablehook = previous_hook
+
+
+def _ignore_expired(hook, unraisable) -> None:
+  """sys.unraisablehook while `_within` runs: an alarm that Python swallowed (in a gc
+  callback or a __del__) is expected, and repeats; it is not reported. Reporting it (as
+  pytest's hook does) could itself be cut by the next alarm."""
+  if not isinstance(unraisable.exc_value, _Expired):
+    hook(unraisable)
 
 
 def equivalent(answer: Answer, gold: str) -> bool:

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from experiments import golden
+from experiments import grid  # pylint: disable=unused-import  (one process: no flag clash)
 from experiments import train as launcher
 from experiments.configs import default
 
