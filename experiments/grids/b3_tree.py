@@ -30,6 +30,7 @@ tree policies' own estimator; the independent cells use GRPO's group advantage.
 
 import os
 
+from experiments.configs import default
 from experiments.grids import pages
 
 SEEDS = (0, 1, 2)
@@ -68,7 +69,9 @@ def leaves_per_prompt(result: dict) -> float:
   """Sequences trained on per prompt (a tree's leaves; independent sampling's group)."""
   means = result["summary"]["rl_step_means"]
   rows = means.get("leaves", means.get("rollouts"))
-  return rows / int(result["flags"].get("config.rollout.prompts_per_step", 8))
+  prompts = result["flags"].get("config.rollout.prompts_per_step",
+                                default.get_config().rollout.prompts_per_step)
+  return rows / int(prompts)
 
 
 def tokens_per_leaf(result: dict) -> float:
@@ -98,15 +101,15 @@ def _row(name: str, group: list[dict], groups: dict[str, list[dict]]) -> str:
   ratio = [tokens_per_leaf(r) / independent[r["seed"]] for r in group
            if r["seed"] in independent]
   reached = [_tokens_to_target(r, groups) for r in group]
-  reached_text = ", ".join("-" if t is None else f"{t / 1e3:.0f}k" for t in reached)
-  return (f"| {name} | {','.join(str(r['seed']) for r in group)} | "
-          f"{pages.mean_std([x['final_accuracy'] for x in s])} | "
-          f"{pages.mean_std([leaves_per_prompt(r) for r in group], 1)} | "
-          f"{pages.mean_std([tokens_per_leaf(r) for r in group], 1)} | "
-          f"{pages.mean_std(ratio, 2)} | "
-          f"{pages.mean_std([x['tokens']['sampled'] / 1e3 for x in s], 0)}k | "
-          f"{reached_text} | {pages.mean_std([x['time_rl_s'] for x in s], 0)} | "
-          f"{pages.mean_std([x['time_s']['rollout'] for x in s], 0)} |")
+  return pages.table_row(name, group, [
+      pages.mean_std([x["final_accuracy"] for x in s]),
+      pages.mean_std([leaves_per_prompt(r) for r in group], 1),
+      pages.mean_std([tokens_per_leaf(r) for r in group], 1),
+      pages.mean_std(ratio, 2),
+      pages.mean_std([x["tokens"]["sampled"] / 1e3 for x in s], 0) + "k",
+      pages.per_seed(reached, lambda t: f"{t / 1e3:.0f}k"),
+      pages.mean_std([x["time_rl_s"] for x in s], 0),
+      pages.mean_std([x["time_s"]["rollout"] for x in s], 0)])
 
 
 def render_page(results: list[dict], page_path: str) -> str:
@@ -118,9 +121,9 @@ def render_page(results: list[dict], page_path: str) -> str:
            "target: RL tokens sampled before the first evaluation at or above independent "
            "sampling's final accuracy in the same seed (per seed; - = never reached); RL "
            "seconds: wall time of the RL steps, and of their rollouts.", "",
-           "| method | seeds | final accuracy | leaves per prompt | tokens per leaf | vs "
-           "independent | RL tokens sampled | tokens to target (per seed) | RL s | rollout s |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           pages.table_head(["method", "seeds", "final accuracy", "leaves per prompt",
+                             "tokens per leaf", "vs independent", "RL tokens sampled",
+                             "tokens to target (per seed)", "RL s", "rollout s"])]
   lines += [_row(name, groups[name], groups) for name in METHODS if name in groups]
   figure = os.path.splitext(page_path)[0] + ".png"
   if results:

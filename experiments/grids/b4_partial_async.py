@@ -55,19 +55,19 @@ def _row(name: str, group: list[dict], groups: dict[str, list[dict]]) -> str:
   sync = {r["seed"]: r for r in groups.get("sync", [])}
   speed = [sequences_per_decode_step(r) / sequences_per_decode_step(sync[r["seed"]])
            for r in group if r["seed"] in sync]
-  # Wall time to the synchronous run's final accuracy (same seed), and its ratio.
+  # Wall time to the synchronous run's final accuracy in the same seed.
   to_target = [_seconds_to(r, sync[r["seed"]]["summary"]["final_accuracy"])
                if r["seed"] in sync else None for r in group]
-  to_target_text = ", ".join("-" if t is None else f"{t:.0f}" for t in to_target)
   staleness = [r["summary"]["rl_step_means"].get("staleness", 0.0) for r in group]
-  return (f"| {name} | {','.join(str(r['seed']) for r in group)} | "
-          f"{pages.mean_std([x['final_accuracy'] for x in s])} | "
-          f"{pages.mean_std([x['final_accuracy_stderr'] for x in s])} | "
-          f"{pages.mean_std([sequences_per_decode_step(r) for r in group], 3)} | "
-          f"{pages.mean_std(speed, 2)} | "
-          f"{pages.mean_std([x['tokens']['sampled'] / 1e3 for x in s], 0)}k | "
-          f"{pages.mean_std([x['time_rl_s'] for x in s], 0)} | {to_target_text} | "
-          f"{pages.mean_std(staleness, 2)} |")
+  return pages.table_row(name, group, [
+      pages.mean_std([x["final_accuracy"] for x in s]),
+      pages.mean_std([x["final_accuracy_stderr"] for x in s]),
+      pages.mean_std([sequences_per_decode_step(r) for r in group], 3),
+      pages.mean_std(speed, 2),
+      pages.mean_std([x["tokens"]["sampled"] / 1e3 for x in s], 0) + "k",
+      pages.mean_std([x["time_rl_s"] for x in s], 0),
+      pages.per_seed(to_target, lambda t: f"{t:.0f}"),
+      pages.mean_std(staleness, 2)])
 
 
 def render_page(results: list[dict], page_path: str) -> str:
@@ -81,9 +81,9 @@ def render_page(results: list[dict], page_path: str) -> str:
            "synchronous run's final accuracy in the same seed (per seed; - = never); "
            "staleness: mean updates between a token's sampling parameters and the update "
            "that trains on it.", "",
-           "| setting | seeds | final accuracy | its stderr | sequences per decode step | "
-           "vs sync | RL tokens sampled | RL s | s to sync's final (per seed) | staleness |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           pages.table_head(["setting", "seeds", "final accuracy", "its stderr",
+                             "sequences per decode step", "vs sync", "RL tokens sampled",
+                             "RL s", "s to sync's final (per seed)", "staleness"])]
   lines += [_row(name, groups[name], groups) for name in SETTINGS if name in groups]
   figure = os.path.splitext(page_path)[0] + ".png"
   if results:

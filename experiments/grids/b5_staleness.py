@@ -91,9 +91,8 @@ def _row(name: str, group: list[dict]) -> str:
   gains = [r["summary"]["final_accuracy"] - r["summary"]["warm_start_accuracy"] for r in group]
   means = [r["summary"]["rl_step_means"] for r in group]
   steps = [pages.mean_std([m[key] for m in means if key in m]) for key, _ in STEP_METRICS]
-  seeds = ",".join(str(r["seed"]) for r in group)
-  return (f"| {name} | {seeds} | {pages.mean_std(finals)} | {pages.mean_std(gains)} | "
-          f"{pages.mean_std(areas)} | " + " | ".join(steps) + " |")
+  return pages.table_row(name, group, [pages.mean_std(finals), pages.mean_std(gains),
+                                       pages.mean_std(areas), *steps])
 
 
 def _plot(groups: dict[str, list[dict]], path: str) -> None:
@@ -109,9 +108,8 @@ def _plot(groups: dict[str, list[dict]], path: str) -> None:
 def render_page(results: list[dict], page_path: str) -> str:
   """B5's tables and figure from the finished cells' results (experiments.grid)."""
   groups = pages.by_setting(results)
-  header = ("| cell | seeds | final accuracy | gain over warm start | area under curve | "
-            + " | ".join(label for _, label in STEP_METRICS) + " |\n|"
-            + "---|" * (5 + len(STEP_METRICS)))
+  header = pages.table_head(["cell", "seeds", "final accuracy", "gain over warm start",
+                             "area under curve", *(label for _, label in STEP_METRICS)])
   lines = [pages.provenance(results, len(SPEC["cells"])), "",
            "Final accuracy: held-out greedy exact match (500 problems) after the RL phase; "
            "area under curve: mean accuracy over the RL phase (trapezoid against optimiser "

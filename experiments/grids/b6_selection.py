@@ -49,10 +49,14 @@ def target(uniform: dict) -> float:
                                                     - s["warm_start_accuracy"])
 
 
-def zero_variance_share(result: dict) -> list[float | None]:
-  """Per evaluation window, the share of rolled-out groups whose rewards were all equal."""
-  return [None if not w else 1.0 - w["informative_groups"]
-          for w in result["summary"]["rl_step_means_between_evals"][1:]]
+def zero_variance_share(result: dict) -> tuple[list[int], list[float | None]]:
+  """(RL steps at each evaluation after the warm start's, the share of rolled-out groups
+  whose rewards were all equal over the steps since the previous evaluation)."""
+  summary = result["summary"]
+  curve = summary["accuracy_curve"]
+  steps = [e["step"] - curve[0]["step"] for e in curve[1:]]
+  return steps, [None if not w else 1.0 - w["informative_groups"]
+                 for w in summary["rl_step_means_between_evals"][1:]]
 
 
 def _row(name: str, group: list[dict], uniform: dict[int, dict]) -> str:
@@ -63,18 +67,18 @@ def _row(name: str, group: list[dict], uniform: dict[int, dict]) -> str:
                                target(uniform[r["seed"]])) if r["seed"] in uniform else None
           for r in group]
   speedup = [b / t for b, t in zip(base, tokens) if b and t]
-  tokens_text = ", ".join("-" if t is None else f"{t / 1e3:.1f}k" for t in tokens)
-  shares = [zero_variance_share(r) for r in group]
+  shares = [zero_variance_share(r)[1] for r in group]
   first = [x[0] for x in shares if x and x[0] is not None]
   last = [x[-1] for x in shares if x and x[-1] is not None]
-  return (f"| {name} | {','.join(str(r['seed']) for r in group)} | "
-          f"{sum(t is not None for t in tokens)}/{len(group)} | {tokens_text} | "
-          f"{', '.join(f'{x:.2f}x' for x in speedup) or '-'} | "
-          f"{pages.mean_std([x['final_accuracy'] for x in s])} | "
-          f"{pages.mean_std([x['tokens']['sampled'] / 1e3 for x in s], 0)}k | "
-          f"{pages.mean_std(first, 2)} -> {pages.mean_std(last, 2)} | "
-          f"{pages.mean_std([x['prompts_skipped'] for x in s], 0)} | "
-          f"{pages.mean_std([x['time_rl_s'] for x in s], 0)} |")
+  return pages.table_row(name, group, [
+      f"{sum(t is not None for t in tokens)}/{len(group)}",
+      pages.per_seed(tokens, lambda t: f"{t / 1e3:.1f}k"),
+      pages.per_seed(speedup, lambda x: f"{x:.2f}x") or "-",
+      pages.mean_std([x["final_accuracy"] for x in s]),
+      pages.mean_std([x["tokens"]["sampled"] / 1e3 for x in s], 0) + "k",
+      f"{pages.mean_std(first, 2)} -> {pages.mean_std(last, 2)}",
+      pages.mean_std([x["prompts_skipped"] for x in s], 0),
+      pages.mean_std([x["time_rl_s"] for x in s], 0)])
 
 
 def _plot_zero_variance(groups: dict[str, list[dict]], path: str) -> None:
@@ -84,12 +88,12 @@ def _plot_zero_variance(groups: dict[str, list[dict]], path: str) -> None:
   fig, ax = plt.subplots(figsize=(4.6, 3.4))
   for name in METHODS:
     curves = [zero_variance_share(r) for r in groups.get(name, [])]
-    curves = [c for c in curves if c and None not in c]
+    curves = [c for c in curves if c[1] and None not in c[1]]
     if curves:
-      length = min(map(len, curves))
-      ax.plot(np.arange(1, length + 1) * 10, np.mean([c[:length] for c in curves], 0),
+      length = min(len(shares) for _, shares in curves)
+      ax.plot(curves[0][0][:length], np.mean([shares[:length] for _, shares in curves], 0),
               label=name)
-  ax.set_xlabel("RL step")
+  ax.set_xlabel("RL steps")
   ax.set_ylabel("share of rolled-out groups all-equal")
   ax.legend(fontsize=7)
   fig.tight_layout()
@@ -106,11 +110,12 @@ def render_page(results: list[dict], page_path: str) -> str:
            "same seed. Tokens to target: RL tokens sampled (every rollout round's) before "
            "the first evaluation at or above it (per seed; - = never); speed-up: uniform's "
            "tokens to target over the method's, per seed where both reached it; all-equal "
-           "share: rolled-out groups with equal rewards, first and last 10-step window; "
+           "share: rolled-out groups with equal rewards, over the steps before the first "
+           "evaluation and before the last; "
            "prompts skipped: per run (GRESO's pre-rollout skips).", "",
-           "| method | seeds | reached | tokens to target (per seed) | speed-up | final "
-           "accuracy | RL tokens sampled | all-equal share (first -> last) | prompts "
-           "skipped | RL s |", "|---|---|---|---|---|---|---|---|---|---|"]
+           pages.table_head(["method", "seeds", "reached", "tokens to target (per seed)",
+                             "speed-up", "final accuracy", "RL tokens sampled",
+                             "all-equal share (first -> last)", "prompts skipped", "RL s"])]
   lines += [_row(name, groups[name], uniform) for name in METHODS if name in groups]
   stem = os.path.splitext(page_path)[0]
   if results:

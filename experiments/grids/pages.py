@@ -9,6 +9,8 @@ wall time at each evaluation (`time_rl_at_evals_s`) and the step metrics' means.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 X_AXES = ("updates", "tokens", "seconds")
@@ -68,6 +70,22 @@ def mean_std(values: list[float], digits: int = 3) -> str:
   if len(values) == 1:
     return f"{values[0]:.{digits}f}"
   return f"{np.mean(values):.{digits}f} ± {np.std(values, ddof=1):.{digits}f}"
+
+
+def per_seed(values: list[float | None], form: Callable[[float], str]) -> str:
+  """Values one per seed, each written by `form` ('-' for None): '12k, -, 40k'."""
+  return ", ".join("-" if v is None else form(v) for v in values)
+
+
+def table_row(name: str, group: list[dict], cells: list[str]) -> str:
+  """A markdown table row: the setting, the seeds it has results for, then `cells`."""
+  seeds = ",".join(str(r["seed"]) for r in group)
+  return "| " + " | ".join([name, seeds, *cells]) + " |"
+
+
+def table_head(columns: list[str]) -> str:
+  """A markdown table's header and rule lines."""
+  return "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns)
 
 
 def provenance(results: list[dict], total: int) -> str:
