@@ -33,7 +33,7 @@ setup(
         "tensorboardX>=2.6.5,<3",
         "Jinja2>=3.1.6,<4",     # chat templates (models/hf_tokenizer.py)
         "ml_dtypes>=0.6,<1",  # bfloat16 safetensors export
-        # Equivalence of math answers (rl/math_answer.py); pulls latex2sympy2_extended (an
+        # Equivalence of math answers (rl/tasks/math_answer.py); pulls latex2sympy2_extended (an
         # ANTLR LaTeX parser) and antlr4-python3-runtime. Only its LaTeX mode is used.
         "math-verify>=0.9,<0.10",
     ],

@@ -33,7 +33,7 @@ import numpy as np
 
 from models import transformer
 from models.config import get_preset
-from rl import partial_rollout
+from rl.rollouts import partial as partial_rollout
 from sampling.partial import PartialConfig
 from sampling.sampler import SamplingConfig, generate
 

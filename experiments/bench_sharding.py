@@ -23,7 +23,7 @@ import numpy as np
 
 from models import transformer
 from models.config import get_preset
-from rl import rollout as rollout_lib
+from rl.rollouts import batches as rollout_lib
 from rl import train
 from rl.types import Rollout
 from sampling.sampler import SamplingConfig

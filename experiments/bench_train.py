@@ -44,7 +44,7 @@ from experiments.peers import PEER_LABELS, peer_shape
 from models import lora as lora_lib
 from models import transformer
 from models.config import ModelConfig, get_preset
-from rl import advantages
+from rl.objectives import advantages
 from rl import loop
 from rl import train
 from rl.tasks import Example

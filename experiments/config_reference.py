@@ -151,7 +151,7 @@ def composition_table() -> list[str]:
   """The section saying which combinations of the RL phase's switches run, each cell
   computed by the launcher's own check (`experiments.train.check_composition`)."""
   from experiments import train  # pylint: disable=import-outside-toplevel  (imports JAX)
-  from rl import selection as selection_lib  # pylint: disable=import-outside-toplevel
+  from rl.rollouts import selection as selection_lib  # pylint: disable=import-outside-toplevel
   out = ["", "## Which switches compose", "",
          "Every combination of `rollout.kind`, `selection.kind`, `rl.async_`, `rl.staleness`",
          "and the mesh either runs, with each switch doing what it says (tests/",

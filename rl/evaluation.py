@@ -17,7 +17,7 @@ import numpy as np
 import tqdm
 
 from models.config import ModelConfig
-from rl import rollout as rollout_lib
+from rl.rollouts import batches as rollout_lib
 from rl.tasks import Example, Task
 from sampling.sampler import SamplingConfig, generate
 from sharding import multihost
@@ -109,7 +109,7 @@ def evaluate(params, examples: Sequence[Example], *, task: Task, tokenizer, prom
              progress: bool = False, mesh: jax.sharding.Mesh | None = None) -> EvalResult:
   """Greedy-decodes every example (fixed batch shape, last batch padded) and scores it.
 
-  With `mesh`, decoding runs on the sharded sampler (`rl.rollout.make_generate`);
+  With `mesh`, decoding runs on the sharded sampler (`rl.rollouts.batches.make_generate`);
   batch_size must then be a multiple of data x fsdp.
   """
   sampling_config = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0,

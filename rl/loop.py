@@ -1,15 +1,15 @@
 """The synchronous rollout -> score -> train loop (supervised warm start, then GRPO).
 
 Every way of making a GRPO batch is a producer (`Producer`): independent samples of the
-prompts `rl.selection` picks (uniform = plain GRPO), trees (`tree_producer`), or partial
-rollouts (rl/partial_rollout.py). `grpo_iteration` runs any of them with simulated
-staleness and sharded publishing around it, and the asynchronous loop (rl/async_loop.py)
+prompts `rl.rollouts.selection` picks (uniform = plain GRPO), trees (`tree_producer`), or partial
+rollouts (rl/rollouts/partial.py). `grpo_iteration` runs any of them with simulated
+staleness and sharded publishing around it, and the asynchronous loop (rl/rollouts/async_loop.py)
 runs the same producers and `train_on` from two threads.
 
 Each iteration is a plain function of explicit state, so a launcher (experiments/train.py)
 can checkpoint between any two of them and resume exactly: the data cursor, RNG,
 TrainState, parameter history and prompt-selection history are all the loop carries.
-Which prompts a GRPO iteration rolls out, and how many times each, is `rl.selection`'s
+Which prompts a GRPO iteration rolls out, and how many times each, is `rl.rollouts.selection`'s
 choice.
 
 Simulated staleness (docs/concepts.md, Staleness): with `LoopContext.staleness = k > 0`, GRPO
@@ -32,8 +32,8 @@ import ml_collections
 import numpy as np
 
 from models.config import ModelConfig
-from rl import rollout as rollout_lib
-from rl import selection as selection_lib
+from rl.rollouts import batches as rollout_lib
+from rl.rollouts import selection as selection_lib
 from rl import timing
 from rl.tasks import Task
 from rl.train import TrainState
@@ -97,7 +97,7 @@ class LoopState:
 
   train: the TrainState; rng: the loop's PRNG key; history: the parameter ring for
   simulated staleness (None when off); selection: per-prompt selection history
-  (`rl.selection.SelectionState`, None without a finite train pool); data_cursor: next
+  (`rl.rollouts.selection.SelectionState`, None without a finite train pool); data_cursor: next
   data cursor (host int; the train position it reads is `selection.train_position`);
   iteration: iterations done in the current phase (host int).
   """
@@ -113,7 +113,7 @@ class LoopState:
 class LoopContext:
   """The fixed pieces an iteration needs.
 
-  generate_fn: the sampler (`rl.rollout.make_generate`; None = unsharded `generate`).
+  generate_fn: the sampler (`rl.rollouts.batches.make_generate`; None = unsharded `generate`).
   publish: trainer parameters -> sampler parameters, called each time the sampler gets
   new parameters (`sharding.reshard.make_publish`: FSDP -> tensor-parallel on device);
   None = the sampler reads the trainer's parameters as they are.
@@ -131,7 +131,7 @@ class LoopContext:
   # Tree rollouts (config.rollout.kind='tree'): the fork policy and a TREE_ADVANTAGES fn.
   tree_policy: ForkPolicy | None = None
   tree_advantage_fn: Callable | None = None
-  # config.selection (rl/selection.py); None = uniform. train_pool: finite prompt pool the
+  # config.selection (rl/rollouts/selection.py); None = uniform. train_pool: finite prompt pool the
   # GRPO data cursor cycles over (0 = unbounded train split).
   selection: Any = None
   train_pool: int = 0
@@ -212,7 +212,7 @@ class Produced:
 # produce(params, version, train_step, rng, cursor, selection) -> Produced. `version` is
 # recorded on the generated tokens; `train_step` is the trainer step the batch will be
 # trained at; `cursor` is the next data cursor and `selection` the selection history. The
-# sync loop (`grpo_iteration`) calls it inline, the async loop (rl/async_loop.py) from a
+# sync loop (`grpo_iteration`) calls it inline, the async loop (rl/rollouts/async_loop.py) from a
 # thread; simulated staleness and sharded publishing happen around it, in the loop.
 Producer = Callable[..., Produced]
 
@@ -224,7 +224,7 @@ def completion_length_counts(completion_mask) -> np.ndarray:
 
 def group_batch_metrics(samples: rollout_lib.ScoredSamples, group_size: int) -> dict:
   """Statistics of a batch of whole groups of `group_size` rows (partial rollouts; the
-  selection producer has `rl.selection.collect`'s, over every round it rolled out)."""
+  selection producer has `rl.rollouts.selection.collect`'s, over every round it rolled out)."""
   rewards = np.asarray(samples.rollout.reward).reshape(-1, group_size)
   completion_mask = np.asarray(samples.rollout.completion_mask)
   return dict(reward_mean=float(rewards.mean()), exact_match=float(samples.exact.mean()),
@@ -236,7 +236,7 @@ def group_batch_metrics(samples: rollout_lib.ScoredSamples, group_size: int) -> 
 
 
 def selection_producer(ctx: LoopContext) -> Producer:
-  """Independent samples of the prompts `ctx.selection` picks (rl/selection.py): uniform
+  """Independent samples of the prompts `ctx.selection` picks (rl/rollouts/selection.py): uniform
   is plain GRPO (G completions for each of the next prompts); dynamic, greso and adaptive
   choose prompts and rollout counts from rewards."""
   config = ctx.selection or _UNIFORM
@@ -312,7 +312,7 @@ def tree_batch_metrics(samples: rollout_lib.ScoredTree, prompts: int, prompt_len
 def make_producer(ctx: LoopContext) -> Producer:
   """The producer of ctx's sampling strategy: trees when ctx.tree_policy is set, else
   independent samples of the prompts ctx.selection picks. (Partial rollouts keep a pool
-  across steps and are built by `rl.partial_rollout.producer`.)"""
+  across steps and are built by `rl.rollouts.partial.producer`.)"""
   return tree_producer(ctx) if ctx.tree_policy is not None else selection_producer(ctx)
 
 

@@ -9,7 +9,7 @@ every completion is scored in a separate worker process, and
     killed and a fresh one scores the rest of the batch. So does a completion whose
     scoring uses more CPU time than `Limits.cpu_s` (the kernel ends the worker), and one
     whose scorer raises TimeoutError (a scorer that bounds its own time, as
-    rl.math_answer bounds math-verify's: the worker goes on);
+    rl.tasks.math_answer bounds math-verify's: the worker goes on);
   - a scorer that raises, returns something that is not a finite number, runs out of
     memory (`Limits.memory_mb`), writes a file larger than `Limits.file_mb`, kills its
     process (segfault, `os._exit`) or sends the trainer anything but a well-formed reply

@@ -3,7 +3,7 @@
 A loop wraps a call in `phases()` and reads back how long the parts marked with `phase`
 took inside it, whichever code path ran them: the reward scoring of every producer
 (independent samples, selection rounds, trees, partial rollouts) is one
-`phase("score")` in rl/rollout.py, not a timer threaded through each producer. Totals
+`phase("score")` in rl/rollouts/batches.py, not a timer threaded through each producer. Totals
 are per thread, so the asynchronous loop's producer thread times its own batches.
 """
 

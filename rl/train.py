@@ -18,8 +18,8 @@ import optax
 from models import lora as lora_lib
 from models import transformer
 from models.config import ModelConfig
-from rl import corrections
-from rl import losses
+from rl.objectives import corrections
+from rl.objectives import losses
 from rl.types import Rollout
 from sharding import multihost
 from sharding import rules as sharding_rules
@@ -167,7 +167,7 @@ def check_shared_prefix(batch: Rollout, group_size: int, prompt_len: int,
   if (prompts != prompts[:, :1]).any():
     raise ValueError(f"Rows of a group (contiguous blocks of {group_size}) have different prompts; "
                      "the prefix-shared forward needs groups sampled from one prompt "
-                     "(rl.rollout.sample_and_score) or config.rl.prefix_shared_forward=False.")
+                     "(rl.rollouts.batches.sample_and_score) or config.rl.prefix_shared_forward=False.")
 
 
 def _split_rows(batch: Rollout, parts: int) -> Rollout:
@@ -216,7 +216,7 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
   forward over the batch with the parameters from before the batch's first update (the
   proximal policy pi_prox of decoupled PPO, which later updates of the same batch clip
   against); 'loglinear' interpolates between behav and the current log-probs
-  (`rl.corrections.loglinear_prox`) at that same version, with no forward. With one
+  (`rl.objectives.corrections.loglinear_prox`) at that same version, with no forward. With one
   update per batch the proximal policy is the current one: both estimates equal
   sg(logp) on stale tokens and behav on fresh ones.
 

@@ -24,7 +24,7 @@ class Rollout:
   its group's tree (-1: unused row), parent the node it forked from (-1: a chain from the
   prompt), depth its fork generation, prefix_len the completion tokens it shares with the
   parent. Those shared tokens are in prompt_mask (context), not completion_mask: every
-  tree token is trained once, in the row that decoded it (rl.rollout.tree_rollout).
+  tree token is trained once, in the row that decoded it (rl.rollouts.batches.tree_rollout).
   """
   tokens: jax.Array
   prompt_mask: jax.Array

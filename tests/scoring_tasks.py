@@ -18,8 +18,8 @@ HOARD_CHUNK = 2**28       # HOARD allocates this much at a time ...
 HOARD_CAP = 256 * 2**28   # ... and stops at 64 GiB when nothing stopped it sooner
 BIG_FILE_OFFSET = 2**31   # BIGFILE writes one byte past 2 GiB (a sparse file)
 
-# Completions that attack the math task's answer parser (rl/gsm.py, rl/math_answer.py). The
-# first MATH_UNFINISHABLE never finish in math-verify: each is ended by rl.math_answer's
+# Completions that attack the math task's answer parser (rl/tasks/gsm.py, rl/tasks/math_answer.py). The
+# first MATH_UNFINISHABLE never finish in math-verify: each is ended by rl.tasks.math_answer's
 # bound (VERIFY_TIMEOUT_S, about a second) and counted as a timeout.
 MATH_HOSTILE = [
     "\\boxed{10^{10^{10}}}", "\\boxed{9^{9^{9}}}", "\\boxed{2^{2^{2^{2^{2^{2}}}}}}",

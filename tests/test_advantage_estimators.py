@@ -1,10 +1,10 @@
-"""Tests for rl.advantages estimators against slow NumPy references."""
+"""Tests for rl.objectives.advantages estimators against slow NumPy references."""
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl import advantages
+from rl.objectives import advantages
 
 
 def grouped(seed, sizes):

@@ -1,4 +1,4 @@
-"""Tests for rl.async_loop: bounded staleness, exact sync equivalence, learning."""
+"""Tests for rl.rollouts.async_loop: bounded staleness, exact sync equivalence, learning."""
 
 import dataclasses
 import time
@@ -12,11 +12,11 @@ import pytest
 from models import transformer
 from models.config import get_preset
 from models.tokenizer import CharTokenizer
-from rl import advantages
-from rl import async_loop
+from rl.objectives import advantages
+from rl.rollouts import async_loop
 from rl import loop
-from rl import partial_rollout
-from rl import rollout as rollout_lib
+from rl.rollouts import partial as partial_rollout
+from rl.rollouts import batches as rollout_lib
 from rl import timing
 from rl import train
 from rl.tasks import Example

@@ -1,4 +1,4 @@
-"""Tests for rl.corrections: SAT, M2PO, VCPO, TIS/MIS, log-linear proximal policy."""
+"""Tests for rl.objectives.corrections: SAT, M2PO, VCPO, TIS/MIS, log-linear proximal policy."""
 
 import inspect
 import itertools
@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl import corrections
-from rl import losses
+from rl.objectives import corrections
+from rl.objectives import losses
 
 EPS_LOW, EPS_HIGH = 0.2, 0.28
 

@@ -17,7 +17,7 @@ import pytest
 
 from experiments import config_reference
 from experiments import train as train_launcher
-from rl import losses
+from rl.objectives import losses
 from rl import tasks
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
@@ -139,7 +139,7 @@ def test_add_task_recipe(recipe_folder):
                            eval_size=50, **config.task.difficulty)
     prompts = [e.prompt for e in task.examples("train", 200)]
     from models.tokenizer import CharTokenizer  # pylint: disable=import-outside-toplevel
-    from rl.rollout import encode_prompts  # pylint: disable=import-outside-toplevel
+    from rl.rollouts.batches import encode_prompts  # pylint: disable=import-outside-toplevel
     encode_prompts(CharTokenizer(), prompts, config.rollout.prompt_len)  # all fit and encode
     with pytest.raises(ValueError, match="already registered"):
       runpy.run_path(str(files["my_tasks.py"]))

@@ -23,7 +23,7 @@ from models import lora as lora_lib
 from models import transformer
 from models.config import ModelConfig
 from models.tokenizer import CharTokenizer
-from rl import advantages
+from rl.objectives import advantages
 from rl import checkpoint
 from rl import evaluation
 from rl import loop

@@ -8,8 +8,8 @@ import pytest
 
 from models import transformer
 from models.config import ModelConfig
-from rl import advantages
-from rl import losses
+from rl.objectives import advantages
+from rl.objectives import losses
 from rl.types import Rollout
 
 LOSS_CONFIG = ml_collections.FrozenConfigDict(dict(

@@ -1,5 +1,5 @@
-"""The chain-of-thought math task: answer extraction and equivalence (rl/math_answer.py),
-the gsm_symbolic task (rl/gsm.py) through the scoring worker, hostile completions, split
+"""The chain-of-thought math task: answer extraction and equivalence (rl/tasks/math_answer.py),
+the gsm_symbolic task (rl/tasks/gsm.py) through the scoring worker, hostile completions, split
 disjointness, and its settings through the launcher."""
 
 import concurrent.futures
@@ -14,11 +14,11 @@ import pytest
 
 from experiments import train as train_launcher
 from experiments.configs import smollm2_gsm
-from rl import gsm
-from rl import math_answer
+from rl.tasks import gsm
+from rl.tasks import math_answer
 from rl import scoring
 from rl import tasks
-from rl.math_answer import Answer
+from rl.tasks.math_answer import Answer
 from tests import scoring_tasks
 
 F = Fraction
@@ -298,7 +298,7 @@ def test_an_alarm_swallowed_in_a_destructor_is_not_reported_and_the_bound_holds(
 
 
 def test_each_hostile_completion_takes_at_most_a_few_seconds_in_process():
-  # The worker's limit is the backstop; in the main thread rl.math_answer's alarm fires. Timed
+  # The worker's limit is the backstop; in the main thread rl.tasks.math_answer's alarm fires. Timed
   # in this process's CPU seconds, which other processes' load does not inflate (each takes
   # ~1 s of wall time on an idle machine; 8.5 s once beside another pytest worker); CPU time
   # cannot see a blocking hang, so tests/test_run_alone.py bounds wall time, alone.
@@ -348,7 +348,7 @@ def test_the_launcher_refuses_a_bad_format_reward_before_any_work(tmp_path, conf
 
 
 def test_scoring_outside_the_main_thread_runs_without_alarms():
-  # SIGALRM can only be set in the main thread: math-verify then runs without rl.math_answer's
+  # SIGALRM can only be set in the main thread: math-verify then runs without rl.tasks.math_answer's
   # alarm (the scoring worker's limit still holds), rather than raising.
   with concurrent.futures.ThreadPoolExecutor(1) as pool:
     assert pool.submit(gsm.score, "\\boxed{2 \\cdot 36} (in a thread)", "72").result() == (

@@ -1,4 +1,4 @@
-"""Tests for rl.losses objectives: reduction to GRPO on-policy, decoupled PPO, VCPO, M2PO,
+"""Tests for rl.objectives.losses objectives: reduction to GRPO on-policy, decoupled PPO, VCPO, M2PO,
 registry and config handling."""
 
 import jax
@@ -7,8 +7,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from rl import corrections
-from rl import losses
+from rl.objectives import corrections
+from rl.objectives import losses
 from rl.types import Rollout
 
 B, T = 6, 7

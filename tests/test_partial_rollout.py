@@ -1,4 +1,4 @@
-"""Tests for rl.partial_rollout and rl.trajectory_store: conservation, staleness, resume."""
+"""Tests for rl.rollouts.partial and rl.rollouts.trajectory_store: conservation, staleness, resume."""
 
 import jax
 import numpy as np
@@ -6,8 +6,8 @@ import pytest
 
 from models import transformer
 from models.config import get_preset
-from rl import partial_rollout
-from rl import trajectory_store
+from rl.rollouts import partial as partial_rollout
+from rl.rollouts import trajectory_store
 from sampling.partial import PartialConfig
 from sampling.sampler import SamplingConfig
 

@@ -11,7 +11,7 @@ from experiments import train as launcher
 from experiments.configs import default
 from models import transformer
 from models.config import ModelConfig
-from rl import losses
+from rl.objectives import losses
 from rl import train
 from rl.types import Rollout
 

@@ -19,7 +19,7 @@ def test_every_public_name_resolves(package):
 
 
 def test_rl_names_come_from_their_modules_and_unknown_names_are_refused():
-  assert rl.get_loss is importlib.import_module("rl.losses").get_loss
+  assert rl.get_loss is importlib.import_module("rl.objectives.losses").get_loss
   assert rl.Rollout is importlib.import_module("rl.types").Rollout
   with pytest.raises(AttributeError, match="public names"):
     getattr(rl, "no_such_name")

@@ -5,8 +5,8 @@ import re
 import numpy as np
 import pytest
 
-from rl import running_sum
-from rl.running_sum import Problem
+from rl.tasks import running_sum
+from rl.tasks.running_sum import Problem
 from rl.tasks import make_task
 
 

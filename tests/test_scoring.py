@@ -1,4 +1,4 @@
-"""Rewards never run, hang on or crash with what the policy writes (rl.countdown, rl.scoring).
+"""Rewards never run, hang on or crash with what the policy writes (rl.tasks.countdown, rl.scoring).
 
 The hostile completions are the issue's: code injection, `9**9**9`, `1e999999`,
 `10**10000000`, a megabyte of digits, non-ASCII text, nothing at all.
@@ -24,10 +24,10 @@ import sympy.parsing.sympy_parser
 from models.config import get_preset
 from models.tokenizer import CharTokenizer
 from models import transformer
-from rl import advantages
-from rl import countdown
+from rl.objectives import advantages
+from rl.tasks import countdown
 from rl import loop
-from rl import rollout as rollout_lib
+from rl.rollouts import batches as rollout_lib
 from rl import scoring
 from rl import tasks
 from rl import train

@@ -1,4 +1,4 @@
-"""Tests for rl.selection: dynamic sampling, GRESO skipping, adaptive allocation, state.
+"""Tests for rl.rollouts.selection: dynamic sampling, GRESO skipping, adaptive allocation, state.
 
 Most tests drive `selection.collect` with a Bernoulli simulator instead of a policy: train
 position p answers correctly with probability probs[p], so which groups are informative is
@@ -15,10 +15,10 @@ import pytest
 
 from experiments.configs import chain_sum_compact
 from experiments.configs import default
-from rl import advantages
+from rl.objectives import advantages
 from rl import checkpoint
-from rl import selection
-from rl.rollout import ScoredSamples
+from rl.rollouts import selection
+from rl.rollouts.batches import ScoredSamples
 from rl.types import Rollout
 
 G = 4  # group size in the simulator tests
@@ -330,10 +330,10 @@ def _tiny_loop(kind, pool, **overrides):
 
 def test_loop_uniform_is_unchanged_and_greso_without_skipping_equals_it(tmp_path):
   from rl import loop  # pylint: disable=import-outside-toplevel
-  from rl import rollout as rollout_lib  # pylint: disable=import-outside-toplevel
+  from rl.rollouts import batches as rollout_lib  # pylint: disable=import-outside-toplevel
 
   state, ctx = _tiny_loop("uniform", pool=0)
-  # The GRPO iteration before rl.selection existed: sample G per prompt, one train step.
+  # The GRPO iteration before rl.rollouts.selection existed: sample G per prompt, one train step.
   _, sample_rng = jax.random.split(state.rng)
   examples = ctx.task.examples("train", 2, 0)
   samples = rollout_lib.sample_and_score(
@@ -399,8 +399,8 @@ def test_tree_and_partial_rollouts_cycle_over_the_train_pool(monkeypatch):
   position cursor mod pool, like selection does."""
   import types  # pylint: disable=import-outside-toplevel
   from rl import loop  # pylint: disable=import-outside-toplevel
-  from rl import partial_rollout  # pylint: disable=import-outside-toplevel
-  from rl import rollout as rollout_lib  # pylint: disable=import-outside-toplevel
+  from rl.rollouts import partial as partial_rollout  # pylint: disable=import-outside-toplevel
+  from rl.rollouts import batches as rollout_lib  # pylint: disable=import-outside-toplevel
   from rl import tasks  # pylint: disable=import-outside-toplevel
 
   task = tasks.make_task("chain_sum", seed=0, eval_size=10)

@@ -16,7 +16,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 import multihost_worker
 from models import transformer
-from rl import rollout as rollout_lib
+from rl.rollouts import batches as rollout_lib
 from rl import train
 from rl.types import Rollout
 from sampling.sampler import SamplingConfig

@@ -33,7 +33,7 @@ import sys
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Appended to each question (rl/gsm.py: "{question} {instruction}"); without the chat
+# Appended to each question (rl/tasks/gsm.py: "{question} {instruction}"); without the chat
 # template the model continues the text after "A:".
 FEW_SHOT = ("\n\nQ: What is 3 + 4?\nA: \\boxed{7}\n\nQ: What is 6 * 5?\nA: \\boxed{30}\n\n"
             "Q: The problem above.\nA:")

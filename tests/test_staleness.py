@@ -12,10 +12,10 @@ from experiments import train as launcher
 from models import transformer
 from models.config import ModelConfig
 from models.tokenizer import CharTokenizer
-from rl import advantages
-from rl import corrections
+from rl.objectives import advantages
+from rl.objectives import corrections
 from rl import loop
-from rl import losses
+from rl.objectives import losses
 from rl import train
 from rl.tasks import make_task
 from rl.types import Rollout

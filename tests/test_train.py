@@ -12,9 +12,9 @@ import pytest
 from models import transformer
 from models.config import ModelConfig
 from models.tokenizer import CharTokenizer
-from rl import advantages
+from rl.objectives import advantages
 from rl import loop
-from rl import losses
+from rl.objectives import losses
 from rl import scoring as rl_scoring
 from rl import train
 from sampling.sampler import SamplingConfig

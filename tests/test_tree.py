@@ -12,8 +12,8 @@ import pytest
 
 from models import transformer
 from models.config import ModelConfig
-from rl import advantages
-from rl import rollout as rollout_lib
+from rl.objectives import advantages
+from rl.rollouts import batches as rollout_lib
 from sampling import tree
 from sampling.logits import sample_tokens
 from sampling.sampler import SamplingConfig

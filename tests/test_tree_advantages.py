@@ -1,4 +1,4 @@
-"""Tree advantages (rl/advantages.py) on hand-built trees, and their GRPO limit."""
+"""Tree advantages (rl/objectives/advantages.py) on hand-built trees, and their GRPO limit."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rl import advantages
+from rl.objectives import advantages
 
 # One prompt's tree (group 0), rows shuffled among a second group and an unused row:
 #   leaf a: chain, 4 tokens, reward 1        leaf b: forks from a after 2 tokens, 4 tokens, 0

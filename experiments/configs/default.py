@@ -1,4 +1,4 @@
-"""The embedded default run: the running_sum testbed (rl/running_sum.py, docs/testbed.md).
+"""The embedded default run: the running_sum testbed (rl/tasks/running_sum.py, docs/testbed.md).
 
 `python -m experiments.train` uses this file; override any field on the command line,
 e.g. `--config.rl.steps=50 --config.loss.name=grpo`.
@@ -20,14 +20,14 @@ def get_config() -> ml_collections.ConfigDict:
   c.resume = True                     # continue from the newest checkpoint in workdir
 
   c.task = ml_collections.ConfigDict()
-  c.task.name = "running_sum"         # running_sum (rl/running_sum.py), gsm_symbolic (math
-                                      # word problems, rl/gsm.py; configs/smollm2_gsm.py) or
-                                      # a reasoning-gym dataset (rl/tasks.py;
+  c.task.name = "running_sum"         # running_sum (rl/tasks/running_sum.py), gsm_symbolic (math
+                                      # word problems, rl/tasks/gsm.py; configs/smollm2_gsm.py) or
+                                      # a reasoning-gym dataset (rl/tasks/__init__.py;
                                       # configs/chain_sum_compact.py)
   c.task.prompt_style = "compact"     # "compact" ("4-1=") for the char tokenizer; "full"
   c.task.eval_size = 500              # held-out items (greedy exact match)
-  # The task's difficulty fields (running_sum: rl/running_sum.py Difficulty; gsm_symbolic:
-  # rl/gsm.py Options, with format_reward; a reasoning-gym dataset: its config's fields).
+  # The task's difficulty fields (running_sum: rl/tasks/running_sum.py Difficulty; gsm_symbolic:
+  # rl/tasks/gsm.py Options, with format_reward; a reasoning-gym dataset: its config's fields).
   c.task.difficulty = ml_collections.ConfigDict(dict(
       min_steps=1, max_steps=9, length_tail=1.9, digits=7, step=5,
       teacher_carry_slip=(0.55, 0.9), state_credit=0.0))
@@ -58,7 +58,7 @@ def get_config() -> ml_collections.ConfigDict:
                                       # (APRIL / CoPRIS; sampling/partial.py)
   c.rollout.tree = ml_collections.ConfigDict()  # used when kind == "tree"
   c.rollout.tree.policy = "entropy"   # entropy (TreeRL) | segments (TreePO) | lookahead (LATR)
-  c.rollout.tree.advantage = "treerl"  # rl/advantages.py TREE_ADVANTAGES: treerl (value gaps
+  c.rollout.tree.advantage = "treerl"  # rl/objectives/advantages.py TREE_ADVANTAGES: treerl (value gaps
                                       # / sqrt(leaves)) | treerl_normalized (/ leaf std) | siblings
   c.rollout.tree.init_chains = 4      # chains grown from each prompt (M)
   c.rollout.tree.fork_points = 2      # entropy: forks per round at the N highest-entropy tokens
@@ -118,14 +118,14 @@ def get_config() -> ml_collections.ConfigDict:
   c.lora.targets = ("q", "k", "v", "o", "gate", "up", "down")  # adapted projections
 
   c.loss = ml_collections.ConfigDict()
-  c.loss.name = "grpo"                # rl/losses.py registry
+  c.loss.name = "grpo"                # rl/objectives/losses.py registry
   c.loss.eps_low = 0.2                # PPO clip: ratio >= 1 - eps_low where A < 0
   c.loss.eps_high = 0.2               # PPO clip: ratio <= 1 + eps_high where A > 0
   c.loss.aggregation = "seq_mean_token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
   c.loss.norm_len = 0.0               # constant normaliser of seq_mean_token_sum_norm (Dr.GRPO)
                                       # (0 = rollout.max_new_tokens, the generation budget)
   c.loss.kl_coef = 0.0                # k3 KL to a reference policy (0 = none)
-  # Off-policy corrections (rl/corrections.py) appended to the objective's own, in order:
+  # Off-policy corrections (rl/objectives/corrections.py) appended to the objective's own, in order:
   # 'tis' | 'mis' | 'm2po' | 'sat' | 'vcpo_baseline' | 'vcpo_ess' | 'mu_veto'. Objectives fix
   # the fields that define them (e.g. dapo: eps 0.2/0.28, token_mean); setting such a field
   # to another value, or a field the objective and its corrections never read (eps_* for
@@ -147,9 +147,9 @@ def get_config() -> ml_collections.ConfigDict:
                                       # (default interval [1/2, 2])
 
   c.advantage = ml_collections.ConfigDict()
-  c.advantage.name = "grpo"           # rl/advantages.py registry: grpo | drgrpo | rloo | median
+  c.advantage.name = "grpo"           # rl/objectives/advantages.py registry: grpo | drgrpo | rloo | median
 
-  # Which prompts a GRPO step rolls out, and how often (rl/selection.py).
+  # Which prompts a GRPO step rolls out, and how often (rl/rollouts/selection.py).
   c.selection = ml_collections.ConfigDict()
   c.selection.kind = "uniform"        # uniform | dynamic (DAPO) | greso | adaptive
   c.selection.max_attempts = 8        # dynamic / greso: rollout rounds to fill a batch, then error

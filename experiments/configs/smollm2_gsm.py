@@ -7,7 +7,7 @@
 The policy is the GGUF's weights dequantised to float32, with its tokenizer and chat
 template: each problem is one user turn, the question followed by an instruction to reason
 step by step and give the final answer, a number, inside \\boxed{}. The whole reply is scored
-(rl/gsm.py, docs/math.md): the last box, else the last '####' line, else the last number,
+(rl/tasks/gsm.py, docs/math.md): the last box, else the last '####' line, else the last number,
 checked by math-verify. `task.difficulty.format_reward` (0 = off) adds a bonus for a number
 given in a box or on a '####' line. Slow on CPU: 256-token replies; greedy replies to 4
 problems take minutes on two cores.
@@ -16,7 +16,7 @@ problems take minutes on two cores.
 import ml_collections
 
 from experiments.configs import smollm2_countdown
-from rl import gsm
+from rl.tasks import gsm
 
 
 def get_config() -> ml_collections.ConfigDict:

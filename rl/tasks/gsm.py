@@ -5,7 +5,7 @@ fresh names and numbers; integer answers), generated offline. The prompt is the 
 followed by `Options.instruction` (by default: reason step by step, then give the answer, a
 number, inside `\\boxed{}`); `Example.answer` is the generator's worked solution ending in
 `\\boxed{answer}` (for a warm start). The whole completion is scored, up to an
-end-of-sequence marker: `rl.math_answer` extracts the final answer (last box, else last
+end-of-sequence marker: `rl.tasks.math_answer` extracts the final answer (last box, else last
 '####' line, else last number) and math-verify decides whether it equals the reference.
 
 Reward: 1 for a correct answer, else 0. With `format_reward = w > 0` it is
@@ -14,7 +14,7 @@ a box or on a '####' line (not only as the last number of the text; not a box ho
 anything but a plain numeral, such as a copied '\\boxed{answer}'): a correct boxed answer
 scores 1, a correct bare number 1 - w, a wrong boxed answer w. `exact_match` is correctness
 alone. Scoring runs in rl.scoring's worker with `reward_timeout_s` per completion. A hostile
-box can keep math-verify busy forever: rl.math_answer ends it after a second with a
+box can keep math-verify busy forever: rl.tasks.math_answer ends it after a second with a
 TimeoutError, which the worker counts in `reward_timeouts` (reward 0).
 
 Items are index-addressable: item i of a stream seeded s is drawn by `Random(s + i)`, which
@@ -37,7 +37,7 @@ import re
 import reasoning_gym
 from reasoning_gym.arithmetic.gsm_symbolic import gsm_symbolic as _rg_gsm
 
-from rl import math_answer
+from rl.tasks import math_answer
 from rl.tasks import Example
 
 NAME = "gsm_symbolic"
@@ -105,7 +105,7 @@ def until_eos(completion: str) -> str:
 @functools.lru_cache(maxsize=64)  # the worker asks reward, then exact_match, of each completion
 def score(completion: str, gold: str, format_reward: float = 0.0) -> tuple[float, bool]:
   """(reward, correct) of a completion against the numeric reference `gold`. TimeoutError
-  when math-verify runs past rl.math_answer's bound (the scoring worker counts it)."""
+  when math-verify runs past rl.tasks.math_answer's bound (the scoring worker counts it)."""
   answer = math_answer.extract_answer(until_eos(completion))
   correct = answer is not None and math_answer.equivalent(answer, gold)
   formatted = math_answer.is_formatted(answer)
@@ -133,7 +133,7 @@ class GsmTask:
   """
 
   name = NAME
-  reward_timeout_s = 5.0  # rl.math_answer's 1 s bound ends math-verify first; this is the backstop
+  reward_timeout_s = 5.0  # rl.tasks.math_answer's 1 s bound ends math-verify first; this is the backstop
 
   def __init__(self, prompt_style: str = "full", seed: int = 0,
                eval_size: int = DEFAULT_EVAL_SIZE, **difficulty):

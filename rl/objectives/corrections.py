@@ -5,10 +5,10 @@ per-token log-ratios, advantages and masks of a batch (`TokenTerms`) and rewrite
 detached per-token `weight`, the per-token `clip_scale` or the `advantages`. It is built
 by a factory whose keyword arguments are its hyperparameters, as optax builds
 `scale_by_adam(b1, b2)`: `truncated_is(is_cap=2.0)` returns a correction that truncates at
-2, and the factory's defaults are those of `rl.losses.LOSS_DEFAULTS`.
+2, and the factory's defaults are those of `rl.objectives.losses.LOSS_DEFAULTS`.
 
 Corrections are selected by name (`config.loss.corrections=('tis',)`) and chained in order
-onto any objective of `rl.losses`, so M2PO masking on top of DAPO is a chain, not a new
+onto any objective of `rl.objectives.losses`, so M2PO masking on top of DAPO is a chain, not a new
 objective. The registry records for each name its factory, whether it reads proximal
 log-probs, and which `config.loss` field feeds which factory argument (`m2_tau` -> `tau`),
 so `chain` builds each correction from the loss config and the config names stay flat.
@@ -36,7 +36,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from rl import advantages
+from rl.objectives import advantages
 
 sg = jax.lax.stop_gradient
 
@@ -162,7 +162,7 @@ def _masked_mean(x, mask):
 def _require_prox(terms: TokenTerms, name: str) -> jax.Array:
   if terms.prox is None:
     raise ValueError(f"Correction {name!r} needs proximal log-probs; the train step supplies "
-                     "them when the objective is built with rl.losses (prox_logp=None here).")
+                     "them when the objective is built with rl.objectives.losses (prox_logp=None here).")
   return sg(terms.prox)
 
 
@@ -355,7 +355,7 @@ def vcpo_baseline() -> Correction:
   def apply(terms: TokenTerms) -> tuple[TokenTerms, dict]:
     g = ((1.0 - jnp.exp(sg(terms.logp))) ** 2 * terms.mask).sum(axis=1) + 1e-6
     reward = terms.reward.astype(jnp.float32)
-    # Rewards shifted by the group's smallest, so equal rewards give exactly 0 (rl.advantages).
+    # Rewards shifted by the group's smallest, so equal rewards give exactly 0 (rl.objectives.advantages).
     shifted = reward - advantages.group_reference(reward, terms.group)
     b = optimal_baseline(sequence_log_weights(terms), g, shifted, terms.group)
     mean = advantages.group_mean(shifted, terms.group)

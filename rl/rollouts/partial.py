@@ -27,8 +27,8 @@ import numpy as np
 
 from models.config import ModelConfig
 from rl import loop
-from rl import rollout as rollout_lib
-from rl import selection as selection_lib
+from rl.rollouts import batches as rollout_lib
+from rl.rollouts import selection as selection_lib
 from sampling import partial
 from sampling.sampler import Generation, SamplingConfig
 

@@ -3,7 +3,7 @@
 A `Task` turns a reasoning-gym dataset into prompts for the policy and scores completions
 with the dataset's own `score_answer` (which gives partial credit, e.g. 0.5 for a sign
 error in chain_sum), except countdown, whose `score_answer` evaluates the text with sympy
-(it runs Python): countdown is scored by `rl.countdown`'s safe verifier, on the same scale.
+(it runs Python): countdown is scored by `rl.tasks.countdown`'s safe verifier, on the same scale.
 Training and evaluation call the scorer through `rl.scoring`, in a worker process under a
 time limit; a Task pickles as the arguments that rebuild it, for that worker.
 
@@ -27,7 +27,7 @@ chain_sum / basic_arithmetic become "4-1=" with answer "3"; countdown becomes
 answer text verbatim, for subword tokenizers.
 
 Two tasks have classes of their own, built by `make_task` like the others: `running_sum`
-(rl/running_sum.py, Arbor's testbed) and `gsm_symbolic` (rl/gsm.py: reasoning-gym's GSM8K-style
+(rl/tasks/running_sum.py, Arbor's testbed) and `gsm_symbolic` (rl/tasks/gsm.py: reasoning-gym's GSM8K-style
 word problems, scored on the final answer of a chain of thought, `full` prompts only).
 """
 
@@ -39,7 +39,7 @@ from typing import Any
 import reasoning_gym
 from reasoning_gym.factory import DATASETS as _RG_DATASETS
 
-from rl import countdown
+from rl.tasks import countdown
 
 PROMPT_STYLES = ("compact", "full")
 
@@ -117,7 +117,7 @@ _SPECS = {
     default_eval_size=1000,
   ),
   # Countdown items cost ~10 ms each to generate (the generator searches for a
-  # solvable target), hence the smaller default eval set. Scored by rl.countdown, never
+  # solvable target), hence the smaller default eval set. Scored by rl.tasks.countdown, never
   # by reasoning-gym's score_answer (sympy parse_expr executes the text).
   "countdown": _TaskSpec(
     key=_countdown_key,
@@ -130,8 +130,8 @@ _SPECS = {
 
 
 # Tasks with a class of their own (module, class name), imported when built.
-_OWN_CLASSES = {"running_sum": ("rl.running_sum", "RunningSumTask"),
-                "gsm_symbolic": ("rl.gsm", "GsmTask")}
+_OWN_CLASSES = {"running_sum": ("rl.tasks.running_sum", "RunningSumTask"),
+                "gsm_symbolic": ("rl.tasks.gsm", "GsmTask")}
 
 
 def register_task(name: str, *, key: Callable[[dict], Hashable],
@@ -268,7 +268,7 @@ class Task:
 
   def reward(self, completion: str, example: Example) -> float:
     """Scores `completion` with reasoning-gym's own `score_answer` (or the `reward` given
-    to `register_task`; countdown: `rl.countdown.reward`), in [0, 1].
+    to `register_task`; countdown: `rl.tasks.countdown.reward`), in [0, 1].
 
     The completion is first cut by `parse_completion`. Partial credit is the scorer's
     (chain_sum gives 0.5 for "-3" against "3"; countdown gives 0.01-0.05 for wrong
@@ -293,7 +293,7 @@ def make_task(name: str, prompt_style: str = "compact", *, seed: int = 0,
   `eval_size` defaults per task (1000; 100 for countdown, whose items are slow to make; 500
   for running_sum; 200 for gsm_symbolic).
   """
-  if name in _OWN_CLASSES:  # running_sum (Arbor's testbed), gsm_symbolic (rl/gsm.py)
+  if name in _OWN_CLASSES:  # running_sum (Arbor's testbed), gsm_symbolic (rl/tasks/gsm.py)
     module, class_name = _OWN_CLASSES[name]
     task_class = getattr(importlib.import_module(module), class_name)
     if eval_size is None:

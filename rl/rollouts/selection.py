@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rl.rollout import ScoredSamples
+from rl.rollouts.batches import ScoredSamples
 from rl.types import Rollout
 
 KINDS = ("uniform", "dynamic", "greso", "adaptive")

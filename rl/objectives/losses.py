@@ -8,7 +8,7 @@ where `logp` [B, T] are the log-probs of `batch.tokens` under the parameters bei
 `batch` is an `rl.types.Rollout`, and `config` is the (frozen) `config.loss` ConfigDict.
 Metrics may carry 'lr_scale', which the train step applies to the update.
 
-A built-in objective (`Objective`) is a per-token surrogate plus a chain of corrections (`rl.corrections`:
+A built-in objective (`Objective`) is a per-token surrogate plus a chain of corrections (`rl.objectives.corrections`:
 small transforms of log-ratios, advantages and masks into weights, masks and clip
 widths), plus fixed settings that define the method (DAPO's clip-higher and token-mean
 aggregation, GSPO's small sequence-level clip, ...). Those settings override the same
@@ -26,7 +26,7 @@ from typing import Callable, Mapping, Optional
 import jax
 import jax.numpy as jnp
 
-from rl import corrections as corr
+from rl.objectives import corrections as corr
 from rl.types import Rollout
 
 LossFn = Callable[..., tuple[jax.Array, dict]]
@@ -36,7 +36,7 @@ AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 PROX_ESTIMATES = ("recompute", "loglinear")
 
 # Defaults of the config.loss fields (experiments/configs/default.py documents each); the
-# correction factories of rl.corrections take the same defaults (a test checks).
+# correction factories of rl.objectives.corrections take the same defaults (a test checks).
 LOSS_DEFAULTS = dict(
     eps_low=0.2, eps_high=0.2, aggregation="seq_mean_token_mean", kl_coef=0.0,
     # Dr.GRPO's constant normaliser; 0 = the completion budget (`resolve_norm_len`).
@@ -354,7 +354,7 @@ class Objective:
   corrections chain -> surrogate * weight -> (+KL) -> aggregation.
 
   surrogate: (TokenTerms, resolved config) -> (per-token loss, metrics).
-  corrections: the method's own `rl.corrections` chain (config.loss.corrections follow).
+  corrections: the method's own `rl.objectives.corrections` chain (config.loss.corrections follow).
   uses_prox: whether the method needs proximal log-probs (decoupled PPO).
   overrides: config.loss fields that define the method (e.g. DAPO's eps_high=0.28).
   reads: the config.loss fields the surrogate reads (`check_settings_read` refuses a
