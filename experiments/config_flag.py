@@ -14,6 +14,7 @@ command-line overrides must name existing ones, as ml_collections requires.
 
 from __future__ import annotations
 
+import os
 import sys
 
 from absl import app
@@ -88,3 +89,16 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 
 _DEFINED: list[str] = []
+
+
+DEFAULT_RUN_CONFIG = os.path.join(os.path.dirname(__file__), "configs", "default.py")
+
+
+def run_config() -> flags.FlagHolder:
+  """The `--config` flag of a run (default: experiments/configs/default.py), defined once
+  per process: the launcher and experiments/eval.py read the same run configuration, and a
+  process (a test, a notebook) may import both."""
+  if "config" not in flags.FLAGS:
+    return define_config_file("config", DEFAULT_RUN_CONFIG, "Run configuration file.")
+  return flags.FlagHolder(flags.FLAGS, flags.FLAGS["config"])
+

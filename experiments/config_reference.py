@@ -116,7 +116,7 @@ def render(source: str | None = None) -> str:
          "or write a config file that starts from `default.get_config()` and pass it with",
          "`--config=path/to/file.py`.", "",
          "The launcher validates the whole config up front, before it loads a model or takes",
-         "a step (`experiments/train.py` `validate`): every size must be positive and every",
+         "a step (`rl/wiring.py` `validate`): every size must be positive and every",
          "rate or bound in its range, and every name (task, model preset, objective,",
          "aggregation, corrections, proximal estimate, advantage estimator, tree policy and",
          "advantage, selection kind) must be one its registry knows; a bad value is a",
@@ -149,8 +149,9 @@ _COMPOSITION_COLUMNS = (
 
 def composition_table() -> list[str]:
   """The section saying which combinations of the RL phase's switches run, each cell
-  computed by the launcher's own check (`experiments.train.check_composition`)."""
-  from experiments import train  # pylint: disable=import-outside-toplevel  (imports JAX)
+  computed by the launcher's own check (`rl.wiring.check_composition`)."""
+  from rl import wiring  # pylint: disable=import-outside-toplevel  (imports JAX)
+  from rl.rollouts import kinds  # pylint: disable=import-outside-toplevel
   from rl.rollouts import selection as selection_lib  # pylint: disable=import-outside-toplevel
   out = ["", "## Which switches compose", "",
          "Every combination of `rollout.kind`, `selection.kind`, `rl.async_`, `rl.staleness`",
@@ -160,8 +161,8 @@ def composition_table() -> list[str]:
          "naming the fields. Cells: `runs`, or the field the refusal names.", "",
          "| `rollout.kind` | `selection.kind` | " + " | ".join(t for t, _ in _COMPOSITION_COLUMNS)
          + " |", "|---|---|" + "---|" * len(_COMPOSITION_COLUMNS)]
-  for kind in ("independent", "tree", "partial"):
-    for selection in selection_lib.KINDS:
+  for kind in kinds.ROLLOUT_KINDS.names():
+    for selection in selection_lib.SELECTION_RULES.names():
       cells = []
       for _, overrides in _COMPOSITION_COLUMNS:
         config = default.get_config()
@@ -170,7 +171,7 @@ def composition_table() -> list[str]:
           section, field = path.split(".")
           config[section][field] = value
         try:
-          train.check_composition(config)
+          wiring.check_composition(config)
           cells.append("runs")
         except ValueError as error:
           cells.append("refused: `" + str(error).split(" ")[0] + "`")

@@ -30,16 +30,18 @@ from absl import logging
 import jax
 import ml_collections
 
-from experiments import train as train_launcher
+from experiments import config_flag
 from models.config import ModelConfig
 from models.hf_tokenizer import HFTokenizer
 from models.tokenizer import CharTokenizer
 from rl import checkpoint
 from rl import evaluation
 from rl import loop
+from rl import wiring
 from rl.tasks import Task
 from sampling.sampler import SamplingConfig
 
+CONFIG = config_flag.run_config()
 _STEPS = flags.DEFINE_string("steps", "latest",
                              "Checkpoint steps: 'latest', 'all', or a comma list such as 300,350.")
 _NUM_SAMPLES = flags.DEFINE_integer("num_samples", 16, "Sampled completions per example (n).")
@@ -73,8 +75,8 @@ class Policy:
 def build_policy(config: ml_collections.ConfigDict) -> Policy:
   """The task and policy of a run, resolved by the launcher's own `load_policy` (preset or
   pretrained checkpoint, tokenizer, chat template); the initial weights give only shapes."""
-  tokenizer, model_config, params = train_launcher.load_policy(config, jax.random.PRNGKey(0))
-  task = train_launcher.build_task(config)
+  tokenizer, model_config, params = wiring.load_policy(config, jax.random.PRNGKey(0))
+  task = wiring.build_task(config)
   return Policy(task=task, tokenizer=tokenizer, model_config=model_config,
                 params_like=jax.eval_shape(lambda: params))
 
@@ -111,11 +113,11 @@ def load_params(config: ml_collections.ConfigDict, policy: Policy, step: int):
   """
   manager = checkpoint.make_manager(os.path.join(config.workdir, "checkpoints"))
   phase = checkpoint.read_meta(manager, step)["phase"]
-  _, optimizer = train_launcher.make_context(config, policy.task, policy.tokenizer,
+  _, optimizer = wiring.make_context(config, policy.task, policy.tokenizer,
                                              policy.model_config, phase)
   like = loop.LoopState(
       train=jax.eval_shape(functools.partial(
-          train_launcher.new_train_state, config, policy.model_config, optimizer=optimizer,
+          wiring.new_train_state, config, policy.model_config, optimizer=optimizer,
           phase=phase), policy.params_like),
       rng=jax.random.PRNGKey(0))
   state, _ = checkpoint.restore(manager, step, like)
@@ -194,7 +196,7 @@ def main(argv):
     exit_with_usage(f"Unexpected arguments {argv[1:]}: name the run with --config.workdir.")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
-  config = train_launcher._CONFIG.value  # pylint: disable=protected-access  (the run's --config)
+  config = CONFIG.value  # the run's --config
   try:
     rows = run(config, steps=_STEPS.value, num_samples=_NUM_SAMPLES.value,
                ks=[int(k) for k in _K.value], temperature=_TEMPERATURE.value,
@@ -206,4 +208,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=train_launcher.config_flag.parse_flags)
+  app.run(main, flags_parser=config_flag.parse_flags)

@@ -34,6 +34,8 @@ Params = dict[str, Any]
 Adapters = dict[str, Any]  # {'layers': {target: {'a': [L, D_in, r], 'b': [L, r, D_out]}}}
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# The launcher's defaults (config.lora.alpha, config.lora.targets): every projection.
+DEFAULT_ALPHA = 16.0
 
 
 @dataclasses.dataclass(frozen=True)

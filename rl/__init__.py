@@ -32,8 +32,11 @@ _PUBLIC = {
     "make_train_step": "rl.train",
     # The loop: producers, iterations, asynchronous training.
     "LoopState": "rl.loop", "LoopContext": "rl.loop", "Produced": "rl.loop",
-    "make_producer": "rl.loop", "grpo_iteration": "rl.loop", "sft_iteration": "rl.loop",
-    "run_async": "rl.rollouts.async_loop",
+    "selection_producer": "rl.loop", "tree_producer": "rl.loop",
+    "grpo_iteration": "rl.loop", "sft_iteration": "rl.loop", "run_async": "rl.rollouts.async_loop",
+    # Rollout kinds (config.rollout.kind) and the registry every pluggable piece uses.
+    "ROLLOUT_KINDS": "rl.rollouts.kinds", "RolloutKind": "rl.rollouts.kinds",
+    "Registry": "rl.registry", "TASKS": "rl.tasks",
     # Prompt selection, partial rollouts, evaluation, the trajectory store.
     "SelectionState": "rl.rollouts.selection", "PartialRollouts": "rl.rollouts.partial",
     "evaluate": "rl.evaluation", "evaluate_sampled": "rl.evaluation",

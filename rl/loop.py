@@ -128,9 +128,6 @@ class LoopContext:
   train_step: Callable[[TrainState, Rollout], tuple[TrainState, dict]]
   advantage_fn: Callable
   staleness: int = 0  # simulated staleness k (GRPO samples with parameters k iterations old)
-  # Tree rollouts (config.rollout.kind='tree'): the fork policy and a TREE_ADVANTAGES fn.
-  tree_policy: ForkPolicy | None = None
-  tree_advantage_fn: Callable | None = None
   # config.selection (rl/rollouts/selection.py); None = uniform. train_pool: finite prompt pool the
   # GRPO data cursor cycles over (0 = unbounded train split).
   selection: Any = None
@@ -265,13 +262,10 @@ def selection_producer(ctx: LoopContext) -> Producer:
   return produce
 
 
-def tree_producer(ctx: LoopContext) -> Producer:
-  """One tree per prompt (ctx.tree_policy) for each of the next prompts, its leaves scored,
-  tree advantages computed (each shared-prefix token is trained once, in the row that
-  decoded it)."""
-  if ctx.tree_policy is None or ctx.tree_advantage_fn is None:
-    raise ValueError("tree_producer needs LoopContext.tree_policy and tree_advantage_fn "
-                     "(set config.rollout.kind='tree').")
+def tree_producer(ctx: LoopContext, policy: ForkPolicy, advantage_fn: Callable) -> Producer:
+  """One tree per prompt (`policy`) for each of the next prompts, its leaves scored, tree
+  advantages computed by `advantage_fn` (an rl.objectives.advantages.TREE_ADVANTAGES
+  estimator; each shared-prefix token is trained once, in the row that decoded it)."""
 
   def produce(params, version, train_step, rng, cursor, selection):
     del train_step
@@ -281,8 +275,8 @@ def tree_producer(ctx: LoopContext) -> Producer:
     samples = rollout_lib.tree_sample_and_score(
         params, examples, task=ctx.task, tokenizer=ctx.tokenizer, rng=rng,
         prompt_len=ctx.prompt_len, model_config=ctx.model_config,
-        sampling_config=ctx.sampling_config, policy=ctx.tree_policy,
-        advantage_fn=ctx.tree_advantage_fn, version=version)
+        sampling_config=ctx.sampling_config, policy=policy, advantage_fn=advantage_fn,
+        version=version)
     return Produced(samples.rollout, tree_batch_metrics(samples, len(examples), ctx.prompt_len),
                     cursor + len(examples), selection)
   return produce
@@ -307,13 +301,6 @@ def tree_batch_metrics(samples: rollout_lib.ScoredTree, prompts: int, prompt_len
       decoded_tokens_per_leaf=samples.decoded_tokens / max(int(leaf.sum()), 1),
       completion_length_counts=np.bincount(full_len[samples.leaf]),
       reward_timeouts=samples.reward_timeouts, reward_errors=samples.reward_errors)
-
-
-def make_producer(ctx: LoopContext) -> Producer:
-  """The producer of ctx's sampling strategy: trees when ctx.tree_policy is set, else
-  independent samples of the prompts ctx.selection picks. (Partial rollouts keep a pool
-  across steps and are built by `rl.rollouts.partial.producer`.)"""
-  return tree_producer(ctx) if ctx.tree_policy is not None else selection_producer(ctx)
 
 
 def staleness(rollout: Rollout, train_step: int) -> int:
@@ -376,8 +363,8 @@ def grpo_iteration(state: LoopState, ctx: LoopContext,
                    produce: Producer | None = None) -> tuple[LoopState, dict]:
   """Produces a scored batch and takes one train step on it.
 
-  `produce` is the sampling strategy (default `make_producer(ctx)`: uniform or selected
-  independent samples, or trees). With ctx.staleness = k > 0 the producer samples with the
+  `produce` is the sampling strategy (default `selection_producer(ctx)`: uniform or
+  selected independent samples; rl.rollouts.kinds builds the others). With ctx.staleness = k > 0 the producer samples with the
   parameters of iteration max(t - k, 0) (state.history) and the tokens carry that version;
   with ctx.publish the parameters are handed over in the sampler's layout. Under LoRA the
   history holds adapters, and the sampler gets them merged into the frozen base.
@@ -387,7 +374,7 @@ def grpo_iteration(state: LoopState, ctx: LoopContext,
   time_rollout_s and time_train_s.
   """
   started = time.perf_counter()
-  produce = produce or make_producer(ctx)
+  produce = produce or selection_producer(ctx)
   rng, sample_rng = jax.random.split(state.rng)
   params, version, history = state.train.params, state.train.step, state.history
   if ctx.staleness:

@@ -73,4 +73,4 @@ def register_digit_task():
   tasks.register_task(DIGIT_TASK, key=products_key, compact_prompt=products_prompt,
                       compact_answer=products_answer, default_eval_size=8,
                       reward=digit_share_reward)
-  return lambda: tasks._SPECS.pop(DIGIT_TASK)  # pylint: disable=protected-access
+  return lambda: tasks.TASKS.unregister(DIGIT_TASK)

@@ -234,7 +234,7 @@ def test_async_with_zero_staleness_reproduces_the_sync_loop_exactly(kind):
 
   def producer():
     if kind == "independent":
-      return loop.make_producer(ctx)
+      return loop.selection_producer(ctx)
     rollouts = partial_rollout.for_task(ctx, PartialConfig(num_slots=32, group_size=4),
                                         max_staleness=0)
     return partial_rollout.producer(ctx, rollouts)
@@ -273,7 +273,7 @@ def test_async_minibatch_tokens_carry_the_step_of_their_sampling_parameters():
     published.append(jax.tree.leaves(copy)[0])
     return copy
 
-  inner = loop.make_producer(ctx)
+  inner = loop.selection_producer(ctx)
 
   def produce(params, version, train_step, rng, cursor, selection):
     leaf = jax.tree.leaves(params)[0]
@@ -338,7 +338,7 @@ def test_async_training_with_stale_batches_improves_the_default_tasks_reward():
     return float(np.asarray(samples.rollout.reward).mean())
 
   before = expected_reward(state.train.params)
-  state, history = async_loop.run_async(state, ctx, loop.make_producer(ctx), 12,
+  state, history = async_loop.run_async(state, ctx, loop.selection_producer(ctx), 12,
                                         max_staleness=2)
   after = expected_reward(state.train.params)
   assert max(h["staleness"] for h in history) <= 2

@@ -16,9 +16,11 @@ import numpy as np
 import pytest
 
 from experiments import config_reference
+from experiments import metrics
 from experiments import train as train_launcher
-from rl.objectives import losses
 from rl import tasks
+from rl import wiring
+from rl.objectives import losses
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 _BLOCK = re.compile(r"```python\n(.*?)```", re.S)
@@ -104,12 +106,12 @@ def test_add_objective_recipe(recipe_folder):
     config.eval.batch_size = 8
     summary = train_launcher.run(config)
     assert summary["steps"] == 4 and summary["nonfinite_updates"] == 0
-    records = [r for r in train_launcher.metrics.MetricsLog(
+    records = [r for r in metrics.MetricsLog(
         str(recipe_folder / "run" / "metrics.jsonl")).read() if r.get("phase") == "rl"]
     assert all("positive_advantage_fraction" in r for r in records if "loss" in r)
     assert np.isfinite([r["loss"] for r in records if "loss" in r]).all()
   finally:
-    losses.LOSSES.pop("reinforce", None)
+    losses.LOSSES.unregister("reinforce")
 
 
 def test_math_page_example(recipe_folder):
@@ -121,8 +123,11 @@ def test_math_page_example(recipe_folder):
 
 def test_add_task_recipe(recipe_folder):
   files = write_blocks("add_task.md", recipe_folder)
-  assert list(files) == ["my_tasks.py", "check_my_tasks.py", "gcd_config.py"]
+  assert list(files) == ["my_tasks.py", "check_my_tasks.py", "gcd_config.py", "my_own_task.py",
+                         "check_my_own_task.py"]
   try:
+    runpy.run_path(str(files["check_my_own_task.py"]))  # a task class of one's own
+    assert "parity" not in tasks.task_names()  # the check unregisters it
     runpy.run_path(str(files["check_my_tasks.py"]))  # its asserts are the check
     assert "gcd" in tasks.task_names()
     task = tasks.make_task("gcd", max_value=99, eval_size=20)
@@ -134,7 +139,7 @@ def test_add_task_recipe(recipe_folder):
       assert task.reward(str(partial[0]), example) == 0.2
 
     config = load_config_file(files["gcd_config.py"])
-    train_launcher.validate(config)
+    wiring.validate(config)
     task = tasks.make_task(config.task.name, config.task.prompt_style,
                            eval_size=50, **config.task.difficulty)
     prompts = [e.prompt for e in task.examples("train", 200)]
@@ -144,4 +149,4 @@ def test_add_task_recipe(recipe_folder):
     with pytest.raises(ValueError, match="already registered"):
       runpy.run_path(str(files["my_tasks.py"]))
   finally:
-    tasks._SPECS.pop("gcd", None)  # pylint: disable=protected-access
+    tasks.TASKS.unregister("gcd")

@@ -12,6 +12,7 @@ from rl import train as rl_train
 from tests import rl_fixtures
 from tests.launcher_config import tiny_run_config
 from tests.metrics_fixtures import FakeWandb, read_events, scalars, texts
+from experiments import run_records
 
 
 def tiny_config(workdir, **rl):
@@ -208,21 +209,21 @@ def test_step_means_between_evaluations_and_checkpoints_that_predate_them():
   """Each evaluation's window is the mean over the RL steps since the previous one; a
   checkpoint written before these records gets the known warm-start entries and None for
   RL evaluations (never a window that silently spans the unknown steps)."""
-  meta = train_launcher._new_meta()  # pylint: disable=protected-access
+  meta = run_records.new_meta()
   meta["evals"] = [{"phase": "warm_start"}, {"phase": "rl"}, {"phase": "rl"}]
   meta["eval_step_sums"] = [{"steps": 0, "sums": {}},
                             {"steps": 2, "sums": {"clip_fraction": 0.5, "reward_mean": 1.0}},
                             {"steps": 5, "sums": {"clip_fraction": 0.8, "reward_mean": 4.0}}]
-  assert train_launcher.step_means_between_evals(meta) == [
+  assert run_records.step_means_between_evals(meta) == [
       {}, {"clip_fraction": 0.25, "reward_mean": 0.5},
       {"clip_fraction": pytest.approx(0.1), "reward_mean": 1.0}]
 
-  old = train_launcher._new_meta()  # pylint: disable=protected-access
+  old = run_records.new_meta()
   old["evals"] = [{"phase": "warm_start"}, {"phase": "rl"}, {"phase": "rl"}]
   for name in ("time_rl_at_evals_s", "eval_step_sums", "time_rl_s"):
     del old[name]
-  old = train_launcher._upgrade_meta(old)  # pylint: disable=protected-access
+  old = run_records.upgrade_meta(old)
   assert old["time_rl_at_evals_s"] == [0.0, None, None]
   old["evals"].append({"phase": "rl"})  # one evaluation after the resume
   old["eval_step_sums"].append({"steps": 7, "sums": {"reward_mean": 3.5}})
-  assert train_launcher.step_means_between_evals(old) == [{}, None, None, None]
+  assert run_records.step_means_between_evals(old) == [{}, None, None, None]

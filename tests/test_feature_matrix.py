@@ -32,6 +32,7 @@ import pytest
 from experiments import train as launcher
 from rl import tasks
 from tests.launcher_config import tiny_run_config
+from rl import wiring
 
 KINDS = ("independent", "tree", "partial")
 SELECTIONS = ("uniform", "dynamic", "greso", "adaptive")
@@ -57,10 +58,10 @@ def _gcd_prompt(entry):
 @pytest.fixture(scope="module", autouse=True)
 def gcd_task():
   tasks.register_task("gcd", key=_gcd_key, compact_prompt=_gcd_prompt,
-                      compact_answer=tasks._reference_answer,  # pylint: disable=protected-access
+                      compact_answer=tasks.gym.reference_answer,
                       default_eval_size=4, reward=index_reward)
   yield
-  tasks._SPECS.pop("gcd")  # pylint: disable=protected-access
+  tasks.TASKS.unregister("gcd")
 
 
 def refusal(kind, selection, async_, staleness, data) -> str | None:
@@ -144,7 +145,7 @@ def test_switches_compose_or_are_refused(tmp_path, kind, selection, async_, stal
     refused = refusal(kind, selection, async_, staleness, data)
     if refused is not None:
       with pytest.raises(ValueError, match=refused):
-        launcher.validate(config)
+        wiring.validate(config)
       continue
     launcher.run(config)
     records = _rl_records(workdir)

@@ -6,8 +6,8 @@ import pytest
 
 from experiments import golden
 from experiments import grid  # pylint: disable=unused-import  (one process: no flag clash)
-from experiments import train as launcher
 from experiments.configs import default
+from rl import wiring
 
 
 def test_clock_free_drops_every_wall_clock_field_and_keeps_the_rest():
@@ -51,4 +51,4 @@ def test_every_golden_cell_is_a_valid_launcher_config(name):
       node = node[part]
     assert leaf in node, path
     node[leaf] = value
-  launcher.validate(config)
+  wiring.validate(config)

@@ -17,6 +17,7 @@ import pytest
 
 from experiments import grid
 from experiments.grids import pages
+from rl import wiring
 
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 _ENV = dict(os.environ, PYTHONPATH=str(_REPO))
@@ -319,7 +320,6 @@ def test_b6_page_measures_tokens_to_half_of_uniforms_gain(tmp_path):
 def test_every_benchmark_cell_is_a_valid_launcher_config(spec):
   """Each cell's flags name real fields with accepted values on the default config (the
   shared warm start's folder aside: it exists only once warm_starts.py has run)."""
-  from experiments import train as launcher  # pylint: disable=import-outside-toplevel
   from experiments.configs import default  # pylint: disable=import-outside-toplevel
   entries = runpy.run_path(os.path.join(_REPO, "experiments", "grids", f"{spec}.py"))["SPEC"]
   assert entries["cells"]
@@ -335,4 +335,4 @@ def test_every_benchmark_cell_is_a_valid_launcher_config(spec):
         node = node[name]
       assert leaf in node, (cell["name"], path)
       node[leaf] = value
-    launcher.validate(config)
+    wiring.validate(config)

@@ -14,6 +14,7 @@ from experiments import config_flag
 from experiments import train as train_launcher
 from experiments.configs import default
 from tests.launcher_config import tiny_run_config
+from rl import wiring
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -68,8 +69,8 @@ def test_bad_config_fails_before_any_work(tmp_path, overrides, message):
 
 
 def test_default_configs_validate():
-  train_launcher.validate(default.get_config())
-  train_launcher.validate(tiny_run_config("unused"))
+  wiring.validate(default.get_config())
+  wiring.validate(tiny_run_config("unused"))
 
 
 @pytest.mark.parametrize("overrides", [
@@ -79,7 +80,7 @@ def test_default_configs_validate():
     {"rl.num_minibatches": 2, "rl.max_staleness": 1},  # sync partial pools may bound below U
 ])
 def test_settings_next_to_the_refused_ones_validate(overrides):
-  train_launcher.validate(tiny_run_config("unused", overrides))
+  wiring.validate(tiny_run_config("unused", overrides))
 
 
 def test_unknown_field_lists_the_valid_ones():
@@ -133,9 +134,8 @@ def test_rl_warmup_steps_reach_the_rl_optimizer():
   config.rl.learning_rate, config.rl.warmup_steps, config.rl.max_grad_norm = 1e-2, 4, 0.0
   tokenizer = CharTokenizer()
   task = make_task(config.task.name, eval_size=4, **config.task.difficulty)
-  model_config = train_launcher.build_model_config(config, tokenizer)
-  _, optimizer = train_launcher.make_context(config, task, tokenizer, model_config,
-                                             train_launcher.RL)
+  model_config = wiring.build_model_config(config, tokenizer)
+  _, optimizer = wiring.make_context(config, task, tokenizer, model_config, wiring.RL)
   params = {"w": jnp.zeros(3)}
   state = optimizer.init(params)
   sizes = []

@@ -32,6 +32,7 @@ from sampling.sampler import SamplingConfig
 from sharding import mesh as mesh_lib
 from tests.launcher_config import tiny_run_config
 from tests.rl_fixtures import GRPO, DigitTask, random_rollout
+from rl import wiring
 
 CONFIG = ModelConfig(vocab_size=51, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                      mlp_dim=48, max_seq_len=16, qkv_bias=True)
@@ -308,7 +309,7 @@ def test_merged_export_loads_as_the_adapted_policy(tmp_path):
 ])
 def test_launcher_refuses_inconsistent_lora_settings(overrides, message, tmp_path):
   with pytest.raises(ValueError, match=message):
-    launcher.validate(tiny_run_config(tmp_path, overrides))
+    wiring.validate(tiny_run_config(tmp_path, overrides))
 
 
 def test_launcher_refuses_a_rank_above_a_projection_before_the_warm_start(tmp_path):
@@ -322,11 +323,11 @@ def test_launcher_refuses_a_rank_above_a_projection_before_the_warm_start(tmp_pa
 
 def test_lora_config_reads_targets_in_canonical_order(tmp_path):
   config = tiny_run_config(tmp_path, {"lora.rank": 2, "lora.targets": ("down", "q")})
-  assert launcher.lora_config(config) == lora_lib.LoraConfig(2, 16.0, ("q", "down"))
+  assert wiring.lora_config(config) == lora_lib.LoraConfig(2, 16.0, ("q", "down"))
   comma = tiny_run_config(tmp_path, {"lora.rank": 2, "lora.targets": ("v,q", " up")})
-  assert launcher.lora_config(comma).targets == ("q", "v", "up")  # --config.lora.targets=v,q
-  assert launcher.lora_config(tiny_run_config(tmp_path)) is None
-  assert launcher.phase_lora(config, launcher.WARM_START) is None
+  assert wiring.lora_config(comma).targets == ("q", "v", "up")  # --config.lora.targets=v,q
+  assert wiring.lora_config(tiny_run_config(tmp_path)) is None
+  assert wiring.phase_lora(config, wiring.WARM_START) is None
 
 
 
@@ -353,11 +354,11 @@ def _launcher_config(workdir):
 def _restore_rl_state(config, policy, step):
   """The LoopState of RL checkpoint `step` (adapters, their AdamW state, frozen base)."""
   manager = checkpoint.make_manager(os.path.join(config.workdir, "checkpoints"))
-  _, optimizer = launcher.make_context(config, policy.task, policy.tokenizer,
-                                       policy.model_config, launcher.RL)
+  _, optimizer = wiring.make_context(config, policy.task, policy.tokenizer,
+                                     policy.model_config, wiring.RL)
   like = loop.LoopState(train=jax.eval_shape(
-      functools.partial(launcher.new_train_state, config, policy.model_config,
-                        optimizer=optimizer, phase=launcher.RL), policy.params_like),
+      functools.partial(wiring.new_train_state, config, policy.model_config,
+                        optimizer=optimizer, phase=wiring.RL), policy.params_like),
                         rng=jax.random.PRNGKey(0))
   return checkpoint.restore(manager, step, like)[0]
 
@@ -379,7 +380,7 @@ def test_launcher_lora_run_trains_adapters_only_and_eval_merges_them(tmp_path):
   final = _restore_rl_state(config, policy, 7).train
   for got, want in zip(jax.tree.leaves(final.frozen), jax.tree.leaves(base)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # the base is frozen
-  count = lora_lib.adapter_count(policy.model_config, launcher.lora_config(config))
+  count = lora_lib.adapter_count(policy.model_config, wiring.lora_config(config))
   assert sum(x.size for x in jax.tree.leaves(final.params)) == count
   assert sum(x.size for x in jax.tree.leaves(final.opt_state) if x.ndim > 0) == 2 * count
   # eval's merged policy of the last checkpoint is trained and reproduces the run's final

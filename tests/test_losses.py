@@ -11,6 +11,7 @@ from models.config import ModelConfig
 from rl.objectives import advantages
 from rl.objectives import losses
 from rl.types import Rollout
+from rl import wiring
 
 LOSS_CONFIG = ml_collections.FrozenConfigDict(dict(
     name="grpo", eps_low=0.2, eps_high=0.28, aggregation="token_mean", norm_len=4.0, kl_coef=0.0))
@@ -121,10 +122,9 @@ def test_config_loss_fields_have_one_default():
   """experiments/configs/default.py's loss section is LOSS_DEFAULTS (plus the objective's
   name), so a field means the same whether it comes from the launcher or the library; the
   launcher turns norm_len 0 into the generation budget (Dr.GRPO's constant)."""
-  from experiments import train as launcher  # pylint: disable=import-outside-toplevel
   from experiments.configs import default  # pylint: disable=import-outside-toplevel
   config = default.get_config()
   assert {k: v for k, v in config.loss.items() if k != "name"} == losses.LOSS_DEFAULTS
-  assert launcher.rl_loss_config(config).norm_len == config.rollout.max_new_tokens
+  assert wiring.rl_loss_config(config).norm_len == config.rollout.max_new_tokens
   config.loss.norm_len = 24.0
-  assert launcher.rl_loss_config(config).norm_len == 24.0
+  assert wiring.rl_loss_config(config).norm_len == 24.0

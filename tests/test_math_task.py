@@ -11,8 +11,6 @@ import time
 from fractions import Fraction
 
 import pytest
-
-from experiments import train as train_launcher
 from experiments.configs import smollm2_gsm
 from rl.tasks import gsm
 from rl.tasks import math_answer
@@ -20,6 +18,7 @@ from rl import scoring
 from rl import tasks
 from rl.tasks.math_answer import Answer
 from tests import scoring_tasks
+from rl import wiring
 
 F = Fraction
 HOSTILE = scoring_tasks.MATH_HOSTILE
@@ -314,18 +313,18 @@ def test_each_hostile_completion_takes_at_most_a_few_seconds_in_process():
 def test_format_reward_through_the_launcher_config():
   config = smollm2_gsm.get_config()
   assert config.task.difficulty.format_reward == 0.0  # off by default
-  train_launcher.validate(config)
+  wiring.validate(config)
   config.task.difficulty.format_reward = 0.25
-  task = train_launcher.build_task(config)
+  task = wiring.build_task(config)
   example = task.examples("eval", 1)[0]
   assert task.reward("\\boxed{-1}", example) == 0.25
   config.task.difficulty.format_reward = 1.0
   with pytest.raises(ValueError, match=r"format_reward = 1.0 must be a number in \[0, 1\)"):
-    train_launcher.validate(config)
+    wiring.validate(config)
   config.task.difficulty.format_reward = 0.0
   config.task.prompt_style = "compact"
   with pytest.raises(ValueError, match="needs prompt_style='full'"):
-    train_launcher.validate(config)
+    wiring.validate(config)
 
 
 @pytest.mark.parametrize("config,override,message", [

@@ -6,14 +6,13 @@ import ml_collections
 import numpy as np
 import optax
 import pytest
-
-from experiments import train as launcher
 from experiments.configs import default
 from models import transformer
 from models.config import ModelConfig
 from rl.objectives import losses
 from rl import train
 from rl.types import Rollout
+from rl import wiring
 
 QWEN2 = ModelConfig(vocab_size=37, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                     mlp_dim=48, qkv_bias=True, tie_embeddings=False, max_seq_len=32)
@@ -131,6 +130,6 @@ def test_launcher_rejects_microbatches_that_split_groups():
   config.rl.prefix_shared_forward = True
   config.rollout.prompts_per_step, config.rl.num_microbatches = 6, 4  # 48 rows, 12 per micro
   with pytest.raises(ValueError, match="whole groups per microbatch"):
-    launcher.validate(config)
+    wiring.validate(config)
   config.rl.prefix_shared_forward = False
-  launcher.validate(config)
+  wiring.validate(config)

@@ -19,6 +19,7 @@ from models import gguf_checkpoint
 from models import hf_checkpoint
 from models.pretrained import load_pretrained
 from tests.hf_reference import save_bpe_tokenizer
+from rl import wiring
 
 
 def _hf_folder(path):
@@ -98,9 +99,9 @@ def test_launcher_names_the_missing_tokenizer_and_the_fix(tmp_path):
   c = _pretrained_run_config(tmp_path, bare)
   with pytest.raises(ValueError, match=re.escape(f"{bare} has no tokenizer.json; pass "
                                                  "config.model.tokenizer=<path>")):
-    launcher.load_policy(c, jax.random.PRNGKey(0))
+    wiring.load_policy(c, jax.random.PRNGKey(0))
   c.model.tokenizer = str(folder)
-  tokenizer, model_config, _ = launcher.load_policy(c, jax.random.PRNGKey(0))
+  tokenizer, model_config, _ = wiring.load_policy(c, jax.random.PRNGKey(0))
   assert tokenizer.chat and tokenizer.vocab_size == model_config.vocab_size
 
 
@@ -130,7 +131,7 @@ def test_launcher_trains_a_pretrained_checkpoint_and_eval_restores_it(tmp_path):
   c = _pretrained_run_config(tmp_path, folder)
   summary = launcher.run(c)
   assert summary["steps"] == 2
-  tokenizer, model_config, params = launcher.load_policy(c, jax.random.PRNGKey(0))
+  tokenizer, model_config, params = wiring.load_policy(c, jax.random.PRNGKey(0))
   assert model_config.vocab_size == tokenizer.vocab_size and tokenizer.chat
   loaded = hf_checkpoint.load_hf(str(folder))[1]
   np.testing.assert_array_equal(np.asarray(params["embed"]), np.asarray(loaded["embed"]))

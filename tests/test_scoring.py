@@ -298,7 +298,7 @@ def _registered_prompt(entry):
 
 def test_registered_task_is_rebuilt_in_the_worker():
   tasks.register_task("lcm", key=_registered_key, compact_prompt=_registered_prompt,
-                      compact_answer=tasks._reference_answer,  # pylint: disable=protected-access
+                      compact_answer=tasks.gym.reference_answer,
                       default_eval_size=4, reward=_registered_reward)
   try:
     task = tasks.make_task("lcm", max_value=20)
@@ -306,7 +306,7 @@ def test_registered_task_is_rebuilt_in_the_worker():
     scores = scoring.score(task, [example.answer, "1"], [example, example])
     assert scores.rewards.tolist() == [0.25, 0.0] and scores.errors == 0
   finally:
-    tasks._SPECS.pop("lcm")  # pylint: disable=protected-access
+    tasks.TASKS.unregister("lcm")
 
 
 def test_grpo_step_goes_on_when_a_completion_hangs_its_scorer(monkeypatch):

@@ -20,6 +20,7 @@ from rl import checkpoint
 from rl.rollouts import selection
 from rl.rollouts.batches import ScoredSamples
 from rl.types import Rollout
+from rl import wiring
 
 G = 4  # group size in the simulator tests
 
@@ -307,7 +308,6 @@ def test_check_config_errors_name_the_field():
 
 def _tiny_loop(kind, pool, **overrides):
   """A fresh LoopState and GRPO LoopContext for the tiny model, 2 prompts x 2 rollouts."""
-  from experiments import train as launcher  # pylint: disable=import-outside-toplevel
   from models import transformer  # pylint: disable=import-outside-toplevel
   from models.tokenizer import CharTokenizer  # pylint: disable=import-outside-toplevel
   from rl import loop  # pylint: disable=import-outside-toplevel
@@ -320,8 +320,8 @@ def _tiny_loop(kind, pool, **overrides):
   config.selection = _config(kind, **overrides).as_configdict()
   tokenizer = CharTokenizer()
   task = tasks.make_task("chain_sum", seed=0, eval_size=10, **config.task.difficulty)
-  model_config = launcher.build_model_config(config, tokenizer)
-  ctx, optimizer = launcher.make_context(config, task, tokenizer, model_config, launcher.RL)
+  model_config = wiring.build_model_config(config, tokenizer)
+  ctx, optimizer = wiring.make_context(config, task, tokenizer, model_config, wiring.RL)
   params = transformer.init_params(model_config, jax.random.PRNGKey(0))
   state = loop.LoopState(train=train.init_train_state(params, optimizer), rng=jax.random.PRNGKey(1),
                          selection=selection.init_state(pool, config.selection))
@@ -416,10 +416,9 @@ def test_tree_and_partial_rollouts_cycle_over_the_train_pool(monkeypatch):
     raise Stop
 
   monkeypatch.setattr(rollout_lib, "tree_sample_and_score", fake_tree_sample_and_score)
-  ctx = types.SimpleNamespace(task=task, train_pool=3, prompts_per_step=4, tree_policy=object(),
-                              tree_advantage_fn=object(), tokenizer=None, prompt_len=8,
-                              model_config=None, sampling_config=None)
+  ctx = types.SimpleNamespace(task=task, train_pool=3, prompts_per_step=4, tokenizer=None,
+                              prompt_len=8, model_config=None, sampling_config=None)
   with pytest.raises(Stop):
-    loop.tree_producer(ctx)(None, 0, 0, jax.random.PRNGKey(0), 2, None)  # cursor 2..5
+    loop.tree_producer(ctx, object(), object())(None, 0, 0, jax.random.PRNGKey(0), 2, None)
   assert read == [pool[2], pool[0], pool[1], pool[2]]
   assert [partial_rollout._example(ctx, i) for i in (3, 7)] == [pool[0], pool[1]]  # pylint: disable=protected-access

@@ -12,7 +12,7 @@ def registered():
   names = []
   yield names
   for name in names:
-    tasks._SPECS.pop(name, None)  # pylint: disable=protected-access
+    tasks.TASKS.unregister(name)
 
 
 def lcm_spec(reward):
@@ -58,5 +58,5 @@ def test_register_task_rejects_duplicates_and_unknown_datasets():
     tasks.register_task("chain_sum", **lcm_spec(None))
   with pytest.raises(ValueError, match="not a reasoning-gym dataset"):
     tasks.register_task("no_such_dataset", **lcm_spec(None))
-  with pytest.raises(ValueError, match="register_task adds one"):
+  with pytest.raises(ValueError, match="Unknown task .no_such_dataset.*docs/add_task.md"):
     tasks.make_task("no_such_dataset")

@@ -212,7 +212,7 @@ def test_lr_scale_from_the_objective_scales_the_update():
       deltas.append(state.params["embed"] - params["embed"])
     np.testing.assert_allclose(deltas[1], 0.5 * deltas[0], atol=1e-7)
   finally:
-    del losses.LOSSES["test_half_lr"]
+    losses.LOSSES.unregister("test_half_lr")
 
 
 def test_short_grpo_run_improves_reward():

@@ -11,6 +11,7 @@ import pytest
 
 from experiments import train as launcher
 from tests.launcher_config import tiny_run_config
+from rl import wiring
 
 
 def _config(workdir, data, fsdp, tensor, overrides=None):
@@ -55,7 +56,7 @@ def test_mesh_config_errors_name_the_fix(tmp_path):
   config = _config(str(tmp_path), 2, 2, 2)
   config.eval.batch_size = 6
   with pytest.raises(ValueError, match="config.eval.batch_size = 6 .* multiple of mesh.data"):
-    launcher.build_mesh(config)
+    wiring.build_mesh(config)
   config = _config(str(tmp_path), 3, 1, 1)
   with pytest.raises(ValueError, match="needs 3 devices but 8"):
-    launcher.build_mesh(config)
+    wiring.build_mesh(config)

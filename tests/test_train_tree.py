@@ -7,6 +7,8 @@ import json
 import pytest
 
 from experiments import train
+from rl import wiring
+from rl.rollouts import kinds
 from sampling import tree
 from tests.launcher_config import tiny_run_config
 
@@ -30,13 +32,13 @@ def test_tree_run_end_to_end(tmp_path):
 
 def test_fork_policy_from_config(tmp_path):
   c = _config(tmp_path, policy="segments", segment_len=2, max_depth=2)
-  assert train.build_fork_policy(c.rollout.tree) == tree.FixedSegments(2, 2, 2, 2)
+  assert kinds.fork_policy(c.rollout.tree) == tree.FixedSegments(2, 2, 2, 2)
   c.rollout.tree.policy = "lookahead"
-  assert isinstance(train.build_fork_policy(c.rollout.tree), tree.Lookahead)
+  assert isinstance(kinds.fork_policy(c.rollout.tree), tree.Lookahead)
   c.rollout.tree.policy = "beam"
   with pytest.raises(ValueError, match="config.rollout.tree.policy"):
-    train.validate(c)
+    wiring.validate(c)
   c.rollout.tree.policy = "entropy"
   c.rollout.kind = "forest"
   with pytest.raises(ValueError, match="config.rollout.kind"):
-    train.validate(c)
+    wiring.validate(c)

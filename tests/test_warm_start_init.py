@@ -9,6 +9,7 @@ import pytest
 
 from experiments import train as launcher
 from tests.launcher_config import tiny_run_config
+from rl import wiring
 
 
 def _config(workdir, **overrides):
@@ -88,14 +89,14 @@ def test_a_warm_start_trained_otherwise_is_refused_naming_the_field(
     warm_start_dir, tmp_path, field, value):
   config = _config(tmp_path, **{"warm_start.init_from": warm_start_dir, field: value})
   with pytest.raises(ValueError, match=rf"config\.{field} = .*this run has"):
-    launcher.validate(config)
+    wiring.validate(config)
 
 
 def test_init_from_a_folder_that_is_no_run_or_without_warm_start_is_refused(tmp_path):
   with pytest.raises(ValueError, match="holds no config.json"):
-    launcher.validate(_config(tmp_path, **{"warm_start.init_from": str(tmp_path / "none")}))
+    wiring.validate(_config(tmp_path, **{"warm_start.init_from": str(tmp_path / "none")}))
   with pytest.raises(ValueError, match="no warm start to take"):
-    launcher.validate(_config(tmp_path, **{"warm_start.init_from": str(tmp_path),
+    wiring.validate(_config(tmp_path, **{"warm_start.init_from": str(tmp_path),
                                            "warm_start.steps": 0}))
 
 

@@ -22,7 +22,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.task = ml_collections.ConfigDict()
   c.task.name = "running_sum"         # running_sum (rl/tasks/running_sum.py), gsm_symbolic (math
                                       # word problems, rl/tasks/gsm.py; configs/smollm2_gsm.py) or
-                                      # a reasoning-gym dataset (rl/tasks/__init__.py;
+                                      # a reasoning-gym dataset (rl/tasks/gym.py;
                                       # configs/chain_sum_compact.py)
   c.task.prompt_style = "compact"     # "compact" ("4-1=") for the char tokenizer; "full"
   c.task.eval_size = 500              # held-out items (greedy exact match)

@@ -16,6 +16,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from rl.registry import Registry
+
 
 def _same_group(group: jax.Array) -> jax.Array:
   """[B, B] float matrix: 1 where two rows belong to the same group (prompt)."""
@@ -104,20 +106,14 @@ def median_advantages(reward: jax.Array, group: jax.Array, eps: float = 1e-6) ->
   return standardise(reward - median, group_std(reward, group), group_scale(reward, group), eps)
 
 
-ADVANTAGES: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {
-    "grpo": grpo_advantages,
-    "drgrpo": drgrpo_advantages,
-    "rloo": rloo_advantages,
-    "median": median_advantages,
-}
-
-
-def get_advantage_fn(name: str) -> Callable[[jax.Array, jax.Array], jax.Array]:
-  """The registered estimator `name`, or a ValueError listing the known ones."""
-  if name not in ADVANTAGES:
-    raise ValueError(f"Unknown advantage estimator {name!r} (config.advantage.name); "
-                     f"known: {sorted(ADVANTAGES)}.")
-  return ADVANTAGES[name]
+# Estimators fn(reward [B], group [B]) -> advantage [B], by config.advantage.name.
+ADVANTAGES: Registry[Callable[[jax.Array, jax.Array], jax.Array]] = Registry(
+    "advantage estimator", "config.advantage.name")
+ADVANTAGES.register("grpo", grpo_advantages)
+ADVANTAGES.register("drgrpo", drgrpo_advantages)
+ADVANTAGES.register("rloo", rloo_advantages)
+ADVANTAGES.register("median", median_advantages)
+get_advantage_fn = ADVANTAGES.get
 
 
 # --- Tree advantages (docs/concepts.md). ---
@@ -258,16 +254,11 @@ def treerl_normalized_advantages(*args, eps: float = 1e-6) -> jax.Array:
   return treerl_advantages(*args, normalize=True, eps=eps)
 
 
-TREE_ADVANTAGES: dict[str, Callable[..., jax.Array]] = {
-    "treerl": treerl_advantages,
-    "treerl_normalized": treerl_normalized_advantages,
-    "siblings": sibling_advantages,
-}
-
-
-def get_tree_advantage_fn(name: str) -> Callable[..., jax.Array]:
-  """The registered tree estimator `name`, or a ValueError listing the known ones."""
-  if name not in TREE_ADVANTAGES:
-    raise ValueError(f"Unknown tree advantage estimator {name!r} "
-                     f"(config.rollout.tree.advantage); known: {sorted(TREE_ADVANTAGES)}.")
-  return TREE_ADVANTAGES[name]
+# Tree estimators fn(reward, group, node, parent, prefix_len, completion_mask) -> per-token
+# advantages, by config.rollout.tree.advantage.
+TREE_ADVANTAGES: Registry[Callable[..., jax.Array]] = Registry(
+    "tree advantage estimator", "config.rollout.tree.advantage")
+TREE_ADVANTAGES.register("treerl", treerl_advantages)
+TREE_ADVANTAGES.register("treerl_normalized", treerl_normalized_advantages)
+TREE_ADVANTAGES.register("siblings", sibling_advantages)
+get_tree_advantage_fn = TREE_ADVANTAGES.get

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from rl.objectives import advantages
+from rl.registry import Registry
 
 sg = jax.lax.stop_gradient
 
@@ -97,7 +98,7 @@ class CorrectionSpec:
     return self.factory(**{arg: getattr(config, field) for arg, field in self.fields.items()})
 
 
-CORRECTIONS: dict[str, CorrectionSpec] = {}
+CORRECTIONS: Registry[CorrectionSpec] = Registry("correction", "config.loss.corrections")
 
 
 def register_correction(name: str, needs_prox: bool = False,
@@ -107,23 +108,17 @@ def register_correction(name: str, needs_prox: bool = False,
   (config.loss.corrections); `fields` maps its arguments to config.loss fields;
   `reads_logp` / `replaces_logp` as in `CorrectionSpec`."""
   def wrap(factory: CorrectionFactory) -> CorrectionFactory:
-    if name in CORRECTIONS:
-      raise ValueError(f"Correction {name!r} is already registered.")
     unknown = set(fields or {}) - set(inspect.signature(factory).parameters)
     if unknown:
       raise ValueError(f"Correction {name!r}: {sorted(unknown)} are not arguments of "
                        f"{factory.__name__}.")
-    CORRECTIONS[name] = CorrectionSpec(factory, needs_prox, dict(fields or {}), reads_logp,
-                                       replaces_logp)
+    CORRECTIONS.register(name, CorrectionSpec(factory, needs_prox, dict(fields or {}),
+                                              reads_logp, replaces_logp))
     return factory
   return wrap
 
 
-def get_correction(name: str) -> CorrectionSpec:
-  if name not in CORRECTIONS:
-    raise ValueError(f"Unknown correction {name!r} (config.loss.corrections); known: "
-                     f"{sorted(CORRECTIONS)}.")
-  return CORRECTIONS[name]
+get_correction = CORRECTIONS.get  # the CorrectionSpec named in config.loss.corrections
 
 
 def check_chain(names) -> None:

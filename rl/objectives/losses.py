@@ -27,10 +27,12 @@ import jax
 import jax.numpy as jnp
 
 from rl.objectives import corrections as corr
+from rl.registry import Registry
 from rl.types import Rollout
 
 LossFn = Callable[..., tuple[jax.Array, dict]]
-LOSSES: dict[str, LossFn] = {}
+LOSSES: Registry[LossFn] = Registry(
+    "loss", "config.loss.name", "register_loss adds one: docs/add_objective.md")
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 PROX_ESTIMATES = ("recompute", "loglinear")
@@ -54,21 +56,9 @@ LOSS_DEFAULTS = dict(
     mu_eps_low=0.5, mu_eps_high=1.0)
 
 
-def register_loss(name: str) -> Callable[[LossFn], LossFn]:
-  """Decorator adding an objective to the registry under `name` (config.loss.name)."""
-  def wrap(fn: LossFn) -> LossFn:
-    if name in LOSSES:
-      raise ValueError(f"Loss {name!r} is already registered.")
-    LOSSES[name] = fn
-    return fn
-  return wrap
-
-
-def get_loss(name: str) -> LossFn:
-  """The registered objective `name`, or a ValueError listing the known ones."""
-  if name not in LOSSES:
-    raise ValueError(f"Unknown loss {name!r} (config.loss.name); known: {sorted(LOSSES)}.")
-  return LOSSES[name]
+# `@register_loss(name)` adds an objective (config.loss.name); `get_loss(name)` finds it.
+register_loss = LOSSES.register
+get_loss = LOSSES.get
 
 
 def resolve_norm_len(norm_len: float, max_new_tokens: int) -> float:
@@ -146,7 +136,7 @@ def resolve_config(config, overrides=None) -> types.SimpleNamespace:
   values.update(overrides or {})
   if isinstance(values["corrections"], str):
     raise ValueError(f"config.loss.corrections = {values['corrections']!r} must be a tuple of "
-                     f"names, e.g. ({values['corrections']!r},); known: {sorted(corr.CORRECTIONS)}.")
+                     f"names, e.g. ({values['corrections']!r},); known: {list(corr.CORRECTIONS.names())}.")
   values["corrections"] = tuple(values["corrections"])
   if values["prox_estimate"] not in PROX_ESTIMATES:
     raise ValueError(f"Unknown config.loss.prox_estimate {values['prox_estimate']!r}; known: "

@@ -41,10 +41,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rl.registry import Registry
 from rl.rollouts.batches import ScoredSamples
 from rl.types import Rollout
 
-KINDS = ("uniform", "dynamic", "greso", "adaptive")
 SCORES = ("variance", "beta")
 EASY, HARD = 0, 1  # indices into SelectionState.explore_prob
 _SKIP_STREAM = 0x5EED  # fold_in tag of the key stream for GRESO's skip draws
@@ -101,8 +101,7 @@ def init_state(pool_size: int, config) -> Optional[SelectionState]:
 
 def check_config(config, *, prompts_per_step: int, group_size: int, pool_size: int) -> None:
   """Raises ValueError naming the inconsistent `config.selection` field and the fix."""
-  if config.kind not in KINDS:
-    raise ValueError(f"Unknown config.selection.kind {config.kind!r}; known: {KINDS}.")
+  SELECTION_RULES.get(config.kind)
   if pool_size < 0:
     raise ValueError(f"config.task.train_pool = {pool_size} must be >= 0 (0 = unbounded).")
   if config.max_attempts < 1:
@@ -291,17 +290,23 @@ def _group_rewards(reward: np.ndarray, group: np.ndarray, n: int) -> list[np.nda
 def collect(state: Optional[SelectionState], cursor: int, rng: jax.Array, sample: SampleFn, *,
             config, prompts_per_step: int, group_size: int, pool_size: int,
             advantage_fn: Callable[[jax.Array, jax.Array], jax.Array]) -> Collected:
-  """Rolls out and assembles one GRPO batch of `prompts_per_step * group_size` rows.
+  """Rolls out and assembles one GRPO batch of `prompts_per_step * group_size` rows with
+  the rule config.kind names (`SELECTION_RULES`). Metrics count everything decoded, kept
+  or not."""
+  return SELECTION_RULES.get(config.kind)(
+      state, cursor, rng, sample, config=config, prompts_per_step=prompts_per_step,
+      group_size=group_size, pool_size=pool_size, advantage_fn=advantage_fn)
+
+
+def _collect_rounds(state, cursor, rng, sample, *, config, prompts_per_step, group_size,
+                    pool_size, advantage_fn) -> Collected:
+  """uniform, dynamic and greso: rounds of the next prompts (GRESO skipping some), refilled
+  until the batch holds `prompts_per_step` informative groups when the rule refills.
 
   `rng` is the iteration's sampling key: the first rollout round samples with it unchanged
   (so 'uniform' reproduces plain GRPO exactly); round k > 0 uses fold_in(rng, k) and GRESO's
-  skip draws of round k use fold_in(fold_in(rng, _SKIP_STREAM), k). Metrics count
-  everything decoded, kept or not.
+  skip draws of round k use fold_in(fold_in(rng, _SKIP_STREAM), k).
   """
-  if config.kind == "adaptive":
-    return _collect_adaptive(state, cursor, rng, sample, config=config,
-                             prompts_per_step=prompts_per_step, group_size=group_size,
-                             pool_size=pool_size, advantage_fn=advantage_fn)
   refill = config.kind == "dynamic" or (config.kind == "greso" and config.greso.refill)
   rounds, kept = [], []  # kept: (round index, group index) of informative groups
   skipped = rows = tokens = decode_steps = 0
@@ -391,3 +396,12 @@ def _collect_adaptive(state, cursor, rng, sample, *, config, prompts_per_step, g
                  max_group_size=int(counts.max()))
   return Collected(rollout=rollout, exact=exact, selection=state, cursor=cursor + n,
                    metrics=metrics)
+
+
+# collect(state, cursor, rng, sample, *, config, prompts_per_step, group_size, pool_size,
+# advantage_fn) -> Collected, by config.selection.kind (the module docstring describes each).
+SELECTION_RULES: Registry[Callable[..., Collected]] = Registry(
+    "selection kind", "config.selection.kind")
+for _kind in ("uniform", "dynamic", "greso"):
+  SELECTION_RULES.register(_kind, _collect_rounds)
+SELECTION_RULES.register("adaptive", _collect_adaptive)

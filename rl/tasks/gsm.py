@@ -38,7 +38,7 @@ import reasoning_gym
 from reasoning_gym.arithmetic.gsm_symbolic import gsm_symbolic as _rg_gsm
 
 from rl.tasks import math_answer
-from rl.tasks import Example
+from rl.tasks.base import TASKS, Example
 
 NAME = "gsm_symbolic"
 PROMPT_STYLES = ("full",)
@@ -127,7 +127,7 @@ def _generators(difficulty: float) -> dict:
 class GsmTask:
   """The gsm_symbolic task: deterministic train/eval examples and the math reward.
 
-  Same interface as rl.tasks.Task (name, prompt_style, seed, eval_size, difficulty,
+  The rl.tasks.base.Task interface (name, prompt_style, seed, eval_size, difficulty,
   examples, reward, exact_match). Build with `rl.tasks.make_task("gsm_symbolic",
   prompt_style="full", ...)`.
   """
@@ -210,3 +210,6 @@ class GsmTask:
   def exact_match(self, completion: str, example: Example) -> bool:
     """True when the final answer equals the reference (format does not matter)."""
     return score(completion, example.entry["answer"], self.options.format_reward)[1]
+
+
+TASKS.register(NAME, GsmTask)

@@ -46,7 +46,7 @@ import re
 
 import numpy as np
 
-from rl.tasks import Example
+from rl.tasks.base import TASKS, Example
 
 NAME = "running_sum"
 PROMPT_STYLES = ("compact", "full")
@@ -220,7 +220,7 @@ def correct_leading_states(completion: str, problem: Problem) -> int:
 class RunningSumTask:
   """The running_sum task: deterministic train/eval examples and the exact-answer reward.
 
-  Same interface as rl.tasks.Task (name, prompt_style, seed, eval_size, difficulty,
+  The rl.tasks.base.Task interface (name, prompt_style, seed, eval_size, difficulty,
   examples, reward, exact_match). `Example.size` is k, the number of additions;
   `Example.entry` holds the Problem, its true total and the correct worked solution;
   `Example.answer` is the teacher's worked solution (what the warm start imitates).
@@ -332,3 +332,6 @@ class RunningSumTask:
 
   def exact_match(self, completion: str, example: Example) -> bool:
     return parse_final_answer(completion) == example.entry["total"]
+
+
+TASKS.register(NAME, RunningSumTask)

@@ -1,0 +1,68 @@
+"""What every task is: the `Task` interface, its `Example`s, and the `TASKS` registry that
+`make_task` (and config.task.name) builds from.
+
+A task gives the loop deterministic train and held-out prompts and scores completions.
+`examples(split, n, start)` is a pure function of its arguments, so a loop resumes from
+one integer cursor; `reward` is in [0, 1] and runs in `rl.scoring`'s worker process under
+a time limit, so a task must pickle (define it at module level). docs/add_task.md walks
+through adding one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Protocol
+
+from rl.registry import Registry
+
+PROMPT_STYLES = ("compact", "full")  # compact: for the character tokenizer; full: verbatim
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+  prompt: str  # the text fed to the policy
+  answer: str  # reference answer (used for the supervised warm start)
+  entry: dict  # the task's own record of the question, passed back to its scorer
+  size: int = 0  # problem size (e.g. number of terms) for per-size accuracy; 0 = unsized
+
+
+class Task(Protocol):
+  """The interface the loop, the scorer and evaluation use. Optional attributes:
+  `reward_timeout_s` and `reward_limits` (rl.scoring's bounds for this task's scorer)."""
+  name: str
+  prompt_style: str
+  seed: int
+  eval_size: int
+  difficulty: dict[str, Any]
+
+  def examples(self, split: str, n: int, start: int = 0) -> list[Example]:
+    """Positions start .. start + n - 1 of 'train' (unbounded) or 'eval' (eval_size)."""
+
+  def reward(self, completion: str, example: Example) -> float:
+    """The completion's score in [0, 1]."""
+
+  def exact_match(self, completion: str, example: Example) -> bool:
+    """Whether the completion is fully correct."""
+
+
+# builder(prompt_style, seed, eval_size=None, **difficulty) -> Task, by config.task.name.
+TASKS: Registry[Callable[..., Task]] = Registry(
+    "task", "config.task.name", "rl.tasks.register_task or TASKS.register adds one: docs/add_task.md")
+
+
+def make_task(name: str, prompt_style: str = "compact", *, seed: int = 0,
+              eval_size: int | None = None, **difficulty) -> Task:
+  """Builds the registered task `name`; `difficulty` kwargs are its own settings (a bad
+  one is a ValueError naming it). `eval_size` defaults per task (1000 for reasoning-gym
+  datasets, 100 for countdown, 500 for running_sum, 200 for gsm_symbolic).
+
+  Example: `make_task("chain_sum", min_terms=2, max_terms=3, max_digits=2)`.
+  """
+  build = TASKS.get(name)
+  sized = {} if eval_size is None else {"eval_size": eval_size}
+  return build(prompt_style, seed, **sized, **difficulty)
+
+
+def task_names() -> tuple[str, ...]:
+  """Names `make_task` accepts: the built-in tasks and those registered since."""
+  return TASKS.names()
