@@ -229,7 +229,7 @@ def bench_grpo_step(config: ModelConfig, g: dict, repeats: int) -> dict:
       model_config=config, sampling_config=sampling_config, prompt_len=g["prompt_len"],
       prompts_per_step=g["prompts"], group_size=g["group_size"],
       train_step=train.make_train_step(config, optimizer, GRPO),
-      advantage_fn=advantages.grpo_advantages)
+      batch_advantages=advantages.group_relative(advantages.grpo_advantages))
   state = loop.LoopState(
       train=train.init_train_state(transformer.init_params(config, jax.random.PRNGKey(0)),
                                    optimizer), rng=jax.random.PRNGKey(1))

@@ -126,7 +126,9 @@ class LoopContext:
   prompts_per_step: int
   group_size: int
   train_step: Callable[[TrainState, Rollout], tuple[TrainState, dict]]
-  advantage_fn: Callable
+  # The advantage stage (rl.objectives.advantages.group_relative / per_tree): the final
+  # batch -> its per-token advantages, computed once by `with_advantages`.
+  batch_advantages: Callable[[Rollout], jax.Array]
   staleness: int = 0  # simulated staleness k (GRPO samples with parameters k iterations old)
   # config.selection (rl/rollouts/selection.py); None = uniform. train_pool: finite prompt pool the
   # GRPO data cursor cycles over (0 = unbounded train split).
@@ -249,11 +251,11 @@ def selection_producer(ctx: LoopContext) -> Producer:
           params, [examples[p] for p in row_positions.tolist()], task=ctx.task,
           tokenizer=ctx.tokenizer, rng=key, group_size=1, prompt_len=ctx.prompt_len,
           model_config=ctx.model_config, sampling_config=ctx.sampling_config,
-          advantage_fn=ctx.advantage_fn, version=version, generate_fn=ctx.generate_fn)
+          version=version, generate_fn=ctx.generate_fn)
 
     collected = selection_lib.collect(
         selection, cursor, rng, sample, config=config, prompts_per_step=ctx.prompts_per_step,
-        group_size=ctx.group_size, pool_size=ctx.train_pool, advantage_fn=ctx.advantage_fn)
+        group_size=ctx.group_size, pool_size=ctx.train_pool)
     metrics = dict(collected.metrics,
                    completion_len=collected.metrics["decoded_tokens"] / collected.metrics["rollouts"],
                    completion_length_counts=completion_length_counts(
@@ -262,10 +264,10 @@ def selection_producer(ctx: LoopContext) -> Producer:
   return produce
 
 
-def tree_producer(ctx: LoopContext, policy: ForkPolicy, advantage_fn: Callable) -> Producer:
-  """One tree per prompt (`policy`) for each of the next prompts, its leaves scored, tree
-  advantages computed by `advantage_fn` (an rl.objectives.advantages.TREE_ADVANTAGES
-  estimator; each shared-prefix token is trained once, in the row that decoded it)."""
+def tree_producer(ctx: LoopContext, policy: ForkPolicy) -> Producer:
+  """One tree per prompt (`policy`) for each of the next prompts, its leaves scored (each
+  shared-prefix token is trained once, in the row that decoded it; ctx.batch_advantages is
+  then rl.objectives.advantages.per_tree)."""
 
   def produce(params, version, train_step, rng, cursor, selection):
     del train_step
@@ -275,8 +277,7 @@ def tree_producer(ctx: LoopContext, policy: ForkPolicy, advantage_fn: Callable) 
     samples = rollout_lib.tree_sample_and_score(
         params, examples, task=ctx.task, tokenizer=ctx.tokenizer, rng=rng,
         prompt_len=ctx.prompt_len, model_config=ctx.model_config,
-        sampling_config=ctx.sampling_config, policy=policy, advantage_fn=advantage_fn,
-        version=version)
+        sampling_config=ctx.sampling_config, policy=policy, version=version)
     return Produced(samples.rollout, tree_batch_metrics(samples, len(examples), ctx.prompt_len),
                     cursor + len(examples), selection)
   return produce
@@ -330,14 +331,22 @@ def sampled_tokens(metrics: dict) -> int:
   return int(metrics.get("generated_tokens", metrics.get("decoded_tokens", 0)))
 
 
-def produce_timed(produce: Producer, *args) -> Produced:
-  """`produce(*args)`, with its wall time split into phases in the batch's metrics:
-  time_rollout_s (all of it) = time_sample_s (generation, prompt encoding, advantages) +
-  time_score_s (the task's reward scoring, rl.timing's "score" phase); and
-  sampled_tokens_per_s = sampled_tokens / time_sample_s."""
+def with_advantages(produced: Produced, ctx: LoopContext) -> Produced:
+  """The advantage stage: the produced batch with its per-token advantages, computed once
+  on the final batch by ctx.batch_advantages (whatever rounds, rejections or pool made it)."""
+  rollout = produced.rollout
+  return dataclasses.replace(produced,
+                             rollout=rollout.replace(advantages=ctx.batch_advantages(rollout)))
+
+
+def produce_timed(produce: Producer, ctx: LoopContext, *args) -> Produced:
+  """`produce(*args)` and the advantage stage (`with_advantages`), with their wall time
+  split into phases in the batch's metrics: time_rollout_s (all of it) = time_sample_s
+  (generation, prompt encoding, advantages) + time_score_s (the task's reward scoring,
+  rl.timing's "score" phase); and sampled_tokens_per_s = sampled_tokens / time_sample_s."""
   started = time.perf_counter()
   with timing.phases() as parts:
-    produced = produce(*args)
+    produced = with_advantages(produce(*args), ctx)
   total = time.perf_counter() - started
   score_s = parts.get("score", 0.0)
   tokens = sampled_tokens(produced.metrics)
@@ -386,7 +395,7 @@ def grpo_iteration(state: LoopState, ctx: LoopContext,
   if ctx.publish is not None:
     params = ctx.publish(params)
   train_step = int(state.train.step)
-  produced = produce_timed(produce, params, int(version), train_step, sample_rng,
+  produced = produce_timed(produce, ctx, params, int(version), train_step, sample_rng,
                            state.data_cursor, state.selection)
   train, metrics = train_on(state.train, produced, ctx, train_step)
   new_state = state.replace(train=train, rng=rng, history=history, selection=produced.selection,

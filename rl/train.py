@@ -320,6 +320,10 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
     return new_state, metrics
 
   def step(state: TrainState, batch: Rollout) -> tuple[TrainState, dict]:
+    if batch.advantages is None:  # checked when traced: a batch without them has no leaf
+      raise ValueError("The batch has no advantages (Rollout.advantages is None): the loop "
+                       "computes them on the final batch (rl.loop.with_advantages) before "
+                       "the train step.")
     prox_version = state.step  # the version before this batch's first update
     if batch.prox_logp is None and prox_estimate == "recompute":
       batch = recompute_prox(state.policy_params(), batch)

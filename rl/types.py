@@ -17,7 +17,8 @@ class Rollout:
   parameter version that generated each token (-1 for prompt and padding); group [B]
   prompt id (rows of one group share a prompt); reward [B]; advantages [B, T] per-token
   advantage (a sequence's advantage broadcast over its completion, or per-node advantages
-  for tree rollouts); prox_logp [B, T] optional log-probs under the parameters at the start
+  for tree rollouts): None as a producer returns the batch, set once on the final batch
+  by the loop's advantage stage (`rl.loop.with_advantages`); prox_logp [B, T] optional log-probs under the parameters at the start
   of this update (decoupled PPO); ref_logp [B, T] optional reference-policy log-probs (KL).
   Tree fields (node, parent, depth, prefix_len; [B] each) are None for independent samples.
   For tree rollouts (sampling/tree.py) each row is a root-to-leaf path: node is its id in
@@ -33,7 +34,7 @@ class Rollout:
   version: jax.Array
   group: jax.Array
   reward: jax.Array
-  advantages: jax.Array
+  advantages: Optional[jax.Array] = None
   prox_logp: Optional[jax.Array] = None
   ref_logp: Optional[jax.Array] = None
   node: Optional[jax.Array] = None

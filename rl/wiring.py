@@ -415,7 +415,7 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None):
       task=task, tokenizer=tokenizer, model_config=model_config,
       sampling_config=sampling_config, prompt_len=config.rollout.prompt_len,
       prompts_per_step=prompts, group_size=config.rollout.group_size, train_step=step,
-      advantage_fn=advantages.get_advantage_fn(config.advantage.name),
+      batch_advantages=kinds.ROLLOUT_KINDS.get(config.rollout.kind).batch_advantages(config),
       staleness=staleness_in_batches(config) if phase == RL else 0,
       selection=ml_collections.FrozenConfigDict(config.selection),
       train_pool=config.task.train_pool, **sharded)

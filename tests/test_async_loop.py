@@ -62,7 +62,7 @@ def _fake_context(train_seconds, updates=1, skipped_on=()):
                          nonfinite_updates=state.nonfinite_updates + skipped), {}
   return loop.LoopContext(task=None, tokenizer=None, model_config=None, sampling_config=None,
                           prompt_len=3, prompts_per_step=1, group_size=4, train_step=train_step,
-                          advantage_fn=None)
+                          batch_advantages=lambda batch: batch.advantages)
 
 
 def _fake_state():
@@ -217,7 +217,7 @@ def _context(task, prompts=4, group=4, lr=1e-2, prompt_len=6):
                          sampling_config=sampling_config, prompt_len=prompt_len,
                          prompts_per_step=prompts, group_size=group,
                          train_step=train.make_train_step(model_config, optimizer, GRPO),
-                         advantage_fn=advantages.grpo_advantages)
+                         batch_advantages=advantages.group_relative(advantages.grpo_advantages))
   params = transformer.init_params(model_config, jax.random.PRNGKey(0))
   state = loop.LoopState(train=train.init_train_state(params, optimizer),
                          rng=jax.random.PRNGKey(1))
@@ -333,8 +333,7 @@ def test_async_training_with_stale_batches_improves_the_default_tasks_reward():
     samples = rollout_lib.sample_and_score(
         params, task.examples("train", 8), task=task, tokenizer=TOKENIZER,
         rng=jax.random.PRNGKey(42), group_size=32, prompt_len=ctx.prompt_len,
-        model_config=ctx.model_config, sampling_config=ctx.sampling_config,
-        advantage_fn=advantages.grpo_advantages)
+        model_config=ctx.model_config, sampling_config=ctx.sampling_config)
     return float(np.asarray(samples.rollout.reward).mean())
 
   before = expected_reward(state.train.params)

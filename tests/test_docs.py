@@ -21,6 +21,7 @@ from experiments import train as train_launcher
 from rl import tasks
 from rl import wiring
 from rl.objectives import losses
+from rl.rollouts import kinds
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 _BLOCK = re.compile(r"```python\n(.*?)```", re.S)
@@ -112,6 +113,34 @@ def test_add_objective_recipe(recipe_folder):
     assert np.isfinite([r["loss"] for r in records if "loss" in r]).all()
   finally:
     losses.LOSSES.unregister("reinforce")
+
+
+def test_add_rollout_kind_recipe(recipe_folder):
+  files = write_blocks("concepts.md", recipe_folder)
+  assert list(files) == ["pass_at_group.py", "pass_at_group_config.py"]
+  try:
+    config = load_config_file(files["pass_at_group_config.py"])
+    assert config.rollout.kind == "pass_at_group"
+    config.workdir = str(recipe_folder / "run")
+    config.task.eval_size = 8
+    config.warm_start.steps = 2
+    config.warm_start.batch_size = 8
+    config.rl.steps = 2
+    config.rollout.prompts_per_step = 2
+    config.rollout.group_size = 4
+    config.eval.batch_size = 8
+    summary = train_launcher.run(config)
+    assert summary["steps"] == 4 and summary["nonfinite_updates"] == 0
+    steps = [r for r in metrics.MetricsLog(str(recipe_folder / "run" / "metrics.jsonl")).read()
+             if r.get("phase") == "rl" and "loss" in r]
+    assert len(steps) == 2
+    for record in steps:  # pass@G is at least the batch's exact-match rate, at most 1
+      assert record["exact_match"] <= record["pass_at_group"] <= 1.0
+    config.selection.kind = "dynamic"  # the kind declares no selection rule but uniform
+    with pytest.raises(ValueError, match="config.selection.kind = 'dynamic'"):
+      wiring.validate(config)
+  finally:
+    kinds.ROLLOUT_KINDS.unregister("pass_at_group")
 
 
 def test_math_page_example(recipe_folder):

@@ -149,7 +149,7 @@ def _grpo_rewards(base, lora, steps=25):
       task=DigitTask(), tokenizer=tokenizer, model_config=CONFIG,
       sampling_config=sampling_config, prompt_len=2, prompts_per_step=8, group_size=8,
       train_step=train.make_train_step(CONFIG, optimizer, GRPO),
-      advantage_fn=advantages.grpo_advantages)
+      batch_advantages=advantages.group_relative(advantages.grpo_advantages))
   state = loop.LoopState(train=train.init_train_state(base, optimizer, lora=lora,
                                                       model_config=CONFIG,
                                                       lora_rng=jax.random.PRNGKey(3)),

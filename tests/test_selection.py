@@ -75,7 +75,7 @@ def _run(kind_config, probs, steps, *, prompts=4, pool=None, seed=0, state=None,
   for step in range(steps):
     collected = selection.collect(state, cursor, jax.random.fold_in(rng, cursor), sample,
                                   config=kind_config, prompts_per_step=prompts, group_size=G,
-                                  pool_size=pool, advantage_fn=advantages.grpo_advantages)
+                                  pool_size=pool)
     state, cursor = collected.selection, collected.cursor
     out.append(collected)
   return out, state, cursor
@@ -246,8 +246,9 @@ def test_uniform_is_plain_grpo_batch():
   reward = collected.rollout.reward
   group = jnp.repeat(jnp.arange(3), G)
   np.testing.assert_array_equal(collected.rollout.group, group)
-  np.testing.assert_allclose(collected.rollout.advantages[:, 2],
-                             advantages.grpo_advantages(reward, group), rtol=1e-6)
+  batch_advantages = advantages.group_relative(advantages.grpo_advantages)(collected.rollout)
+  np.testing.assert_allclose(batch_advantages[:, 2], advantages.grpo_advantages(reward, group),
+                             rtol=1e-6)
 
 
 # --- dynamic sampling ----------------------------------------------------------------------
@@ -339,8 +340,9 @@ def test_loop_uniform_is_unchanged_and_greso_without_skipping_equals_it(tmp_path
   samples = rollout_lib.sample_and_score(
       state.train.params, examples, task=ctx.task, tokenizer=ctx.tokenizer, rng=sample_rng,
       group_size=2, prompt_len=ctx.prompt_len, model_config=ctx.model_config,
-      sampling_config=ctx.sampling_config, advantage_fn=ctx.advantage_fn, version=0)
-  reference, _ = ctx.train_step(jax.tree.map(jnp.copy, state.train), samples.rollout)
+      sampling_config=ctx.sampling_config, version=0)
+  batch = samples.rollout.replace(advantages=ctx.batch_advantages(samples.rollout))
+  reference, _ = ctx.train_step(jax.tree.map(jnp.copy, state.train), batch)
 
   uniform, _ = loop.grpo_iteration(state, ctx)
   jax.tree.map(np.testing.assert_array_equal, uniform.train.params, reference.params)
@@ -419,6 +421,6 @@ def test_tree_and_partial_rollouts_cycle_over_the_train_pool(monkeypatch):
   ctx = types.SimpleNamespace(task=task, train_pool=3, prompts_per_step=4, tokenizer=None,
                               prompt_len=8, model_config=None, sampling_config=None)
   with pytest.raises(Stop):
-    loop.tree_producer(ctx, object(), object())(None, 0, 0, jax.random.PRNGKey(0), 2, None)
+    loop.tree_producer(ctx, object())(None, 0, 0, jax.random.PRNGKey(0), 2, None)
   assert read == [pool[2], pool[0], pool[1], pool[2]]
   assert [partial_rollout._example(ctx, i) for i in (3, 7)] == [pool[0], pool[1]]  # pylint: disable=protected-access

@@ -196,6 +196,17 @@ def test_non_finite_loss_skips_the_update_and_is_counted():
     np.testing.assert_array_equal(x, y)
 
 
+def test_a_batch_without_advantages_is_refused():
+  """Producers leave advantages to the loop's stage; a batch that skipped it is an error,
+  not a silent zero-advantage update."""
+  optimizer = train.make_optimizer(1e-2)
+  step = train.make_train_step(CONFIG, optimizer, GRPO)
+  state = train.init_train_state(transformer.init_params(CONFIG, jax.random.PRNGKey(0)),
+                                 optimizer)
+  with pytest.raises(ValueError, match="no advantages.*rl.loop.with_advantages"):
+    step(state, random_rollout().replace(advantages=None))
+
+
 def test_lr_scale_from_the_objective_scales_the_update():
   @losses.register_loss("test_half_lr")
   def half_lr(logp, batch, *, prox_logp=None, config):
@@ -223,7 +234,7 @@ def test_short_grpo_run_improves_reward():
       task=DigitTask(), tokenizer=tokenizer, model_config=CONFIG, sampling_config=sampling_config,
       prompt_len=2, prompts_per_step=8, group_size=8,
       train_step=train.make_train_step(CONFIG, optimizer, GRPO),
-      advantage_fn=advantages.grpo_advantages)
+      batch_advantages=advantages.group_relative(advantages.grpo_advantages))
   params = transformer.init_params(CONFIG, jax.random.PRNGKey(1))
   state = loop.LoopState(train=train.init_train_state(params, optimizer), rng=jax.random.PRNGKey(2))
   rewards = []
@@ -318,7 +329,7 @@ def test_grpo_iteration_splits_its_time_and_counts_real_tokens(monkeypatch):
       task=DigitTask(), tokenizer=tokenizer, model_config=CONFIG, sampling_config=sampling_config,
       prompt_len=2, prompts_per_step=4, group_size=4,
       train_step=train.make_train_step(CONFIG, optimizer, GRPO, learning_rate=schedule),
-      advantage_fn=advantages.grpo_advantages)
+      batch_advantages=advantages.group_relative(advantages.grpo_advantages))
   state = loop.LoopState(train=train.init_train_state(
       transformer.init_params(CONFIG, jax.random.PRNGKey(1)), optimizer), rng=jax.random.PRNGKey(2))
   for i in range(2):
@@ -342,7 +353,7 @@ def test_sft_iteration_counts_the_answer_tokens_it_trains_on():
       prompt_len=2, prompts_per_step=8, group_size=1,
       train_step=train.make_train_step(CONFIG, optimizer, ml_collections.FrozenConfigDict(dict(
           name="sft", aggregation="token_mean", norm_len=1.0))),
-      advantage_fn=advantages.grpo_advantages)
+      batch_advantages=advantages.group_relative(advantages.grpo_advantages))
   state = loop.LoopState(train=train.init_train_state(
       transformer.init_params(CONFIG, jax.random.PRNGKey(1)), optimizer), rng=jax.random.PRNGKey(2))
   _, m = loop.sft_iteration(state, ctx)

@@ -240,8 +240,10 @@ def test_tree_rollout_trains_each_tree_token_once():
   k = ENTROPY.leaves
   reward = jnp.asarray(np.random.default_rng(1).integers(0, 2, gen.leaf.shape[0]), jnp.float32)
   group = jnp.arange(gen.leaf.shape[0]) // k
-  batch = rollout_lib.tree_rollout(gen, reward, group, advantages.treerl_advantages)
+  batch = rollout_lib.tree_rollout(gen, reward, group)
   prompt_len = gen.tokens.shape[1] - gen.entropy.shape[1]
+  batch = batch.replace(advantages=advantages.per_tree(advantages.treerl_advantages,
+                                                       prompt_len)(batch))
   assert int(batch.completion_mask.sum()) == int(gen.decoded_tokens)
   np.testing.assert_array_equal(batch.token_mask, gen.prompt_mask | gen.completion_mask)
   want = advantages.treerl_advantages(reward, group, gen.node, gen.parent, gen.prefix_len,

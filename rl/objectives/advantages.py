@@ -17,6 +17,11 @@ import jax
 import jax.numpy as jnp
 
 from rl.registry import Registry
+from rl.types import Rollout
+
+# The loop's advantage stage: batch -> per-token advantages [B, T] of its completion tokens,
+# computed once on the final batch (`group_relative`, `per_tree`).
+BatchAdvantages = Callable[[Rollout], jax.Array]
 
 
 def _same_group(group: jax.Array) -> jax.Array:
@@ -114,6 +119,15 @@ ADVANTAGES.register("drgrpo", drgrpo_advantages)
 ADVANTAGES.register("rloo", rloo_advantages)
 ADVANTAGES.register("median", median_advantages)
 get_advantage_fn = ADVANTAGES.get
+
+
+def group_relative(estimator: Callable[[jax.Array, jax.Array], jax.Array]) -> BatchAdvantages:
+  """The advantage stage of independent groups: `estimator(reward, group)` (an ADVANTAGES
+  entry), each row's value on every one of its completion tokens (rows masked out of the
+  loss, such as a rejected group's, get 0)."""
+  def batch_advantages(batch: Rollout) -> jax.Array:
+    return estimator(batch.reward, batch.group)[:, None] * batch.completion_mask
+  return batch_advantages
 
 
 # --- Tree advantages (docs/concepts.md). ---
@@ -262,3 +276,17 @@ TREE_ADVANTAGES.register("treerl", treerl_advantages)
 TREE_ADVANTAGES.register("treerl_normalized", treerl_normalized_advantages)
 TREE_ADVANTAGES.register("siblings", sibling_advantages)
 get_tree_advantage_fn = TREE_ADVANTAGES.get
+
+
+def per_tree(estimator: Callable[..., jax.Array], prompt_len: int) -> BatchAdvantages:
+  """The advantage stage of tree batches (rl.rollouts.batches.tree_rollout): `estimator`
+  (a TREE_ADVANTAGES entry) over each tree's nodes, every token getting its node's
+  advantage in the row that decoded it (its completion_mask; the prefix a row shares with
+  its parent is context there). A row's whole root-to-leaf completion is its token mask
+  after the `prompt_len` prompt slots."""
+  def batch_advantages(batch: Rollout) -> jax.Array:
+    path = (batch.prompt_mask | batch.completion_mask)[:, prompt_len:]
+    token_adv = estimator(batch.reward, batch.group, batch.node, batch.parent,
+                          batch.prefix_len, path)
+    return jnp.pad(token_adv, ((0, 0), (prompt_len, 0))) * batch.completion_mask
+  return batch_advantages

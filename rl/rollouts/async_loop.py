@@ -150,7 +150,7 @@ def run_async(state: LoopState, ctx: LoopContext, produce: Producer, num_steps: 
         newest = channel.wait_for(i - batch_lag(max_staleness, updates) if i else 0)
         waited = time.perf_counter() - started
         rng, sample_rng = jax.random.split(rng)
-        produced = loop.produce_timed(produce, newest.params, newest.version,
+        produced = loop.produce_timed(produce, ctx, newest.params, newest.version,
                                       expected_step(newest, i, updates), sample_rng, cursor,
                                       selection)
         cursor, selection = produced.cursor, produced.selection

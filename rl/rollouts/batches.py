@@ -1,4 +1,5 @@
-"""From task examples to a scored `Rollout` batch: encode, sample groups, score, advantage."""
+"""From task examples to a scored `Rollout` batch: encode, sample groups, score. (Advantages
+are the loop's stage, computed once on the final batch: rl.loop.with_advantages.)"""
 
 from __future__ import annotations
 
@@ -174,9 +175,8 @@ def score(task: Task, examples: Sequence[Example], completions: Sequence[str]) -
 def sample_and_score(params, examples: Sequence[Example], *, task: Task, tokenizer: Tokenizer,
                      rng: jax.Array, group_size: int, prompt_len: int,
                      model_config: ModelConfig, sampling_config: SamplingConfig,
-                     advantage_fn: Callable[[jax.Array, jax.Array], jax.Array],
                      version: int = 0, generate_fn: GenerateFn | None = None) -> ScoredSamples:
-  """Samples `group_size` completions per example, scores them and computes advantages.
+  """Samples `group_size` completions per example and scores them.
 
   Rows are grouped contiguously: rows [i*G, (i+1)*G) answer examples[i] (group id i).
   `generate_fn` (default: unsharded `generate`) is the sampler; see `make_generate`.
@@ -188,13 +188,11 @@ def sample_and_score(params, examples: Sequence[Example], *, task: Task, tokeniz
   prompt_mask = np.repeat(prompt_mask, group_size, axis=0)
   generation = generate_fn(params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), rng,
                            version)
-  return score_generation(generation, examples, group_size, task=task, tokenizer=tokenizer,
-                          advantage_fn=advantage_fn)
+  return score_generation(generation, examples, group_size, task=task, tokenizer=tokenizer)
 
 
 def score_generation(generation: Generation, examples: Sequence[Example], group_size: int, *,
-                     task: Task, tokenizer: Tokenizer,
-                     advantage_fn: Callable[[jax.Array, jax.Array], jax.Array]) -> ScoredSamples:
+                     task: Task, tokenizer: Tokenizer) -> ScoredSamples:
   """Scores a generation whose rows [i*G, (i+1)*G) answer examples[i] (group id i)."""
   if jax.process_count() > 1:  # every process scores every row; the train step re-splits rows
     generation = multihost.fetch(generation)
@@ -203,12 +201,10 @@ def score_generation(generation: Generation, examples: Sequence[Example], group_
   repeated = [e for e in examples for _ in range(group_size)]
   scores = score(task, repeated, completions)
   group = jnp.repeat(jnp.arange(len(examples), dtype=jnp.int32), group_size)
-  reward = jnp.asarray(scores.rewards)
-  advantages = advantage_fn(reward, group)[:, None] * generation.completion_mask
   rollout = Rollout(tokens=generation.tokens, prompt_mask=generation.prompt_mask,
                     completion_mask=generation.completion_mask,
                     behavior_logp=generation.behavior_logp, version=generation.version,
-                    group=group, reward=reward, advantages=advantages)
+                    group=group, reward=jnp.asarray(scores.rewards))
   return ScoredSamples(rollout=rollout, completions=completions, exact=scores.exact,
                        decode_steps=int(generation.decode_steps),
                        reward_timeouts=scores.timeouts, reward_errors=scores.errors)
@@ -230,19 +226,17 @@ class ScoredTree:
   reward_errors: int = 0
 
 
-def tree_rollout(generation: Generation, reward: jax.Array, group: jax.Array,
-                 advantage_fn: Callable[..., jax.Array]) -> Rollout:
+def tree_rollout(generation: Generation, reward: jax.Array, group: jax.Array) -> Rollout:
   """The training batch of a tree: every shared-prefix token is trained once.
 
   Row r keeps its whole root-to-leaf sequence as context, but its first prefix_len[r]
   completion tokens (decoded by an ancestor row, which trains them) move from
   completion_mask to prompt_mask: the loss sees each tree token once, in the row that
-  decoded it, with its node's advantage (`advantage_fn`, a TREE_ADVANTAGES estimator).
+  decoded it, with its node's advantage (rl.objectives.advantages.per_tree, the loop's
+  advantage stage).
   """
   prompt_len = generation.tokens.shape[1] - generation.entropy.shape[1]
   full = generation.completion_mask[:, prompt_len:]
-  token_adv = advantage_fn(reward, group, generation.node, generation.parent,
-                           generation.prefix_len, full)
   pos = jnp.arange(full.shape[1])[None, :]
   shared = full & (pos < generation.prefix_len[:, None])
   pad = lambda x: jnp.pad(x, ((0, 0), (prompt_len, 0)))
@@ -250,18 +244,17 @@ def tree_rollout(generation: Generation, reward: jax.Array, group: jax.Array,
   return Rollout(
       tokens=generation.tokens, prompt_mask=generation.prompt_mask | shared,
       completion_mask=own, behavior_logp=generation.behavior_logp,
-      version=generation.version, group=group, reward=reward,
-      advantages=pad(token_adv) * own, node=generation.node, parent=generation.parent,
+      version=generation.version, group=group, reward=reward, node=generation.node,
+      parent=generation.parent,
       depth=generation.depth, prefix_len=generation.prefix_len)
 
 
 def tree_sample_and_score(params, examples: Sequence[Example], *, task: Task,
                           tokenizer: Tokenizer, rng: jax.Array, prompt_len: int,
                           model_config: ModelConfig, sampling_config: SamplingConfig,
-                          policy: ForkPolicy, advantage_fn: Callable[..., jax.Array],
-                          version: int = 0) -> ScoredTree:
-  """Samples one tree per example (policy.leaves rows each, contiguous), scores the
-  leaves and computes tree advantages. Unused rows get reward 0 and no tokens."""
+                          policy: ForkPolicy, version: int = 0) -> ScoredTree:
+  """Samples one tree per example (policy.leaves rows each, contiguous) and scores the
+  leaves. Unused rows get reward 0 and no tokens."""
   prompt_tokens, prompt_mask = encode_prompts(tokenizer, [e.prompt for e in examples], prompt_len)
   generation = tree_generate(params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), rng,
                              model_config, sampling_config, policy, version)
@@ -274,7 +267,7 @@ def tree_sample_and_score(params, examples: Sequence[Example], *, task: Task,
   rewards, exact = np.zeros(len(leaf), np.float32), np.zeros(len(leaf), bool)
   rewards[rows], exact[rows] = scores.rewards, scores.exact
   group = jnp.repeat(jnp.arange(len(examples), dtype=jnp.int32), policy.leaves)
-  rollout = tree_rollout(generation, jnp.asarray(rewards, jnp.float32), group, advantage_fn)
+  rollout = tree_rollout(generation, jnp.asarray(rewards, jnp.float32), group)
   return ScoredTree(rollout=rollout, completions=completions, exact=exact, leaf=leaf,
                     decoded_tokens=int(generation.decoded_tokens),
                     refed_tokens=int(generation.refed_tokens),

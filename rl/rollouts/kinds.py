@@ -34,6 +34,8 @@ class RolloutKind:
     the RL phase, built from the run's config and LoopContext (the pool, when the kind
     keeps one, is checkpointed with the run).
   rows_per_prompt(config): sequences per prompt in a batch.
+  batch_advantages(config): the loop's advantage stage for these batches (default:
+    group-relative, config.advantage.name's estimator over each prompt's rows).
   check(config): raises ValueError for a bad setting of the kind's own fields.
   any_selection: composes with every config.selection.kind (else only 'uniform': the kind
     cannot skip or re-weight the prompts it rolls out).
@@ -45,6 +47,9 @@ class RolloutKind:
   """
   make_producer: Callable[[Any, loop.LoopContext], tuple[loop.Producer, Any]]
   rows_per_prompt: Callable[[Any], int]
+  batch_advantages: Callable[[Any], advantages.BatchAdvantages] = (
+      lambda config: advantages.group_relative(
+          advantages.get_advantage_fn(config.advantage.name)))
   check: Callable[[Any], None] = lambda config: None
   any_selection: bool = False
   mesh: bool = False
@@ -88,16 +93,16 @@ def _check_tree(config) -> None:
   fork_policy(config.rollout.tree)
 
 
-def _tree_producer(config, ctx):
-  tree = config.rollout.tree
-  return loop.tree_producer(ctx, fork_policy(tree),
-                            advantages.get_tree_advantage_fn(tree.advantage)), None
+def _tree_advantages(config) -> advantages.BatchAdvantages:
+  return advantages.per_tree(advantages.get_tree_advantage_fn(config.rollout.tree.advantage),
+                             config.rollout.prompt_len)
 
 
 ROLLOUT_KINDS.register("tree", RolloutKind(
-    make_producer=_tree_producer,
+    make_producer=lambda config, ctx: (
+        loop.tree_producer(ctx, fork_policy(config.rollout.tree)), None),
     rows_per_prompt=lambda config: fork_policy(config.rollout.tree).leaves,
-    check=_check_tree, group_relative=False))
+    batch_advantages=_tree_advantages, check=_check_tree, group_relative=False))
 
 
 def _check_partial(config) -> None:

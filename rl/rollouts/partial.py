@@ -254,7 +254,7 @@ def producer(ctx, rollouts: PartialRollouts):
     generation, ids, cursor, stats = rollouts.next_batch(params, version, rng, cursor, train_step)
     examples = [_example(ctx, i) for i in ids]
     samples = rollout_lib.score_generation(generation, examples, ctx.group_size, task=ctx.task,
-                                           tokenizer=ctx.tokenizer, advantage_fn=ctx.advantage_fn)
+                                           tokenizer=ctx.tokenizer)
     ledger = rollouts.ledger
     metrics = dict(loop.group_batch_metrics(samples, ctx.group_size),
                    idle_slot_steps=stats.idle_slot_steps, generated_tokens=stats.generated_tokens,

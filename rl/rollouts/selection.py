@@ -269,12 +269,11 @@ def _take_rows(rollouts: list[Rollout], index: np.ndarray) -> Rollout:
                       *rollouts)
 
 
-def _finish(rollout: Rollout, group: np.ndarray, keep_rows: np.ndarray, advantage_fn) -> Rollout:
-  """Sets group ids, masks out rejected rows and recomputes advantages on the final batch."""
+def _finish(rollout: Rollout, group: np.ndarray, keep_rows: np.ndarray) -> Rollout:
+  """Sets the final batch's group ids and masks out rejected rows (the loop then computes
+  advantages on it)."""
   completion_mask = rollout.completion_mask & jnp.asarray(keep_rows)[:, None]
-  group = jnp.asarray(group, jnp.int32)
-  advantages = advantage_fn(rollout.reward, group)[:, None] * completion_mask
-  return rollout.replace(group=group, completion_mask=completion_mask, advantages=advantages)
+  return rollout.replace(group=jnp.asarray(group, jnp.int32), completion_mask=completion_mask)
 
 
 def _scoring_failures(rounds: list[ScoredSamples]) -> dict[str, int]:
@@ -288,18 +287,17 @@ def _group_rewards(reward: np.ndarray, group: np.ndarray, n: int) -> list[np.nda
 
 
 def collect(state: Optional[SelectionState], cursor: int, rng: jax.Array, sample: SampleFn, *,
-            config, prompts_per_step: int, group_size: int, pool_size: int,
-            advantage_fn: Callable[[jax.Array, jax.Array], jax.Array]) -> Collected:
+            config, prompts_per_step: int, group_size: int, pool_size: int) -> Collected:
   """Rolls out and assembles one GRPO batch of `prompts_per_step * group_size` rows with
   the rule config.kind names (`SELECTION_RULES`). Metrics count everything decoded, kept
   or not."""
   return SELECTION_RULES.get(config.kind)(
       state, cursor, rng, sample, config=config, prompts_per_step=prompts_per_step,
-      group_size=group_size, pool_size=pool_size, advantage_fn=advantage_fn)
+      group_size=group_size, pool_size=pool_size)
 
 
 def _collect_rounds(state, cursor, rng, sample, *, config, prompts_per_step, group_size,
-                    pool_size, advantage_fn) -> Collected:
+                    pool_size) -> Collected:
   """uniform, dynamic and greso: rounds of the next prompts (GRESO skipping some), refilled
   until the batch holds `prompts_per_step` informative groups when the rule refills.
 
@@ -340,7 +338,7 @@ def _collect_rounds(state, cursor, rng, sample, *, config, prompts_per_step, gro
   rollout = _take_rows([s.rollout for s in rounds], index)
   exact_all = np.concatenate([s.exact for s in rounds])
   group = np.repeat(np.arange(prompts_per_step), group_size)
-  rollout = _finish(rollout, group, np.ones(len(index), bool), advantage_fn)
+  rollout = _finish(rollout, group, np.ones(len(index), bool))
   all_rewards = np.concatenate([np.asarray(s.rollout.reward) for s in rounds])
   batch_reward = np.asarray(rollout.reward).reshape(prompts_per_step, group_size)
   metrics = dict(rollout_rounds=len(rounds), prompts_skipped=skipped, rollouts=rows,
@@ -358,7 +356,7 @@ def _collect_rounds(state, cursor, rng, sample, *, config, prompts_per_step, gro
 
 
 def _collect_adaptive(state, cursor, rng, sample, *, config, prompts_per_step, group_size,
-                      pool_size, advantage_fn) -> Collected:
+                      pool_size) -> Collected:
   """Pilot rollouts, then the rest of the budget where the score is highest (see module doc)."""
   a = config.adaptive
   n = a.prompts or prompts_per_step
@@ -382,7 +380,7 @@ def _collect_adaptive(state, cursor, rng, sample, *, config, prompts_per_step, g
   reward = np.asarray(rollout.reward)
   group_rewards = _group_rewards(reward, group, n)
   informative = np.array([r.std() > 0 for r in group_rewards])
-  rollout = _finish(rollout, group, informative[group], advantage_fn)
+  rollout = _finish(rollout, group, informative[group])
   state = observe(state, positions, group_rewards, config)
   exact = np.concatenate([s.exact for s in rounds])[order]
   metrics = dict(rollout_rounds=len(rounds), prompts_skipped=0, rollouts=budget,
@@ -398,8 +396,8 @@ def _collect_adaptive(state, cursor, rng, sample, *, config, prompts_per_step, g
                    metrics=metrics)
 
 
-# collect(state, cursor, rng, sample, *, config, prompts_per_step, group_size, pool_size,
-# advantage_fn) -> Collected, by config.selection.kind (the module docstring describes each).
+# collect(state, cursor, rng, sample, *, config, prompts_per_step, group_size, pool_size)
+# -> Collected, by config.selection.kind (the module docstring describes each).
 SELECTION_RULES: Registry[Callable[..., Collected]] = Registry(
     "selection kind", "config.selection.kind")
 for _kind in ("uniform", "dynamic", "greso"):
