@@ -9,6 +9,18 @@ import jax
 
 
 @flax.struct.dataclass
+class TreeRows:
+  """What a tree batch adds to its `Rollout` (rl.rollouts.batches.tree_rollout), [B] each:
+  node, the row's id in its group's tree (-1: unused row); parent, the node it forked from
+  (-1: a chain from the prompt); depth, its fork generation; prefix_len, the completion
+  tokens it shares with its parent (context in this row, trained in the parent's)."""
+  node: jax.Array
+  parent: jax.Array
+  depth: jax.Array
+  prefix_len: jax.Array
+
+
+@flax.struct.dataclass
 class Rollout:
   """One training batch of B sequences of T slots (prompt left-padded, then completion).
 
@@ -20,12 +32,10 @@ class Rollout:
   for tree rollouts): None as a producer returns the batch, set once on the final batch
   by the loop's advantage stage (`rl.loop.with_advantages`); prox_logp [B, T] optional log-probs under the parameters at the start
   of this update (decoupled PPO); ref_logp [B, T] optional reference-policy log-probs (KL).
-  Tree fields (node, parent, depth, prefix_len; [B] each) are None for independent samples.
-  For tree rollouts (sampling/tree.py) each row is a root-to-leaf path: node is its id in
-  its group's tree (-1: unused row), parent the node it forked from (-1: a chain from the
-  prompt), depth its fork generation, prefix_len the completion tokens it shares with the
-  parent. Those shared tokens are in prompt_mask (context), not completion_mask: every
-  tree token is trained once, in the row that decoded it (rl.rollouts.batches.tree_rollout).
+  tree: the tree structure of a tree batch (`TreeRows`), None otherwise. Each row of a
+  tree batch (sampling/tree.py) is a root-to-leaf path whose prefix shared with its parent
+  is in prompt_mask (context), not completion_mask: every tree token is trained once, in
+  the row that decoded it (rl.rollouts.batches.tree_rollout).
   """
   tokens: jax.Array
   prompt_mask: jax.Array
@@ -37,10 +47,7 @@ class Rollout:
   advantages: Optional[jax.Array] = None
   prox_logp: Optional[jax.Array] = None
   ref_logp: Optional[jax.Array] = None
-  node: Optional[jax.Array] = None
-  parent: Optional[jax.Array] = None
-  depth: Optional[jax.Array] = None
-  prefix_len: Optional[jax.Array] = None
+  tree: Optional[TreeRows] = None
 
   @property
   def token_mask(self) -> jax.Array:

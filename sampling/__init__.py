@@ -5,7 +5,8 @@ partial rollouts (`partial`). Every policy returns the one trajectory type, `Gen
 
 from sampling.partial import (RESUME_MODES, PartialConfig, RolloutPool, clear,
                               complete_groups, fill, init_pool, oldest_version, run_round, take)
-from sampling.sampler import Generation, SamplerState, SamplingConfig, generate, sample
+from sampling.sampler import (Generation, SamplerState, SamplingConfig, TreePaths, generate,
+                              sample)
 from sampling.tree import EntropyFork, FixedSegments, ForkPolicy, Lookahead, tree_generate
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "RolloutPool",
     "SamplerState",
     "SamplingConfig",
+    "TreePaths",
     "clear",
     "complete_groups",
     "fill",

@@ -103,18 +103,33 @@ class SamplerState:
 
 
 @flax.struct.dataclass
+class TreePaths:
+  """What a tree rollout (sampling/tree.py) adds to its `Generation`, whose rows are
+  root-to-leaf paths: entropy [B, N] sampling entropy at each completion position; leaf [B]
+  row holds a tree path (unused rows have empty completions); node [B] row index within its
+  prompt's tree (-1: unused row); parent, depth, prefix_len [B] (see `tree.TreeState`);
+  row_key [B, 2] the row's key; decoded_tokens, refed_tokens, pruned_tokens (scalars, see
+  sampling/tree.py)."""
+  entropy: jax.Array
+  leaf: jax.Array
+  node: jax.Array
+  parent: jax.Array
+  depth: jax.Array
+  prefix_len: jax.Array
+  row_key: jax.Array
+  decoded_tokens: jax.Array
+  refed_tokens: jax.Array
+  pruned_tokens: jax.Array
+
+
+@flax.struct.dataclass
 class Generation:
   """A finished (or stopped) batch of sequences, ready to be scored.
 
   tokens [B, S]; prompt_mask / completion_mask [B, S]; behavior_logp [B, S];
   version [B, S]; completion_len [B]; stopped [B] (emitted a stop token, as opposed to
-  running out of slots); decode_steps: loop iterations run (scalar).
-  Tree fields are None for independent samples. For tree rollouts (sampling/tree.py) each
-  row is a root-to-leaf path: entropy [B, N] sampling entropy at each completion position;
-  leaf [B] row holds a tree path (unused rows have empty completions); node [B] row index
-  within its prompt's tree (-1: unused row); parent, depth, prefix_len [B] (see
-  `tree.TreeState`); row_key [B, 2] the row's key; decoded_tokens, refed_tokens,
-  pruned_tokens (scalars, see sampling/tree.py).
+  running out of slots); decode_steps: loop iterations run (scalar); tree: the tree
+  rollout's paths (`TreePaths`), None for independent samples and partial rollouts.
   """
   tokens: jax.Array
   prompt_mask: jax.Array
@@ -124,16 +139,7 @@ class Generation:
   completion_len: jax.Array
   stopped: jax.Array
   decode_steps: jax.Array
-  entropy: Optional[jax.Array] = None
-  leaf: Optional[jax.Array] = None
-  node: Optional[jax.Array] = None
-  parent: Optional[jax.Array] = None
-  depth: Optional[jax.Array] = None
-  prefix_len: Optional[jax.Array] = None
-  row_key: Optional[jax.Array] = None
-  decoded_tokens: Optional[jax.Array] = None
-  refed_tokens: Optional[jax.Array] = None
-  pruned_tokens: Optional[jax.Array] = None
+  tree: Optional[TreePaths] = None
 
 
 def prefill(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng: jax.Array,
@@ -370,16 +376,16 @@ def decode(params, state: SamplerState, version: jax.Array, model_config: ModelC
 
 def make_generation(tokens: jax.Array, token_mask: jax.Array, behavior_logp: jax.Array,
                     version: jax.Array, *, prompt_len: int, stopped: jax.Array,
-                    decode_steps: jax.Array, **tree_fields) -> Generation:
+                    decode_steps: jax.Array, tree: TreePaths | None = None) -> Generation:
   """The one place a `Generation` is assembled: slots [0, prompt_len) of the rows [B, S]
-  are the prompt, the rest the completion. `tree_fields`: Generation's tree fields."""
+  are the prompt, the rest the completion; `tree` a tree rollout's paths."""
   is_completion = jnp.arange(tokens.shape[1])[None, :] >= prompt_len
   completion_mask = token_mask & is_completion
   return Generation(
       tokens=tokens, prompt_mask=token_mask & ~is_completion, completion_mask=completion_mask,
       behavior_logp=behavior_logp, version=version,
       completion_len=completion_mask.sum(axis=1).astype(jnp.int32), stopped=stopped,
-      decode_steps=decode_steps, **tree_fields)
+      decode_steps=decode_steps, tree=tree)
 
 
 def to_generation(state: SamplerState) -> Generation:

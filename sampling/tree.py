@@ -48,8 +48,8 @@ import jax.numpy as jnp
 
 from models import transformer
 from models.config import ModelConfig
-from sampling.sampler import (Generation, SamplerState, SamplingConfig, draw, make_generation,
-                              prefill, write_token)
+from sampling.sampler import (Generation, SamplerState, SamplingConfig, TreePaths, draw,
+                              make_generation, prefill, write_token)
 
 
 def _require_positive(policy) -> None:
@@ -516,12 +516,13 @@ def _to_generation(st: TreeState) -> Generation:
       jnp.where(unused, 0, st.tokens), st.token_mask & ~unused,
       jnp.where(born, st.behavior_logp, 0.0), jnp.where(born, st.version, -1),
       prompt_len=st.prompt_len, stopped=st.done & st.born, decode_steps=st.decode_steps,
-      entropy=jnp.where(born, st.entropy, 0.0), leaf=st.born,
-      node=jnp.where(st.born, jnp.arange(st.born.shape[0]) % st.leaves, -1),
-      parent=jnp.where(st.born, st.parent, -1), depth=jnp.where(st.born, st.depth, 0),
-      prefix_len=jnp.where(st.born, st.prefix_len, 0), row_key=st.rng,
-      decoded_tokens=st.decoded_tokens, refed_tokens=st.refed_tokens,
-      pruned_tokens=st.pruned_tokens)
+      tree=TreePaths(
+          entropy=jnp.where(born, st.entropy, 0.0), leaf=st.born,
+          node=jnp.where(st.born, jnp.arange(st.born.shape[0]) % st.leaves, -1),
+          parent=jnp.where(st.born, st.parent, -1), depth=jnp.where(st.born, st.depth, 0),
+          prefix_len=jnp.where(st.born, st.prefix_len, 0), row_key=st.rng,
+          decoded_tokens=st.decoded_tokens, refed_tokens=st.refed_tokens,
+          pruned_tokens=st.pruned_tokens))
 
 
 @functools.partial(jax.jit, static_argnames=("model_config", "sampling_config", "policy"))

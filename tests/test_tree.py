@@ -78,11 +78,11 @@ def _reference(params, prompt, prefix, key, forced=None):
 
 
 def _rows(gen):
-  return np.flatnonzero(gen.leaf)
+  return np.flatnonzero(gen.tree.leaf)
 
 
 def _global_parent(gen, row, leaves):
-  return (row // leaves) * leaves + gen.parent[row]
+  return (row // leaves) * leaves + gen.tree.parent[row]
 
 
 @pytest.mark.parametrize("policy", [ENTROPY, SEGMENTS, LOOKAHEAD], ids=lambda p: type(p).__name__)
@@ -97,9 +97,9 @@ def test_fork_continuation_equals_plain_decoding(policy):
     prompt = prompt_tokens[row // policy.leaves][prompt_mask[row // policy.leaves]]
     completion = gen.tokens[row, prompt_len:][:gen.completion_len[row]]
     logp = gen.behavior_logp[row, prompt_len:][:gen.completion_len[row]]
-    start = gen.prefix_len[row]
+    start = gen.tree.prefix_len[row]
     forced = None
-    if gen.parent[row] >= 0:
+    if gen.tree.parent[row] >= 0:
       forks += 1
       parent = _global_parent(gen, row, policy.leaves)
       np.testing.assert_array_equal(completion[:start], gen.tokens[parent, prompt_len:][:start])
@@ -108,10 +108,10 @@ def test_fork_continuation_equals_plain_decoding(policy):
         forced = int(completion[start])
         assert forced != gen.tokens[parent, prompt_len + start]
     want, want_logp, want_entropy = _reference(params, prompt, completion[:start],
-                                               gen.row_key[row], forced)
+                                               gen.tree.row_key[row], forced)
     np.testing.assert_array_equal(completion[start:], want)
     np.testing.assert_allclose(logp[start:], want_logp, atol=2e-5)
-    np.testing.assert_allclose(gen.entropy[row, start:len(completion)], want_entropy, atol=2e-5)
+    np.testing.assert_allclose(gen.tree.entropy[row, start:len(completion)], want_entropy, atol=2e-5)
     assert np.all(gen.version[row, prompt_len:][:len(completion)] == 3)
   assert forks > 0
 
@@ -119,7 +119,7 @@ def test_fork_continuation_equals_plain_decoding(policy):
 def _owners(gen, leaves):
   """Slow reference: (owner row, position) of each leaf's completion tokens."""
   def owner(row, j):
-    while j < gen.prefix_len[row]:
+    while j < gen.tree.prefix_len[row]:
       row = _global_parent(gen, row, leaves)
     return row
   return {(owner(row, j), j) for row in _rows(gen) for j in range(gen.completion_len[row])}
@@ -129,29 +129,29 @@ def _owners(gen, leaves):
 def test_decoded_tokens_equal_distinct_tree_tokens(policy):
   gen = _generate(policy)
   distinct = len(_owners(gen, policy.leaves))
-  assert int(gen.decoded_tokens) == distinct + int(gen.pruned_tokens)
-  assert distinct == int((gen.completion_len - gen.prefix_len)[gen.leaf].sum())
+  assert int(gen.tree.decoded_tokens) == distinct + int(gen.tree.pruned_tokens)
+  assert distinct == int((gen.completion_len - gen.tree.prefix_len)[gen.tree.leaf].sum())
   assert distinct < int(gen.completion_len.sum())  # prefixes really are shared
   if isinstance(policy, tree.EntropyFork):
-    assert int(gen.refed_tokens) == int((gen.parent >= 0).sum())
+    assert int(gen.tree.refed_tokens) == int((gen.tree.parent >= 0).sum())
   else:
-    assert int(gen.refed_tokens) == 0
+    assert int(gen.tree.refed_tokens) == 0
 
 
 def test_lookahead_prunes_within_budget():
   gen = _generate(LOOKAHEAD)
-  assert int(gen.pruned_tokens) > 0
-  assert gen.leaf.reshape(-1, LOOKAHEAD.leaves).sum(axis=1).max() <= LOOKAHEAD.leaves
+  assert int(gen.tree.pruned_tokens) > 0
+  assert gen.tree.leaf.reshape(-1, LOOKAHEAD.leaves).sum(axis=1).max() <= LOOKAHEAD.leaves
 
 
 def test_segments_branch_every_segment_len_tokens():
   gen = _generate(SEGMENTS)
-  children = gen.parent >= 0
-  assert set(gen.prefix_len[children]) <= {2, 4}
+  children = gen.tree.parent >= 0
+  assert set(gen.tree.prefix_len[children]) <= {2, 4}
   rows = np.flatnonzero(children)
   parents = np.array([_global_parent(gen, r, SEGMENTS.leaves) for r in rows])
-  np.testing.assert_array_equal(gen.depth[rows], gen.depth[parents] + 1)
-  assert np.all(gen.depth[gen.leaf & ~children] == 0)
+  np.testing.assert_array_equal(gen.tree.depth[rows], gen.tree.depth[parents] + 1)
+  assert np.all(gen.tree.depth[gen.tree.leaf & ~children] == 0)
 
 
 def test_entropy_branch_points_are_highest_entropy_tokens():
@@ -167,14 +167,14 @@ def test_entropy_branch_points_are_highest_entropy_tokens():
       candidates = {}
       for local in range(grown):
         row = rows[local]
-        for j in range(gen.prefix_len[row], gen.completion_len[row]):
+        for j in range(gen.tree.prefix_len[row], gen.completion_len[row]):
           if (local, j) not in used:
-            candidates[(local, j)] = gen.entropy[row, j]
+            candidates[(local, j)] = gen.tree.entropy[row, j]
       best = sorted(candidates, key=candidates.get, reverse=True)[:n]
       children = rows[grown:grown + n * b]
-      chosen = {(int(gen.parent[c]), int(gen.prefix_len[c])) for c in children}
+      chosen = {(int(gen.tree.parent[c]), int(gen.tree.prefix_len[c])) for c in children}
       assert chosen == set(best)
-      used |= set(best) | {(grown + i, int(gen.prefix_len[c])) for i, c in enumerate(children)}
+      used |= set(best) | {(grown + i, int(gen.tree.prefix_len[c])) for i, c in enumerate(children)}
 
 
 def _slow_tree_advantages(gen, reward, leaves):
@@ -182,7 +182,7 @@ def _slow_tree_advantages(gen, reward, leaves):
   sets, for every (row, j)."""
   rows = _rows(gen)
   def owner(row, j):
-    while j < gen.prefix_len[row]:
+    while j < gen.tree.prefix_len[row]:
       row = _global_parent(gen, row, leaves)
     return row
   def leafset(row, j):
@@ -218,16 +218,16 @@ def _slow_tree_advantages(gen, reward, leaves):
 def test_tree_advantages_match_slow_reference_on_sampled_tree():
   gen = _generate(ENTROPY)
   k = ENTROPY.leaves
-  reward = np.random.default_rng(0).integers(0, 3, gen.leaf.shape[0]).astype(np.float32) / 2
-  group = np.arange(gen.leaf.shape[0]) // k
-  prompt_len = gen.tokens.shape[1] - gen.entropy.shape[1]
+  reward = np.random.default_rng(0).integers(0, 3, gen.tree.leaf.shape[0]).astype(np.float32) / 2
+  group = np.arange(gen.tree.leaf.shape[0]) // k
+  prompt_len = gen.tokens.shape[1] - gen.tree.entropy.shape[1]
   mask = gen.completion_mask[:, prompt_len:]
   want_treerl, want_normalized, want_siblings = _slow_tree_advantages(gen, reward, k)
   for fn, want in ((advantages.treerl_advantages, want_treerl),
                    (advantages.treerl_normalized_advantages, want_normalized),
                    (advantages.sibling_advantages, want_siblings)):
-    got = np.asarray(fn(jnp.asarray(reward), jnp.asarray(group), jnp.asarray(gen.node),
-                        jnp.asarray(gen.parent), jnp.asarray(gen.prefix_len), jnp.asarray(mask)))
+    got = np.asarray(fn(jnp.asarray(reward), jnp.asarray(group), jnp.asarray(gen.tree.node),
+                        jnp.asarray(gen.tree.parent), jnp.asarray(gen.tree.prefix_len), jnp.asarray(mask)))
     for (row, j), value in want.items():
       np.testing.assert_allclose(got[row, j], value, rtol=1e-4, atol=1e-4)
     assert np.all(got[~mask] == 0)
@@ -238,19 +238,19 @@ def test_tree_rollout_trains_each_tree_token_once():
   once (in the row that decoded it) and carries that token's node advantage."""
   gen = jax.tree.map(jnp.asarray, _generate(ENTROPY))
   k = ENTROPY.leaves
-  reward = jnp.asarray(np.random.default_rng(1).integers(0, 2, gen.leaf.shape[0]), jnp.float32)
-  group = jnp.arange(gen.leaf.shape[0]) // k
+  reward = jnp.asarray(np.random.default_rng(1).integers(0, 2, gen.tree.leaf.shape[0]), jnp.float32)
+  group = jnp.arange(gen.tree.leaf.shape[0]) // k
   batch = rollout_lib.tree_rollout(gen, reward, group)
-  prompt_len = gen.tokens.shape[1] - gen.entropy.shape[1]
+  prompt_len = gen.tokens.shape[1] - gen.tree.entropy.shape[1]
   batch = batch.replace(advantages=advantages.per_tree(advantages.treerl_advantages,
                                                        prompt_len)(batch))
-  assert int(batch.completion_mask.sum()) == int(gen.decoded_tokens)
+  assert int(batch.completion_mask.sum()) == int(gen.tree.decoded_tokens)
   np.testing.assert_array_equal(batch.token_mask, gen.prompt_mask | gen.completion_mask)
-  want = advantages.treerl_advantages(reward, group, gen.node, gen.parent, gen.prefix_len,
+  want = advantages.treerl_advantages(reward, group, gen.tree.node, gen.tree.parent, gen.tree.prefix_len,
                                       gen.completion_mask[:, prompt_len:])
   own = batch.completion_mask[:, prompt_len:]
   np.testing.assert_allclose(batch.advantages[:, prompt_len:], jnp.where(own, want, 0.0))
-  np.testing.assert_array_equal(batch.prefix_len, gen.prefix_len)
+  np.testing.assert_array_equal(batch.tree.prefix_len, gen.tree.prefix_len)
 
 
 def test_bad_policy_settings_raise():

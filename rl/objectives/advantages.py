@@ -286,7 +286,8 @@ def per_tree(estimator: Callable[..., jax.Array], prompt_len: int) -> BatchAdvan
   after the `prompt_len` prompt slots."""
   def batch_advantages(batch: Rollout) -> jax.Array:
     path = (batch.prompt_mask | batch.completion_mask)[:, prompt_len:]
-    token_adv = estimator(batch.reward, batch.group, batch.node, batch.parent,
-                          batch.prefix_len, path)
+    tree = batch.tree
+    token_adv = estimator(batch.reward, batch.group, tree.node, tree.parent, tree.prefix_len,
+                          path)
     return jnp.pad(token_adv, ((0, 0), (prompt_len, 0))) * batch.completion_mask
   return batch_advantages

@@ -17,7 +17,7 @@ from models.config import ModelConfig
 from rl import scoring
 from rl import timing
 from rl.tasks import Example, Task
-from rl.types import Rollout
+from rl.types import Rollout, TreeRows
 from sampling import sampler
 from sampling.sampler import Generation, SamplingConfig, generate
 from sampling.tree import ForkPolicy, tree_generate
@@ -235,18 +235,19 @@ def tree_rollout(generation: Generation, reward: jax.Array, group: jax.Array) ->
   decoded it, with its node's advantage (rl.objectives.advantages.per_tree, the loop's
   advantage stage).
   """
-  prompt_len = generation.tokens.shape[1] - generation.entropy.shape[1]
+  paths = generation.tree
+  prompt_len = generation.tokens.shape[1] - paths.entropy.shape[1]
   full = generation.completion_mask[:, prompt_len:]
   pos = jnp.arange(full.shape[1])[None, :]
-  shared = full & (pos < generation.prefix_len[:, None])
+  shared = full & (pos < paths.prefix_len[:, None])
   pad = lambda x: jnp.pad(x, ((0, 0), (prompt_len, 0)))
-  shared, own = pad(shared), pad(full & ~(pos < generation.prefix_len[:, None]))
+  shared, own = pad(shared), pad(full & ~(pos < paths.prefix_len[:, None]))
   return Rollout(
       tokens=generation.tokens, prompt_mask=generation.prompt_mask | shared,
       completion_mask=own, behavior_logp=generation.behavior_logp,
-      version=generation.version, group=group, reward=reward, node=generation.node,
-      parent=generation.parent,
-      depth=generation.depth, prefix_len=generation.prefix_len)
+      version=generation.version, group=group, reward=reward,
+      tree=TreeRows(node=paths.node, parent=paths.parent, depth=paths.depth,
+                    prefix_len=paths.prefix_len))
 
 
 def tree_sample_and_score(params, examples: Sequence[Example], *, task: Task,
@@ -259,7 +260,7 @@ def tree_sample_and_score(params, examples: Sequence[Example], *, task: Task,
   generation = tree_generate(params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), rng,
                              model_config, sampling_config, policy, version)
   tokens, completion_mask, leaf = jax.device_get(
-      (generation.tokens, generation.completion_mask, generation.leaf))
+      (generation.tokens, generation.completion_mask, generation.tree.leaf))
   completions = decode_completions(tokenizer, tokens, completion_mask)
   repeated = [e for e in examples for _ in range(policy.leaves)]
   rows = np.flatnonzero(leaf)  # unused rows are not scored
@@ -269,7 +270,7 @@ def tree_sample_and_score(params, examples: Sequence[Example], *, task: Task,
   group = jnp.repeat(jnp.arange(len(examples), dtype=jnp.int32), policy.leaves)
   rollout = tree_rollout(generation, jnp.asarray(rewards, jnp.float32), group)
   return ScoredTree(rollout=rollout, completions=completions, exact=exact, leaf=leaf,
-                    decoded_tokens=int(generation.decoded_tokens),
-                    refed_tokens=int(generation.refed_tokens),
-                    pruned_tokens=int(generation.pruned_tokens),
+                    decoded_tokens=int(generation.tree.decoded_tokens),
+                    refed_tokens=int(generation.tree.refed_tokens),
+                    pruned_tokens=int(generation.tree.pruned_tokens),
                     reward_timeouts=scores.timeouts, reward_errors=scores.errors)
