@@ -208,10 +208,21 @@ def test_b5_page_tabulates_final_accuracy_area_and_step_metrics(tmp_path):
   assert "3 of 90 cells finished" in page
   row = next(line for line in page.splitlines() if line.startswith("| grpo_k0 |"))
   cells = [c.strip() for c in row.split("|")[1:-1]]
-  assert cells[1] == "0,1" and cells[2] == "0.800 ± 0.141" and cells[4] == "0.575 ± 0.106"
-  assert cells[5] == "0.200 ± 0.141"  # the clip fraction's mean over seeds
+  assert cells[1] == "0,1" and cells[2] == "0.700, 0.900" and cells[3] == "-"
+  assert cells[4] == "0.800 ± 0.141" and cells[6] == "0.575 ± 0.106"
+  assert cells[7] == "0.200 ± 0.141"  # the clip fraction's mean over seeds
   assert any(line.startswith("| stages_grpo_S4 |") for line in page.splitlines())
   assert (tmp_path / "b5.png").exists()
+
+
+def test_paired_difference_compares_seed_by_seed_over_shared_seeds():
+  final = lambda r: r["summary"]["final_accuracy"]
+  grpo = [_b5_result("grpo_k8", s, [0.3, a], {}) for s, a in [(0, 0.5), (1, 0.9), (2, 0.6)]]
+  other = [_b5_result("vcpo_k8", s, [0.3, a], {}) for s, a in [(0, 0.6), (1, 0.8), (3, 0.1)]]
+  # Seeds 0 and 1 only: +0.1 and -0.1 (seed 3 has no GRPO run to pair with).
+  assert pages.paired_difference(other, grpo, final) == "0.000 ± 0.141 (1 up, 1 down)"
+  assert pages.paired_difference(grpo, grpo, final) == "0.000 ± 0.000 (0 up, 0 down)"
+  assert pages.paired_difference(other[2:], grpo, final) == "-"
 
 
 def test_page_keeps_hand_written_text_around_the_generated_part(tmp_path):
@@ -294,6 +305,12 @@ def test_b4_page_counts_sequences_per_decode_step_and_seconds_to_sync(tmp_path):
   sync, partial = _row(page, "sync"), _row(page, "partial_kept_kv")
   assert sync[4] == "0.640" and partial[4] == "1.600" and partial[5] == "2.50"
   assert sync[8] == "100" and partial[8] == "40" and partial[9] == "1.50"
+  assert partial[10] == "0.000 (0 up, 0 down)"  # final minus sync's, seed by seed
+  # A partial-rollout run reports no `rollouts`: its trained tokens over their mean length.
+  partial_only = _cell_result("partial_reprefill", 1, [0.3, 0.8], [0, 1], [0.0, 40.0],
+                              {"trained_tokens": 2560.0, "completion_len": 40.0,
+                               "decode_steps": 32.0})
+  assert b4["sequences_per_decode_step"](partial_only) == 2.0
 
 
 def test_b6_page_measures_tokens_to_half_of_uniforms_gain(tmp_path):

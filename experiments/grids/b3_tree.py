@@ -8,7 +8,7 @@ warm start (experiments/grids/warm_starts.py).
         --render --page=docs/benchmarks_tree.md
 
 Cells (the default config otherwise: 120 RL steps of 8 prompts, 8 sequences per prompt,
-GRPO, held-out greedy accuracy every 10 steps):
+GRPO, held-out greedy accuracy every 30 steps, the default):
 - `independent`: 8 independent completions per prompt (the default run).
 - `entropy` (TreeRL's EPTree): 4 chains, then one round forking at the 2 highest-entropy
   tokens into 2 branches each: 4 + 1 x 2 x 2 = 8 leaves.
@@ -95,6 +95,10 @@ def _tokens_to_target(result: dict, groups: dict[str, list[dict]]) -> float | No
   return pages.first_reaching(*pages.rl_curve(result, "tokens"), target)
 
 
+def _final(result: dict) -> float:
+  return result["summary"]["final_accuracy"]
+
+
 def _row(name: str, group: list[dict], groups: dict[str, list[dict]]) -> str:
   s = [r["summary"] for r in group]
   independent = {r["seed"]: tokens_per_leaf(r) for r in groups.get("independent", [])}
@@ -109,7 +113,9 @@ def _row(name: str, group: list[dict], groups: dict[str, list[dict]]) -> str:
       pages.mean_std([x["tokens"]["sampled"] / 1e3 for x in s], 0) + "k",
       pages.per_seed(reached, lambda t: f"{t / 1e3:.0f}k"),
       pages.mean_std([x["time_rl_s"] for x in s], 0),
-      pages.mean_std([x["time_s"]["rollout"] for x in s], 0)])
+      pages.mean_std([x["time_s"]["rollout"] for x in s], 0),
+      pages.paired_difference(group, groups.get("independent", []), _final)
+      if name != "independent" else "-"])
 
 
 def render_page(results: list[dict], page_path: str) -> str:
@@ -120,10 +126,12 @@ def render_page(results: list[dict], page_path: str) -> str:
            "independent: that over independent sampling's in the same seed; tokens to "
            "target: RL tokens sampled before the first evaluation at or above independent "
            "sampling's final accuracy in the same seed (per seed; - = never reached); RL "
-           "seconds: wall time of the RL steps, and of their rollouts.", "",
+           "seconds: wall time of the RL steps, and of their rollouts; paired: final accuracy "
+           "minus independent sampling's, seed by seed.", "",
            pages.table_head(["method", "seeds", "final accuracy", "leaves per prompt",
                              "tokens per leaf", "vs independent", "RL tokens sampled",
-                             "tokens to target (per seed)", "RL s", "rollout s"])]
+                             "tokens to target (per seed)", "RL s", "rollout s",
+                             "final minus independent's, paired"])]
   lines += [_row(name, groups[name], groups) for name in METHODS if name in groups]
   figure = os.path.splitext(page_path)[0] + ".png"
   if results:

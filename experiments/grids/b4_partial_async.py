@@ -8,7 +8,7 @@ cell's RL phase from its seed's shared warm start (experiments/grids/warm_starts
         --out=docs/results/b4 --render --page=docs/benchmarks_partial.md
 
 Cells (the default config otherwise: 120 RL steps of 8 prompts x 8 completions, GRPO,
-held-out greedy accuracy every 10 steps):
+held-out greedy accuracy every 30 steps, the default):
 - `sync`: each step samples a fresh batch and waits for its longest completion.
 - `partial_kept_kv` / `partial_reprefill` (APRIL, CoPRIS): a pool of 2 x 64 rows; a round
   decodes until 8 groups are complete, trains on them, and continues the unfinished rows
@@ -41,13 +41,23 @@ SPEC = {"cells": [{"name": f"{name}_s{seed}", "module": "experiments.train", "se
 # --- The page ---
 
 def sequences_per_decode_step(result: dict) -> float:
-  """Completed sequences trained on per decode step of the sampler, over the RL phase."""
+  """Completed sequences trained on per decode step of the sampler, over the RL phase.
+
+  Partial-rollout steps report no `rollouts` count (their ledger counts groups, and
+  cumulatively); every trained row is a completed sequence, so their count is the trained
+  tokens over the mean trained completion length."""
   means = result["summary"]["rl_step_means"]
-  return means["rollouts"] / means["decode_steps"]
+  if "rollouts" in means:
+    return means["rollouts"] / means["decode_steps"]
+  return means["trained_tokens"] / means["completion_len"] / means["decode_steps"]
 
 
 def _seconds_to(result: dict, target: float) -> float | None:
   return pages.first_reaching(*pages.rl_curve(result, "seconds"), target)
+
+
+def _final(result: dict) -> float:
+  return result["summary"]["final_accuracy"]
 
 
 def _row(name: str, group: list[dict], groups: dict[str, list[dict]]) -> str:
@@ -67,7 +77,8 @@ def _row(name: str, group: list[dict], groups: dict[str, list[dict]]) -> str:
       pages.mean_std([x["tokens"]["sampled"] / 1e3 for x in s], 0) + "k",
       pages.mean_std([x["time_rl_s"] for x in s], 0),
       pages.per_seed(to_target, lambda t: f"{t:.0f}"),
-      pages.mean_std(staleness, 2)])
+      pages.mean_std(staleness, 2),
+      pages.paired_difference(group, groups.get("sync", []), _final) if name != "sync" else "-"])
 
 
 def render_page(results: list[dict], page_path: str) -> str:
@@ -80,10 +91,12 @@ def render_page(results: list[dict], page_path: str) -> str:
            "s to sync's final: RL seconds before the first evaluation at or above the "
            "synchronous run's final accuracy in the same seed (per seed; - = never); "
            "staleness: mean updates between a token's sampling parameters and the update "
-           "that trains on it.", "",
+           "that trains on it; paired: final accuracy minus the synchronous run's, seed by "
+           "seed.", "",
            pages.table_head(["setting", "seeds", "final accuracy", "its stderr",
                              "sequences per decode step", "vs sync", "RL tokens sampled",
-                             "RL s", "s to sync's final (per seed)", "staleness"])]
+                             "RL s", "s to sync's final (per seed)", "staleness",
+                             "final minus sync's, paired"])]
   lines += [_row(name, groups[name], groups) for name in SETTINGS if name in groups]
   figure = os.path.splitext(page_path)[0] + ".png"
   if results:

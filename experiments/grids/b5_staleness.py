@@ -85,14 +85,21 @@ STEP_METRICS = (("clip_fraction", "clip"), ("masked_fraction", "mask"),
                 ("grad_norm", "grad norm"))
 
 
-def _row(name: str, group: list[dict]) -> str:
-  finals = [r["summary"]["final_accuracy"] for r in group]
+def _final(result: dict) -> float:
+  return result["summary"]["final_accuracy"]
+
+
+def _row(name: str, group: list[dict], reference: list[dict]) -> str:
+  """A cell's row; `reference` (GRPO's cell in the same setting) gives the paired column."""
+  finals = [_final(r) for r in group]
   areas = [pages.area_under_curve(*pages.rl_curve(r)) for r in group]
   gains = [r["summary"]["final_accuracy"] - r["summary"]["warm_start_accuracy"] for r in group]
   means = [r["summary"]["rl_step_means"] for r in group]
   steps = [pages.mean_std([m[key] for m in means if key in m]) for key, _ in STEP_METRICS]
-  return pages.table_row(name, group, [pages.mean_std(finals), pages.mean_std(gains),
-                                       pages.mean_std(areas), *steps])
+  return pages.table_row(name, group, [
+      pages.per_seed(finals, lambda v: f"{v:.3f}"),
+      pages.paired_difference(group, reference, _final) if group is not reference else "-",
+      pages.mean_std(finals), pages.mean_std(gains), pages.mean_std(areas), *steps])
 
 
 def _plot(groups: dict[str, list[dict]], path: str) -> None:
@@ -108,28 +115,38 @@ def _plot(groups: dict[str, list[dict]], path: str) -> None:
 def render_page(results: list[dict], page_path: str) -> str:
   """B5's tables and figure from the finished cells' results (experiments.grid)."""
   groups = pages.by_setting(results)
-  header = pages.table_head(["cell", "seeds", "final accuracy", "gain over warm start",
+  header = pages.table_head(["cell", "seeds", "final accuracy per seed",
+                             "final minus GRPO's, paired", "final accuracy",
+                             "gain over warm start",
                              "area under curve", *(label for _, label in STEP_METRICS)])
   lines = [pages.provenance(results, len(SPEC["cells"])), "",
            "Final accuracy: held-out greedy exact match (500 problems) after the RL phase; "
            "area under curve: mean accuracy over the RL phase (trapezoid against optimiser "
-           "updates, warm start included); step columns: means over the RL steps.", "",
+           "updates, warm start included); paired: the final accuracy minus GRPO's in the same "
+           "setting (same k, stage size or updates per batch), seed by seed; step columns: "
+           "means over the RL steps.", "",
            "### Staleness k x objective", "", header]
   for k in STALENESS:
     for objective in OBJECTIVES:
       name = f"{objective}_k{k}"
       if name in groups:
-        lines.append(_row(name, groups[name]))
+        lines.append(_row(name, groups[name], groups.get(f"grpo_k{k}", [])))
   lines += ["", "### Stages (mu-GRPO's schedule: S updates per rollout batch)", "", header]
-  for name in ["grpo_k0"] + [f"stages_{o}_S{s}" for s in STAGES for o in ("grpo", "mu_grpo")]:
-    if name in groups:
-      lines.append(_row(name, groups[name]))
+  if "grpo_k0" in groups:
+    lines.append(_row("grpo_k0", groups["grpo_k0"], groups["grpo_k0"]))
+  for stage in STAGES:
+    for objective in ("grpo", "mu_grpo"):
+      name = f"stages_{objective}_S{stage}"
+      if name in groups:
+        lines.append(_row(name, groups[name], groups.get(f"stages_grpo_S{stage}", [])))
   follow_up = [f"{o}_U4_k32" for o in ("grpo", "decoupled")]
   if any(name in groups for name in follow_up):
     lines += ["", "### Four updates per batch at k = 32 (decoupled PPO's clip acting)", "",
               header]
-    lines += [_row(name, groups[name]) for name in ["grpo_k32", "decoupled_k32"] + follow_up
-              if name in groups]
+    references = {"grpo_k32": "grpo_k32", "decoupled_k32": "grpo_k32",
+                  "grpo_U4_k32": "grpo_U4_k32", "decoupled_U4_k32": "grpo_U4_k32"}
+    lines += [_row(name, groups[name], groups.get(references[name], []))
+              for name in references if name in groups]
   figure = os.path.splitext(page_path)[0] + ".png"
   if results:
     _plot(groups, figure)

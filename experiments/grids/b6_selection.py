@@ -8,9 +8,9 @@ from its seed's shared warm start (experiments/grids/warm_starts.py).
         --render --page=docs/benchmarks_selection.md
 
 Cells (the default config otherwise: 120 RL steps of 8 prompts x 8 completions, GRPO,
-held-out greedy accuracy every 10 steps), all on a finite pool of 256 train prompts, so
-that each prompt recurs about 3.75 times (960 prompt visits) and GRESO's per-prompt
-history means something:
+held-out greedy accuracy every 30 steps, the default), all on a finite pool of 256 train
+prompts, so that each prompt recurs about 3.75 times (960 prompt visits) and GRESO's
+per-prompt history means something:
 - `uniform`: the next 8 prompts of the pool, every group trained (all-equal groups have
   zero advantage).
 - `dynamic` (DAPO): roll out, drop the all-equal groups, roll out more prompts until 8
@@ -59,6 +59,10 @@ def zero_variance_share(result: dict) -> tuple[list[int], list[float | None]]:
                  for w in summary["rl_step_means_between_evals"][1:]]
 
 
+def _final(result: dict) -> float:
+  return result["summary"]["final_accuracy"]
+
+
 def _row(name: str, group: list[dict], uniform: dict[int, dict]) -> str:
   s = [r["summary"] for r in group]
   tokens = [pages.first_reaching(*pages.rl_curve(r, "tokens"), target(uniform[r["seed"]]))
@@ -67,6 +71,8 @@ def _row(name: str, group: list[dict], uniform: dict[int, dict]) -> str:
                                target(uniform[r["seed"]])) if r["seed"] in uniform else None
           for r in group]
   speedup = [b / t for b, t in zip(base, tokens) if b and t]
+  updates = [pages.first_reaching(*pages.rl_curve(r, "updates"), target(uniform[r["seed"]]))
+             if r["seed"] in uniform else None for r in group]
   shares = [zero_variance_share(r)[1] for r in group]
   first = [x[0] for x in shares if x and x[0] is not None]
   last = [x[-1] for x in shares if x and x[-1] is not None]
@@ -78,7 +84,10 @@ def _row(name: str, group: list[dict], uniform: dict[int, dict]) -> str:
       pages.mean_std([x["tokens"]["sampled"] / 1e3 for x in s], 0) + "k",
       f"{pages.mean_std(first, 2)} -> {pages.mean_std(last, 2)}",
       pages.mean_std([x["prompts_skipped"] for x in s], 0),
-      pages.mean_std([x["time_rl_s"] for x in s], 0)])
+      pages.mean_std([x["time_rl_s"] for x in s], 0),
+      pages.per_seed(updates, lambda u: f"{u:.0f}"),
+      pages.paired_difference(group, list(uniform.values()), _final)
+      if name != "uniform" else "-"])
 
 
 def _plot_zero_variance(groups: dict[str, list[dict]], path: str) -> None:
@@ -112,10 +121,13 @@ def render_page(results: list[dict], page_path: str) -> str:
            "tokens to target over the method's, per seed where both reached it; all-equal "
            "share: rolled-out groups with equal rewards, over the steps before the first "
            "evaluation and before the last; "
-           "prompts skipped: per run (GRESO's pre-rollout skips).", "",
+           "prompts skipped: per run (GRESO's pre-rollout skips); updates to target: optimiser "
+           "updates before that evaluation; paired: final accuracy minus uniform's, seed by "
+           "seed.", "",
            pages.table_head(["method", "seeds", "reached", "tokens to target (per seed)",
                              "speed-up", "final accuracy", "RL tokens sampled",
-                             "all-equal share (first -> last)", "prompts skipped", "RL s"])]
+                             "all-equal share (first -> last)", "prompts skipped", "RL s",
+                             "updates to target (per seed)", "final minus uniform's, paired"])]
   lines += [_row(name, groups[name], uniform) for name in METHODS if name in groups]
   stem = os.path.splitext(page_path)[0]
   if results:

@@ -72,6 +72,20 @@ def mean_std(values: list[float], digits: int = 3) -> str:
   return f"{np.mean(values):.{digits}f} ± {np.std(values, ddof=1):.{digits}f}"
 
 
+def paired_difference(group: list[dict], reference: list[dict],
+                      value: Callable[[dict], float]) -> str:
+  """`value(cell) - value(reference)` seed by seed over the seeds both have, as
+  'mean ± sample std (h up, l down)' with h and l the seeds where the cell is higher and
+  lower: a paired comparison, which removes the spread
+  between seeds' warm starts that the plain means carry ('-' when no seed is shared)."""
+  references = {r["seed"]: value(r) for r in reference}
+  differences = [value(r) - references[r["seed"]] for r in group if r["seed"] in references]
+  if not differences:
+    return "-"
+  higher, lower = sum(d > 0 for d in differences), sum(d < 0 for d in differences)
+  return f"{mean_std(differences)} ({higher} up, {lower} down)"
+
+
 def per_seed(values: list[float | None], form: Callable[[float], str]) -> str:
   """Values one per seed, each written by `form` ('-' for None): '12k, -, 40k'."""
   return ", ".join("-" if v is None else form(v) for v in values)
