@@ -18,7 +18,6 @@ setup(
         "optax>=0.2.8,<0.3",
         "orbax-checkpoint>=0.12.8,<0.13",
         "chex>=0.1.92,<0.2",
-        "tensorstore>=0.1.86,<0.2",
         "numpy>=2.4,<3",
         "absl-py>=2.5,<3",
         "ml_collections>=1.1,<2",

@@ -93,11 +93,11 @@ def run_partial(params, model_config, sampling_config, batches, groups, group_si
       lambda ids: _prompts(ids, prompt_len, model_config.vocab_size))
   steps = generated = idle = rounds = 0
   finished = []
-  rng, cursor = jax.random.PRNGKey(1), 0
+  rng, state = jax.random.PRNGKey(1), rollouts.init()
   started = time.perf_counter()
   for b in range(batches):
     rng, key = jax.random.split(rng)
-    gen, ids, cursor, stats = rollouts.next_batch(params, b, key, cursor)
+    gen, ids, stats, state = rollouts.next_batch(state, params, b, key)
     jax.block_until_ready(gen.tokens)
     steps, generated = steps + stats.decode_steps, generated + stats.generated_tokens
     idle += stats.idle_slot_steps
@@ -105,15 +105,15 @@ def run_partial(params, model_config, sampling_config, batches, groups, group_si
     finished += list(ids)
   delivered_seconds = time.perf_counter() - started
   delivered_steps = steps
-  ledger_before_drain = rollouts.ledger.as_dict()
-  gen, ids, stats = rollouts.drain(params, batches, rng)
+  ledger_before_drain = state.ledger.as_dict()
+  gen, ids, stats, state = rollouts.drain(state, params, batches, rng)
   seconds = time.perf_counter() - started
   finished += list(ids)
   steps, generated = steps + stats.decode_steps, generated + stats.generated_tokens
   idle += stats.idle_slot_steps
   rounds += stats.rounds
-  ledger = rollouts.ledger.as_dict()
-  in_flight = len(rollouts.in_flight_ids())
+  ledger = state.ledger.as_dict()
+  in_flight = len(rollouts.in_flight_ids(state))
   assert len(finished) == len(set(finished)) == ledger["started"], "conservation broken"
   # Prefill cost per round: every row's resume window (P + N for re-prefill, P for kept KV).
   window = prompt_len + sampling_config.max_new_tokens if resume == "reprefill" else prompt_len

@@ -47,6 +47,7 @@ from models.config import ModelConfig, get_preset
 from rl.objectives import advantages
 from rl import loop
 from rl import train
+from rl.rollouts import producers
 from rl.tasks import Example
 from rl.types import Rollout
 from sampling.sampler import SamplingConfig
@@ -225,18 +226,20 @@ def bench_grpo_step(config: ModelConfig, g: dict, repeats: int) -> dict:
   # No stop tokens: every row decodes exactly new_tokens tokens, as the peers are forced to.
   sampling_config = SamplingConfig(max_new_tokens=g["new_tokens"], temperature=1.0)
   ctx = loop.LoopContext(
-      task=EvenTokensTask(config.vocab_size, g["prompt_len"]), tokenizer=WordTokenizer(),
-      model_config=config, sampling_config=sampling_config, prompt_len=g["prompt_len"],
-      prompts_per_step=g["prompts"], group_size=g["group_size"],
+      batch=producers.BatchContext(
+          task=EvenTokensTask(config.vocab_size, g["prompt_len"]), tokenizer=WordTokenizer(),
+          model_config=config, sampling_config=sampling_config, prompt_len=g["prompt_len"],
+          prompts_per_step=g["prompts"], group_size=g["group_size"]),
       train_step=train.make_train_step(config, optimizer, GRPO),
       batch_advantages=advantages.group_relative(advantages.grpo_advantages))
+  producer = producers.independent(ctx.batch)
   state = loop.LoopState(
       train=train.init_train_state(transformer.init_params(config, jax.random.PRNGKey(0)),
-                                   optimizer), rng=jax.random.PRNGKey(1))
+                                   optimizer), rng=jax.random.PRNGKey(1), producer=producer.init(0))
 
   def run():
     nonlocal state
-    state, _ = loop.grpo_iteration(state, ctx)
+    state, _ = loop.grpo_iteration(state, ctx, producer)
 
   first = timed(run)
   best = min(timed(run) for _ in range(repeats))

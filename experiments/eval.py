@@ -18,7 +18,6 @@ and from `num_samples` completions per example at `--temperature` the unbiased p
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import sys
@@ -36,7 +35,6 @@ from models.hf_tokenizer import HFTokenizer
 from models.tokenizer import CharTokenizer
 from rl import checkpoint
 from rl import evaluation
-from rl import loop
 from rl import wiring
 from rl.tasks import Task
 from sampling.sampler import SamplingConfig
@@ -106,20 +104,19 @@ def checkpoint_steps(config: ml_collections.ConfigDict, which: str = "latest") -
 def load_params(config: ml_collections.ConfigDict, policy: Policy, step: int):
   """The policy parameters of checkpoint `step` of the run in config.workdir.
 
-  The checkpoint holds the whole LoopState; its optimiser state has the structure of the
-  phase that saved it (warm start or RL), so the expected state is built for that phase.
+  The checkpoint holds the whole LoopState; its optimiser state and producer state have
+  the structure of the phase that saved it (warm start or RL), so the expected state is
+  built for that phase.
   Under LoRA (an RL checkpoint of a run with config.lora.rank > 0) the adapters are merged
   into the frozen base.
   """
   manager = checkpoint.make_manager(os.path.join(config.workdir, "checkpoints"))
   phase = checkpoint.read_meta(manager, step)["phase"]
-  _, optimizer = wiring.make_context(config, policy.task, policy.tokenizer,
-                                             policy.model_config, phase)
-  like = loop.LoopState(
-      train=jax.eval_shape(functools.partial(
-          wiring.new_train_state, config, policy.model_config, optimizer=optimizer,
-          phase=phase), policy.params_like),
-      rng=jax.random.PRNGKey(0))
+  ctx, optimizer = wiring.make_context(config, policy.task, policy.tokenizer,
+                                       policy.model_config, phase)
+  producer = wiring.make_rl_producer(config, ctx) if phase == wiring.RL else None
+  like = wiring.loop_state_like(config, policy.model_config, policy.params_like, phase,
+                                optimizer, producer)
   state, _ = checkpoint.restore(manager, step, like)
   return state.train.policy_params()
 

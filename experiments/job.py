@@ -27,8 +27,7 @@ from rl import train
 from rl import wiring
 from rl.rollouts import async_loop
 from rl.rollouts import partial as partial_rollout
-from rl.rollouts import selection
-from rl.rollouts import trajectory_store
+from rl.rollouts import producers
 from sharding import multihost
 
 WARM_START, RL = wiring.WARM_START, wiring.RL
@@ -66,7 +65,7 @@ class Job:
     train_state = self.new_train_state(params, WARM_START)
     self.state = loop.LoopState(
         train=train_state, rng=loop_rng, history=self.history(train_state.params),
-        selection=selection.init_state(config.task.train_pool, config.selection))
+        producer=producers.CursorState(cursor=producers.cursor_array(0)))
     self.meta = run_records.new_meta()
     self.manager = checkpoint.make_manager(os.path.join(config.workdir, "checkpoints"),
                                            config.checkpoint.max_to_keep,
@@ -81,11 +80,7 @@ class Job:
             config.workdir, tensorboard=config.metrics.tensorboard,
             wandb_project=config.metrics.wandb_project,
             config=json.loads(self.config_json)) if self.primary else [])
-    self.produce, self.rollouts = wiring.make_rl_producer(config, self.contexts[RL][0])
-    # A pool kept across steps (unfinished partial rollouts) lives in a zarr3 trajectory store.
-    self.store = None
-    if self.rollouts is not None:
-      self.store = trajectory_store.TrajectoryStore(os.path.join(config.workdir, "trajectories"))
+    self.producer = wiring.make_rl_producer(config, self.contexts[RL][0])
     self.phase_steps = {WARM_START: config.warm_start.steps, RL: config.rl.steps}
     self.done = 0
     self.bar = None
@@ -96,27 +91,26 @@ class Job:
                            phase, self.mesh)
 
   def state_like(self, meta: dict) -> loop.LoopState:
-    """The shapes of the LoopState a checkpoint with `meta` holds: its phase's TrainState
-    (under LoRA the RL phase trains adapters over a frozen base, the warm start does not)."""
-    lora = wiring.lora_config(self.config)
-    if meta["phase"] == WARM_START or lora is None:
-      return self.state
-    optimizer = self.contexts[RL][1]
-    train_like = jax.eval_shape(
-        lambda p: wiring.new_train_state(self.config, self.model_config, p, optimizer, RL),
-        self.state.train.params)
-    history = (None if self.state.history is None
-               else jax.eval_shape(self.history, train_like.params))
-    if self.mesh is not None:  # restore straight into the trainer's layout
-      placed = lambda like, sharding: jax.ShapeDtypeStruct(like.shape, like.dtype,
-                                                           sharding=sharding)
-      train_like = jax.tree.map(placed, train_like, train.train_state_shardings(
-          self.model_config, optimizer, self.mesh, lora=lora))
-      if history is not None:  # adapters and versions: small, replicated
-        history = jax.tree.map(
-            lambda like: placed(like, jax.sharding.NamedSharding(
-                self.mesh, jax.sharding.PartitionSpec())), history)
-    return self.state.replace(train=train_like, history=history)
+    """The shapes of the LoopState a checkpoint with `meta` holds (`rl.wiring.loop_state_like`:
+    its phase's TrainState, under LoRA adapters over a frozen base in the RL phase, and its
+    producer state), placed as this run keeps it."""
+    phase = meta["phase"]
+    like = wiring.loop_state_like(self.config, self.model_config, self.state.train.params,
+                                  phase, self.contexts[phase][1],
+                                  self.producer if phase == RL else None)
+    if self.mesh is None:
+      return like
+    # Restore straight into the trainer's layout; the ring (adapters or weights, and their
+    # versions) and the producer state are small and replicated, as the key.
+    placed = lambda like, sharding: jax.ShapeDtypeStruct(like.shape, like.dtype,
+                                                         sharding=sharding)
+    replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    train_like = jax.tree.map(placed, like.train, train.train_state_shardings(
+        self.model_config, self.contexts[phase][1], self.mesh,
+        lora=wiring.phase_lora(self.config, phase)))
+    history = (None if like.history is None
+               else jax.tree.map(lambda x: placed(x, replicated), like.history))
+    return like.replace(train=train_like, history=history, rng=self.state.rng)
 
   def history(self, params):
     """Simulated staleness's parameter history (None without staleness)."""
@@ -127,7 +121,7 @@ class Job:
     """(step, state, meta) at the start of the RL phase, taken from the end-of-warm-start
     checkpoint of the run in `source` (config.warm_start.init_from) as if this run had
     trained it: its policy, loop key, data cursor and run records, with this run's fresh RL
-    TrainState, staleness ring and selection state built over that policy exactly as
+    TrainState, staleness ring and producer state built over that policy exactly as
     `run_phase` builds them. Its metrics records up to that checkpoint are copied into this
     run's log, so the curves and the summary cover the whole run."""
     step = self.phase_steps[WARM_START]
@@ -155,15 +149,16 @@ class Job:
     if self.mesh is not None:
       rng = multihost.replicate(rng, self.mesh)
     train_state = self.new_train_state(params, RL)
+    # Where the warm start left the data stream (older checkpoints kept it in their meta).
+    cursor = int(meta["data_cursor"] if "data_cursor" in meta else tree["producer"]["cursor"])
     state = loop.LoopState(train=train_state, rng=rng, history=self.history(train_state.params),
-                           selection=self.state.selection, data_cursor=meta["data_cursor"],
-                           iteration=0)
+                           producer=self.producer.init(cursor), iteration=0)
     records = metrics.MetricsLog(os.path.join(source, "metrics.jsonl"), writers=[]).read()
     if self.primary:
       self.log.truncate_after(-1)
       for record in records[:meta["log_records"]]:
         self.log.write(record)
-    kept = set(run_records.new_meta()) | {"log_records"}  # not the source's digest or partial pool
+    kept = set(run_records.new_meta()) | {"log_records"}  # not the source's digest
     meta = {key: value for key, value in meta.items() if key in kept}
     meta["warm_start_from"] = os.path.abspath(source)
     return step, state, meta
@@ -172,6 +167,8 @@ class Job:
     """Resumes from the newest checkpoint (config.resume), else starts RL from
     config.warm_start.init_from when set, else clears what a fresh run overwrites; then
     opens the progress bar at the step reached."""
+    if self.config.resume:
+      self.refuse_older_checkpoints()
     restored = (checkpoint.restore_latest(self.manager, self.state_like)
                 if self.config.resume else None)
     source = self.config.warm_start.init_from
@@ -181,13 +178,10 @@ class Job:
     if restored is not None:
       step, state, meta = restored
       meta = run_records.upgrade_meta(meta)  # checkpoints written before some records existed
-      self.state = state.replace(data_cursor=meta["data_cursor"], iteration=meta["iteration"])
+      self.state = state.replace(iteration=meta["iteration"])
       self.meta = meta
       if self.primary:
         self.log.truncate_to(meta["log_records"], step)
-      if self.rollouts is not None and "partial_ledger" in meta:
-        self.rollouts.load(self.store.load_pool(step, partial_rollout.POOL_FIELDS),
-                           meta["partial_ledger"])
       if self.primary:  # absl logs only warnings here (see main), so say it plainly
         print(f"Starting RL from the warm start in {source}." if from_source else
               f"Resumed from step {step} ({meta['phase']} phase) in {self.config.workdir}.",
@@ -201,19 +195,26 @@ class Job:
     self.bar = tqdm.tqdm(total=sum(self.phase_steps.values()), initial=self.done,
                          desc=self.meta["phase"], dynamic_ncols=True, disable=not self.primary)
 
+  def refuse_older_checkpoints(self) -> None:
+    """Raises ValueError when the newest checkpoint was written before the producer state
+    joined the LoopState (its meta holds the data cursor): this code cannot resume it."""
+    latest = self.manager.latest_step()
+    if latest is not None and "data_cursor" in checkpoint.read_meta(self.manager, latest):
+      raise ValueError(
+          f"{self.config.workdir} holds checkpoints of an older Arbor (step {latest} keeps "
+          "the data cursor in its meta, not in the LoopState's producer state); resume it "
+          "with the code that wrote it, or start a new config.workdir (its end-of-warm-start "
+          "checkpoint still works as config.warm_start.init_from).")
+
   def save(self) -> None:
-    """Checkpoints the loop state and run records at step `done`."""
-    extra = {}
-    if self.rollouts is not None:  # the pool snapshot first: the checkpoint is the commit point
-      self.store.save_pool(self.done, self.rollouts.arrays())
-      extra["partial_ledger"] = self.rollouts.ledger.as_dict()
+    """Checkpoints the loop state (the producer's as `for_checkpoint` keeps it) and the run
+    records at step `done`."""
     state = self.state
+    if self.meta["phase"] == RL:
+      state = state.replace(producer=self.producer.for_checkpoint(state.producer))
     checkpoint.save(self.manager, self.done, state,
-                    dict(self.meta, data_cursor=state.data_cursor, iteration=state.iteration,
-                         log_records=len(self.log.read()), **extra))
+                    dict(self.meta, iteration=state.iteration, log_records=len(self.log.read())))
     self.log.flush()  # TensorBoard events up to the checkpoint reach disk with it
-    if self.rollouts is not None:
-      self.store.prune(self.manager.all_steps())
 
   def record_step(self, phase: str, step_metrics: dict) -> None:
     """Counts one step and logs its metrics; folds its lengths, skips and times into meta."""
@@ -277,12 +278,12 @@ class Job:
                      *((self.state.iteration // every + 1) * every
                        for every in (config.eval.every, config.checkpoint.every)))
       self.state, _ = async_loop.run_async(
-          self.state, ctx, self.produce, boundary - self.state.iteration,
+          self.state, ctx, self.producer, boundary - self.state.iteration,
           max_staleness=config.rl.max_staleness, publish=ctx.publish or (lambda p: p),
           updates_per_batch=wiring.updates_per_batch(config),
           on_step=lambda _, step_metrics: self.record_step(RL, step_metrics))
     else:
-      self.state, step_metrics = loop.grpo_iteration(self.state, ctx, self.produce)
+      self.state, step_metrics = loop.grpo_iteration(self.state, ctx, self.producer)
       self.record_step(phase, step_metrics)
 
   def run_phase(self, phase: str) -> None:
@@ -304,9 +305,8 @@ class Job:
       self.meta["phase"] = RL
       train_state = self.new_train_state(self.state.train.params, RL)
       self.state = loop.LoopState(
-          train=train_state, rng=self.state.rng,
-          history=self.history(train_state.params), selection=self.state.selection,
-          data_cursor=self.state.data_cursor, iteration=0)
+          train=train_state, rng=self.state.rng, history=self.history(train_state.params),
+          producer=self.producer.init(int(self.state.producer.cursor)), iteration=0)
       self.save()
 
   def finish(self) -> dict:
@@ -347,8 +347,8 @@ class Job:
                **run_records.throughput_summary(meta)}
     if "eval_accuracy_by_size" in final:
       summary["accuracy_by_size"] = run_records.accuracy_by_size_table(warm, final)
-    if self.rollouts is not None:
-      summary["partial_ledger"] = self.rollouts.ledger.as_dict()
+    if isinstance(self.state.producer, partial_rollout.PartialState):
+      summary["partial_ledger"] = self.state.producer.ledger.as_dict()
     summary["accuracy_curve"] = run_records.accuracy_curve(meta)
     summary["time_rl_s"] = meta["time_rl_s"]
     summary["time_rl_at_evals_s"] = list(meta["time_rl_at_evals_s"])

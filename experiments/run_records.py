@@ -40,7 +40,7 @@ def new_meta() -> dict:
   (time_rl_s: evaluations and checkpoints excluded, async rollout and training overlapping
   counted once) and its value at each evaluation (time_rl_at_evals_s: clocks stay out of the
   evaluation records), and the real tokens sampled and trained."""
-  return {"phase": wiring.WARM_START, "data_cursor": 0, "iteration": 0, "evals": [],
+  return {"phase": wiring.WARM_START, "iteration": 0, "evals": [],
           "completion_length_counts": [],
           "time_s": dict.fromkeys(TIME_PARTS + ROLLOUT_PARTS, 0.0),
           "prompts_skipped": 0, "tokens": dict.fromkeys(TOKEN_COUNTS, 0),

@@ -1,16 +1,17 @@
-"""The synchronous rollout -> score -> train loop (supervised warm start, then GRPO).
+"""The synchronous rollout -> score -> advantages -> train loop (supervised warm start,
+then GRPO).
 
-Every way of making a GRPO batch is a producer (`Producer`): independent samples of the
-prompts `rl.rollouts.selection` picks (uniform = plain GRPO), trees (`tree_producer`), or partial
-rollouts (rl/rollouts/partial.py). `grpo_iteration` runs any of them with simulated
-staleness and sharded publishing around it, and the asynchronous loop (rl/rollouts/async_loop.py)
-runs the same producers and `train_on` from two threads.
+Every way of making a GRPO batch is a producer (rl/rollouts/producers.py: `init` and
+`produce`, its state explicit): independent samples of the prompts a selection rule picks
+(uniform = plain GRPO), trees, or partial rollouts (rl/rollouts/partial.py).
+`grpo_iteration` runs any of them with simulated staleness and sharded publishing around
+it, then the advantage stage and one train step; the asynchronous loop
+(rl/rollouts/async_loop.py) runs the same producers and `train_on` from two threads.
 
-Each iteration is a plain function of explicit state, so a launcher (experiments/train.py)
-can checkpoint between any two of them and resume exactly: the data cursor, RNG,
-TrainState, parameter history and prompt-selection history are all the loop carries.
-Which prompts a GRPO iteration rolls out, and how many times each, is `rl.rollouts.selection`'s
-choice.
+Each iteration is a plain function of explicit state (`LoopState`: the TrainState, RNG,
+parameter history and the producer's state, which holds the data cursor, selection history
+or partial pool), so a launcher (experiments/train.py) can checkpoint the LoopState between
+any two iterations and resume exactly.
 
 Simulated staleness (docs/concepts.md, Staleness): with `LoopContext.staleness = k > 0`, GRPO
 iteration t samples with the parameters of iteration max(t - k, 0), kept in a ring buffer
@@ -28,18 +29,14 @@ from typing import Any, Callable, Optional
 import flax.struct
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
-from models.config import ModelConfig
-from rl.rollouts import batches as rollout_lib
-from rl.rollouts import selection as selection_lib
 from rl import timing
+from rl.rollouts import batches as rollout_lib
+from rl.rollouts.producers import BatchContext, Producer
 from rl.tasks import Task
 from rl.train import TrainState
 from rl.types import Rollout
-from sampling.sampler import SamplingConfig
-from sampling.tree import ForkPolicy
 
 
 @flax.struct.dataclass
@@ -93,52 +90,40 @@ def stale_params(history: ParamHistory, iteration: int, params,
 
 @flax.struct.dataclass
 class LoopState:
-  """What the loop carries between iterations (all of it is checkpointed).
+  """What the loop carries between iterations (the pytree a checkpoint saves).
 
   train: the TrainState; rng: the loop's PRNG key; history: the parameter ring for
-  simulated staleness (None when off); selection: per-prompt selection history
-  (`rl.rollouts.selection.SelectionState`, None without a finite train pool); data_cursor: next
-  data cursor (host int; the train position it reads is `selection.train_position`);
-  iteration: iterations done in the current phase (host int).
+  simulated staleness (None when off); producer: the state of the phase's batch producer
+  (`rl.rollouts.producers`: the warm start's `CursorState`, the RL producer's own state,
+  each holding the next data cursor); iteration: iterations done in the current phase
+  (host int, static: the launcher keeps it with the checkpoint's step).
   """
   train: TrainState
   rng: jax.Array
   history: Optional[ParamHistory] = None
-  selection: Optional[selection_lib.SelectionState] = None
-  data_cursor: int = flax.struct.field(pytree_node=False, default=0)
+  producer: Any = None
   iteration: int = flax.struct.field(pytree_node=False, default=0)
 
 
 @dataclasses.dataclass(frozen=True)
 class LoopContext:
-  """The fixed pieces an iteration needs.
+  """The fixed pieces an iteration needs beyond its batch's (`batch`, what a producer and
+  the warm start's supervised batches read).
 
-  generate_fn: the sampler (`rl.rollouts.batches.make_generate`; None = unsharded `generate`).
+  train_step: (TrainState, Rollout) -> (TrainState, metrics), jitted by rl.train.
+  batch_advantages: the advantage stage (rl.objectives.advantages.group_relative /
+    per_tree): the final batch -> its per-token advantages, computed once by
+    `with_advantages`.
+  staleness: simulated staleness k (GRPO samples with parameters k iterations old).
   publish: trainer parameters -> sampler parameters, called each time the sampler gets
-  new parameters (`sharding.reshard.make_publish`: FSDP -> tensor-parallel on device);
-  None = the sampler reads the trainer's parameters as they are.
+    new parameters (`sharding.reshard.make_publish`: FSDP -> tensor-parallel on device);
+    None = the sampler reads the trainer's parameters as they are.
   """
-  task: Task
-  tokenizer: rollout_lib.Tokenizer
-  model_config: ModelConfig
-  sampling_config: SamplingConfig
-  prompt_len: int
-  prompts_per_step: int
-  group_size: int
+  batch: BatchContext
   train_step: Callable[[TrainState, Rollout], tuple[TrainState, dict]]
-  # The advantage stage (rl.objectives.advantages.group_relative / per_tree): the final
-  # batch -> its per-token advantages, computed once by `with_advantages`.
   batch_advantages: Callable[[Rollout], jax.Array]
-  staleness: int = 0  # simulated staleness k (GRPO samples with parameters k iterations old)
-  # config.selection (rl/rollouts/selection.py); None = uniform. train_pool: finite prompt pool the
-  # GRPO data cursor cycles over (0 = unbounded train split).
-  selection: Any = None
-  train_pool: int = 0
-  generate_fn: rollout_lib.GenerateFn | None = None
+  staleness: int = 0
   publish: Callable[[Any], Any] | None = None
-
-
-_UNIFORM = ml_collections.FrozenConfigDict(dict(kind="uniform", max_attempts=1))
 
 
 def sft_iteration(state: LoopState, ctx: LoopContext,
@@ -154,19 +139,20 @@ def sft_iteration(state: LoopState, ctx: LoopContext,
   the step's wall time `time_step_s` (batch building included).
   """
   started = time.perf_counter()
+  b, cursor = ctx.batch, int(state.producer.cursor)
   if length_window > 1:
-    examples = length_grouped_examples(ctx.task, state.data_cursor, ctx.prompts_per_step,
-                                       length_window)
+    examples = length_grouped_examples(b.task, cursor, b.prompts_per_step, length_window)
   else:
-    examples = ctx.task.examples("train", ctx.prompts_per_step, state.data_cursor)
-  batch = rollout_lib.supervised_batch(ctx.tokenizer, examples, ctx.prompt_len,
-                                       ctx.sampling_config.max_new_tokens)
+    examples = b.task.examples("train", b.prompts_per_step, cursor)
+  batch = rollout_lib.supervised_batch(b.tokenizer, examples, b.prompt_len,
+                                       b.sampling_config.max_new_tokens)
   train_started = time.perf_counter()
   train, metrics = ctx.train_step(state.train, batch)
   metrics = jax.device_get(metrics)
   metrics.update(train_throughput(batch, time.perf_counter() - train_started))
-  new_state = state.replace(train=train, data_cursor=state.data_cursor + len(examples),
-                            iteration=state.iteration + 1)
+  new_state = state.replace(train=train, iteration=state.iteration + 1,
+                            producer=state.producer.replace(
+                                cursor=np.asarray(cursor + len(examples), np.int64)))
   metrics["time_step_s"] = time.perf_counter() - started
   return new_state, metrics
 
@@ -192,118 +178,6 @@ def _length_sorted_window(task: Task, start: int, span: int) -> tuple:
   return tuple(sorted(examples, key=lambda e: len(e.answer)))
 
 
-@dataclasses.dataclass
-class Produced:
-  """One scored GRPO batch and where the producer left the data stream.
-
-  rollout: the batch to train on; metrics: its statistics (reward_mean, exact_match,
-  informative_groups, completion_len, decoded_tokens, completion_length_counts, ... and the
-  strategy's own counters); cursor: the next data cursor; selection: the updated
-  prompt-selection history (None without a finite train pool).
-  """
-  rollout: Rollout
-  metrics: dict
-  cursor: int
-  selection: Optional[selection_lib.SelectionState] = None
-
-
-# A producer makes one scored batch, whatever the rollout strategy:
-# produce(params, version, train_step, rng, cursor, selection) -> Produced. `version` is
-# recorded on the generated tokens; `train_step` is the trainer step the batch will be
-# trained at; `cursor` is the next data cursor and `selection` the selection history. The
-# sync loop (`grpo_iteration`) calls it inline, the async loop (rl/rollouts/async_loop.py) from a
-# thread; simulated staleness and sharded publishing happen around it, in the loop.
-Producer = Callable[..., Produced]
-
-
-def completion_length_counts(completion_mask) -> np.ndarray:
-  """Histogram of completion lengths: counts[n] = rows with n completion tokens."""
-  return np.bincount(np.asarray(completion_mask).sum(axis=1))
-
-
-def group_batch_metrics(samples: rollout_lib.ScoredSamples, group_size: int) -> dict:
-  """Statistics of a batch of whole groups of `group_size` rows (partial rollouts; the
-  selection producer has `rl.rollouts.selection.collect`'s, over every round it rolled out)."""
-  rewards = np.asarray(samples.rollout.reward).reshape(-1, group_size)
-  completion_mask = np.asarray(samples.rollout.completion_mask)
-  return dict(reward_mean=float(rewards.mean()), exact_match=float(samples.exact.mean()),
-              informative_groups=float(np.mean(rewards.std(axis=1) > 0)),
-              completion_len=float(completion_mask.sum(axis=1).mean()),
-              decoded_tokens=float(completion_mask.sum()), decode_steps=samples.decode_steps,
-              completion_length_counts=completion_length_counts(completion_mask),
-              reward_timeouts=samples.reward_timeouts, reward_errors=samples.reward_errors)
-
-
-def selection_producer(ctx: LoopContext) -> Producer:
-  """Independent samples of the prompts `ctx.selection` picks (rl/rollouts/selection.py): uniform
-  is plain GRPO (G completions for each of the next prompts); dynamic, greso and adaptive
-  choose prompts and rollout counts from rewards."""
-  config = ctx.selection or _UNIFORM
-
-  def produce(params, version, train_step, rng, cursor, selection):
-    del train_step
-    examples = {}
-
-    def sample(row_positions, key):
-      for p in set(row_positions.tolist()) - set(examples):
-        examples[p] = ctx.task.examples("train", 1, p)[0]
-      return rollout_lib.sample_and_score(
-          params, [examples[p] for p in row_positions.tolist()], task=ctx.task,
-          tokenizer=ctx.tokenizer, rng=key, group_size=1, prompt_len=ctx.prompt_len,
-          model_config=ctx.model_config, sampling_config=ctx.sampling_config,
-          version=version, generate_fn=ctx.generate_fn)
-
-    collected = selection_lib.collect(
-        selection, cursor, rng, sample, config=config, prompts_per_step=ctx.prompts_per_step,
-        group_size=ctx.group_size, pool_size=ctx.train_pool)
-    metrics = dict(collected.metrics,
-                   completion_len=collected.metrics["decoded_tokens"] / collected.metrics["rollouts"],
-                   completion_length_counts=completion_length_counts(
-                       collected.rollout.completion_mask))
-    return Produced(collected.rollout, metrics, collected.cursor, collected.selection)
-  return produce
-
-
-def tree_producer(ctx: LoopContext, policy: ForkPolicy) -> Producer:
-  """One tree per prompt (`policy`) for each of the next prompts, its leaves scored (each
-  shared-prefix token is trained once, in the row that decoded it; ctx.batch_advantages is
-  then rl.objectives.advantages.per_tree)."""
-
-  def produce(params, version, train_step, rng, cursor, selection):
-    del train_step
-    positions = selection_lib.train_position(
-        np.arange(cursor, cursor + ctx.prompts_per_step), ctx.train_pool)
-    examples = [ctx.task.examples("train", 1, int(p))[0] for p in positions]
-    samples = rollout_lib.tree_sample_and_score(
-        params, examples, task=ctx.task, tokenizer=ctx.tokenizer, rng=rng,
-        prompt_len=ctx.prompt_len, model_config=ctx.model_config,
-        sampling_config=ctx.sampling_config, policy=policy, version=version)
-    return Produced(samples.rollout, tree_batch_metrics(samples, len(examples), ctx.prompt_len),
-                    cursor + len(examples), selection)
-  return produce
-
-
-def tree_batch_metrics(samples: rollout_lib.ScoredTree, prompts: int, prompt_len: int) -> dict:
-  """Statistics of a batch of `prompts` trees, over their leaves (a leaf's completion is
-  its whole root-to-leaf path, shared prefix included)."""
-  leaf = samples.leaf.reshape(prompts, -1)
-  rewards = np.asarray(samples.rollout.reward).reshape(leaf.shape)
-  count = np.maximum(leaf.sum(axis=1), 1)
-  mean = (rewards * leaf).sum(axis=1) / count
-  var = (((rewards - mean[:, None]) ** 2) * leaf).sum(axis=1) / count
-  prompt_mask = np.asarray(samples.rollout.prompt_mask)
-  full_len = (np.asarray(samples.rollout.completion_mask) | prompt_mask)[:, prompt_len:].sum(axis=1)
-  return dict(
-      reward_mean=float(rewards[leaf].mean()), exact_match=float(samples.exact[samples.leaf].mean()),
-      informative_groups=float(np.mean(var > 0)), leaves=float(leaf.sum()),
-      completion_len=float(full_len[samples.leaf].mean()),
-      decoded_tokens=float(samples.decoded_tokens), refed_tokens=float(samples.refed_tokens),
-      pruned_tokens=float(samples.pruned_tokens),
-      decoded_tokens_per_leaf=samples.decoded_tokens / max(int(leaf.sum()), 1),
-      completion_length_counts=np.bincount(full_len[samples.leaf]),
-      reward_timeouts=samples.reward_timeouts, reward_errors=samples.reward_errors)
-
-
 def staleness(rollout: Rollout, train_step: int) -> int:
   """train_step - the oldest parameter version among the batch's generated tokens."""
   version = np.asarray(rollout.version)
@@ -324,56 +198,52 @@ def train_throughput(batch: Rollout, seconds: float) -> dict:
               trained_tokens_per_s=per_second(tokens, seconds))
 
 
-def sampled_tokens(metrics: dict) -> int:
-  """Tokens a producer generated for its batch: a partial-rollout pool's decoded this step
-  (generated_tokens), else the batch's real completion tokens (decoded_tokens; a tree's
-  decoded nodes, every selection round's rows)."""
-  return int(metrics.get("generated_tokens", metrics.get("decoded_tokens", 0)))
-
-
-def with_advantages(produced: Produced, ctx: LoopContext) -> Produced:
+def with_advantages(rollout: Rollout, ctx: LoopContext) -> Rollout:
   """The advantage stage: the produced batch with its per-token advantages, computed once
   on the final batch by ctx.batch_advantages (whatever rounds, rejections or pool made it)."""
-  rollout = produced.rollout
-  return dataclasses.replace(produced,
-                             rollout=rollout.replace(advantages=ctx.batch_advantages(rollout)))
+  return rollout.replace(advantages=ctx.batch_advantages(rollout))
 
 
-def produce_timed(produce: Producer, ctx: LoopContext, *args) -> Produced:
-  """`produce(*args)` and the advantage stage (`with_advantages`), with their wall time
-  split into phases in the batch's metrics: time_rollout_s (all of it) = time_sample_s
-  (generation, prompt encoding, advantages) + time_score_s (the task's reward scoring,
-  rl.timing's "score" phase); and sampled_tokens_per_s = sampled_tokens / time_sample_s."""
+def produce_timed(producer: Producer, ctx: LoopContext, state, params, version: int,
+                  rng: jax.Array, trains_at: int) -> tuple[Rollout, dict, Any]:
+  """`producer.produce(state, params, version, rng, trains_at)` and the advantage stage
+  (`with_advantages`): (batch, its metrics, the producer's new state). The metrics are the
+  batch's `BatchStats` with the wall time split into phases: time_rollout_s (all of it) =
+  time_sample_s (generation, prompt encoding, advantages) + time_score_s (the task's reward
+  scoring, rl.timing's "score" phase); and sampled_tokens_per_s = sampled_tokens /
+  time_sample_s."""
   started = time.perf_counter()
   with timing.phases() as parts:
-    produced = with_advantages(produce(*args), ctx)
+    rollout, stats, state = producer.produce(state, params, version, rng, trains_at)
+    rollout = with_advantages(rollout, ctx)
   total = time.perf_counter() - started
   score_s = parts.get("score", 0.0)
-  tokens = sampled_tokens(produced.metrics)
-  produced.metrics.update(time_rollout_s=total, time_score_s=score_s,
-                          time_sample_s=total - score_s, sampled_tokens=tokens,
-                          sampled_tokens_per_s=per_second(tokens, total - score_s))
-  return produced
+  metrics = stats.metrics()
+  metrics.update(time_rollout_s=total, time_score_s=score_s, time_sample_s=total - score_s,
+                 sampled_tokens=stats.sampled_tokens,
+                 sampled_tokens_per_s=per_second(stats.sampled_tokens, total - score_s))
+  return rollout, metrics, state
 
 
-def train_on(train: TrainState, produced: Produced, ctx: LoopContext,
+def train_on(train: TrainState, rollout: Rollout, batch_metrics: dict, ctx: LoopContext,
              train_step: int) -> tuple[TrainState, dict]:
-  """One train step on a produced batch; the train metrics, its time and trained tokens
-  (`train_throughput`), the batch's statistics and its staleness."""
+  """One train step on a produced batch (trained at TrainState.step `train_step`); the
+  train metrics, its time and trained tokens (`train_throughput`), the batch's metrics
+  and its staleness."""
   started = time.perf_counter()
-  new_train, metrics = ctx.train_step(train, produced.rollout)
+  new_train, metrics = ctx.train_step(train, rollout)
   metrics = jax.device_get(metrics)
-  metrics.update(train_throughput(produced.rollout, time.perf_counter() - started))
-  metrics.update(produced.metrics, staleness=float(staleness(produced.rollout, train_step)))
+  metrics.update(train_throughput(rollout, time.perf_counter() - started))
+  metrics.update(batch_metrics, staleness=float(staleness(rollout, train_step)))
   return new_train, metrics
 
 
 def grpo_iteration(state: LoopState, ctx: LoopContext,
-                   produce: Producer | None = None) -> tuple[LoopState, dict]:
-  """Produces a scored batch and takes one train step on it.
+                   producer: Producer) -> tuple[LoopState, dict]:
+  """Produces a scored batch with `producer` (its state: state.producer), computes its
+  advantages and takes one train step on it.
 
-  `produce` is the sampling strategy (default `selection_producer(ctx)`: uniform or
-  selected independent samples; rl.rollouts.kinds builds the others). With ctx.staleness = k > 0 the producer samples with the
+  With ctx.staleness = k > 0 the producer samples with the
   parameters of iteration max(t - k, 0) (state.history) and the tokens carry that version;
   with ctx.publish the parameters are handed over in the sampler's layout. Under LoRA the
   history holds adapters, and the sampler gets them merged into the frozen base.
@@ -383,7 +253,6 @@ def grpo_iteration(state: LoopState, ctx: LoopContext,
   time_rollout_s and time_train_s.
   """
   started = time.perf_counter()
-  produce = produce or selection_producer(ctx)
   rng, sample_rng = jax.random.split(state.rng)
   params, version, history = state.train.params, state.train.step, state.history
   if ctx.staleness:
@@ -395,10 +264,10 @@ def grpo_iteration(state: LoopState, ctx: LoopContext,
   if ctx.publish is not None:
     params = ctx.publish(params)
   train_step = int(state.train.step)
-  produced = produce_timed(produce, ctx, params, int(version), train_step, sample_rng,
-                           state.data_cursor, state.selection)
-  train, metrics = train_on(state.train, produced, ctx, train_step)
-  new_state = state.replace(train=train, rng=rng, history=history, selection=produced.selection,
-                            data_cursor=produced.cursor, iteration=state.iteration + 1)
+  rollout, batch_metrics, producer_state = produce_timed(
+      producer, ctx, state.producer, params, int(version), sample_rng, train_step)
+  train, metrics = train_on(state.train, rollout, batch_metrics, ctx, train_step)
+  new_state = state.replace(train=train, rng=rng, history=history, producer=producer_state,
+                            iteration=state.iteration + 1)
   metrics["time_step_s"] = time.perf_counter() - started
   return new_state, metrics

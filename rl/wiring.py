@@ -31,6 +31,7 @@ from rl.objectives import advantages
 from rl.objectives import losses
 from rl.rollouts import batches as rollout_lib
 from rl.rollouts import kinds
+from rl.rollouts import producers
 from rl.rollouts import selection
 from sampling import sampler as sampler_lib
 from sharding import mesh as mesh_lib
@@ -411,14 +412,16 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None):
       generate_fn=rollout_lib.make_generate(model_config, sampling_config, mesh),
       publish=reshard.make_publish(mesh, jax.eval_shape(
           lambda: transformer.init_params(model_config, jax.random.PRNGKey(0)))))
-  ctx = loop.LoopContext(
+  batch = producers.BatchContext(
       task=task, tokenizer=tokenizer, model_config=model_config,
       sampling_config=sampling_config, prompt_len=config.rollout.prompt_len,
-      prompts_per_step=prompts, group_size=config.rollout.group_size, train_step=step,
+      prompts_per_step=prompts, group_size=config.rollout.group_size,
+      train_pool=config.task.train_pool, generate_fn=sharded.get("generate_fn"))
+  ctx = loop.LoopContext(
+      batch=batch, train_step=step,
       batch_advantages=kinds.ROLLOUT_KINDS.get(config.rollout.kind).batch_advantages(config),
       staleness=staleness_in_batches(config) if phase == RL else 0,
-      selection=ml_collections.FrozenConfigDict(config.selection),
-      train_pool=config.task.train_pool, **sharded)
+      publish=sharded.get("publish"))
   return ctx, optimizer
 
 
@@ -448,8 +451,26 @@ def new_train_state(config, model_config, params, optimizer, phase: str, mesh=No
       model_config, optimizer, mesh, lora=lora))(params)
 
 
-def make_rl_producer(config, ctx):
-  """The RL phase's batch producer (rl.loop.Producer; the one strategy-specific piece of
-  the RL phase) and the pool it keeps across steps (None unless the kind keeps one, as
-  rollout.kind='partial' does): config.rollout.kind's entry of rl.rollouts.kinds."""
-  return kinds.ROLLOUT_KINDS.get(config.rollout.kind).make_producer(config, ctx)
+def make_rl_producer(config, ctx) -> producers.Producer:
+  """The RL phase's batch producer (the one strategy-specific piece of the RL phase) for
+  the RL LoopContext `ctx`: config.rollout.kind's entry of rl.rollouts.kinds."""
+  return kinds.ROLLOUT_KINDS.get(config.rollout.kind).make_producer(config, ctx.batch)
+
+
+def loop_state_like(config, model_config, params_like, phase: str, optimizer,
+                    producer: producers.Producer | None) -> loop.LoopState:
+  """The shapes of the LoopState a checkpoint of `phase` holds (unsharded): the phase's
+  TrainState over parameters shaped like `params_like`, the staleness ring when
+  config.rl.staleness is set, and the producer state (the warm start's data cursor; the RL
+  `producer`'s state as `for_checkpoint` keeps it). Restoring with it reads every leaf."""
+  train_like = jax.eval_shape(
+      lambda p: new_train_state(config, model_config, p, optimizer, phase), params_like)
+  staleness = staleness_in_batches(config)
+  history = (jax.eval_shape(lambda p: loop.init_history(p, staleness), train_like.params)
+             if staleness else None)
+  if phase == WARM_START:
+    producer_state = producers.CursorState(cursor=producers.cursor_array(0))
+  else:
+    producer_state = producer.for_checkpoint(producer.init(0))
+  return loop.LoopState(train=train_like, rng=jax.eval_shape(lambda: jax.random.PRNGKey(0)),
+                        history=history, producer=producer_state)

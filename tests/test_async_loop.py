@@ -17,6 +17,8 @@ from rl.rollouts import async_loop
 from rl import loop
 from rl.rollouts import partial as partial_rollout
 from rl.rollouts import batches as rollout_lib
+from rl.rollouts import producers
+from rl.rollouts import statistics
 from rl import timing
 from rl import train
 from rl.tasks import Example
@@ -45,8 +47,21 @@ def _fake_batch(version, rows=4, width=6):
   return rollout
 
 
-def _fake_produced(version, cursor):
-  return loop.Produced(_fake_batch(version), {}, cursor + 1)
+def _fake_produced(version, state, decoded_tokens=0):
+  """produce's return: a batch whose tokens carry `version`, its stats, the next cursor."""
+  stats = statistics.BatchStats(
+      reward_mean=0.0, exact_match=0.0, informative_groups=0.0, completion_len=0.0,
+      decoded_tokens=decoded_tokens, completion_length_counts=np.zeros(1, np.int64),
+      reward_timeouts=0, reward_errors=0)
+  return _fake_batch(version), stats, state.replace(
+      cursor=producers.cursor_array(int(state.cursor) + 1))
+
+
+def _fake_producer(produce):
+  """A Producer over a data cursor alone, making batches with `produce`."""
+  return producers.Producer(
+      init=lambda start: producers.CursorState(cursor=producers.cursor_array(start)),
+      produce=produce)
 
 
 def _fake_context(train_seconds, updates=1, skipped_on=()):
@@ -60,33 +75,37 @@ def _fake_context(train_seconds, updates=1, skipped_on=()):
     applied = updates - skipped
     return state.replace(step=state.step + applied, params={"w": state.params["w"] + applied},
                          nonfinite_updates=state.nonfinite_updates + skipped), {}
-  return loop.LoopContext(task=None, tokenizer=None, model_config=None, sampling_config=None,
-                          prompt_len=3, prompts_per_step=1, group_size=4, train_step=train_step,
-                          batch_advantages=lambda batch: batch.advantages)
+  return loop.LoopContext(
+      batch=producers.BatchContext(task=None, tokenizer=None, model_config=None,
+                                   sampling_config=None, prompt_len=3, prompts_per_step=1,
+                                   group_size=4),
+      train_step=train_step, batch_advantages=lambda batch: batch.advantages)
 
 
 def _fake_state():
   train_state = train.TrainState(step=jnp.zeros((), jnp.int32), params={"w": jnp.zeros(())},
                                  opt_state=(), nonfinite_updates=jnp.zeros((), jnp.int32))
-  return loop.LoopState(train=train_state, rng=jax.random.PRNGKey(0))
+  return loop.LoopState(train=train_state, rng=jax.random.PRNGKey(0),
+                        producer=producers.CursorState(cursor=producers.cursor_array(0)))
 
 
 @pytest.mark.parametrize("max_staleness", [0, 2])
 def test_producer_waits_so_max_staleness_is_never_exceeded(max_staleness):
   sampled = []
 
-  def produce(params, version, train_step, rng, cursor, selection):
+  def produce(state, params, version, rng, trains_at):
     # The published parameters are the version they claim to be (w counts train steps).
     assert float(params["w"]) == version
-    sampled.append((train_step, version))
-    return _fake_produced(version, cursor)
+    sampled.append((trains_at, version))
+    return _fake_produced(version, state)
 
-  state, history = async_loop.run_async(_fake_state(), _fake_context(0.05), produce, 8,
+  state, history = async_loop.run_async(_fake_state(), _fake_context(0.05), _fake_producer(produce), 8,
                                         max_staleness=max_staleness)
   assert [h["staleness"] for h in history] == [s - v for s, v in sampled]
   assert max(h["staleness"] for h in history) == max_staleness  # ran ahead up to the bound
   assert all(s - v <= max_staleness for s, v in sampled)
-  assert int(state.train.step) == 8 and state.data_cursor == 8 and state.iteration == 8
+  assert int(state.train.step) == 8 and int(state.producer.cursor) == 8
+  assert state.iteration == 8
 
 
 @pytest.mark.parametrize("max_staleness,known", [(2, False), (3, True), (4, False), (4, True)])
@@ -96,12 +115,12 @@ def test_versions_and_staleness_count_optimiser_updates(max_staleness, known):
   # the update count given or learnt from the first batch (then batch 1 waits for it).
   sampled = []
 
-  def produce(params, version, train_step, rng, cursor, selection):
+  def produce(state, params, version, rng, trains_at):
     assert float(params["w"]) == version
-    sampled.append((train_step, version))
-    return _fake_produced(version, cursor)
+    sampled.append((trains_at, version))
+    return _fake_produced(version, state)
 
-  state, history = async_loop.run_async(_fake_state(), _fake_context(0.05, updates=2), produce,
+  state, history = async_loop.run_async(_fake_state(), _fake_context(0.05, updates=2), _fake_producer(produce),
                                         8, max_staleness=max_staleness,
                                         updates_per_batch=2 if known else None)
   lag = max_staleness // 2
@@ -118,13 +137,13 @@ def test_skipped_updates_shift_versions_not_the_bound():
   # the bound (2 updates, one batch ahead) still holds against the real step.
   sampled = []
 
-  def produce(params, version, train_step, rng, cursor, selection):
+  def produce(state, params, version, rng, trains_at):
     assert float(params["w"]) == version
     sampled.append(version)
-    return _fake_produced(version, cursor)
+    return _fake_produced(version, state)
 
   state, history = async_loop.run_async(_fake_state(), _fake_context(0.05, 2, skipped_on=(2,)),
-                                        produce, 5, max_staleness=2)
+                                        _fake_producer(produce), 5, max_staleness=2)
   steps = [0, 2, 3, 5, 7]  # the step each batch is trained at
   assert [h["staleness"] for h in history] == [s - v for s, v in zip(steps, sampled)]
   assert set(sampled) <= {0, 2, 3, 5, 7} and max(h["staleness"] for h in history) <= 2
@@ -132,26 +151,24 @@ def test_skipped_updates_shift_versions_not_the_bound():
 
 
 def test_a_wrong_update_count_is_refused():
-  def produce(params, version, train_step, rng, cursor, selection):
-    return _fake_produced(version, cursor)
+  def produce(state, params, version, rng, trains_at):
+    return _fake_produced(version, state)
 
   with pytest.raises(ValueError, match="updates_per_batch=1.*took 2"):
-    async_loop.run_async(_fake_state(), _fake_context(0.0, updates=2), produce, 3,
+    async_loop.run_async(_fake_state(), _fake_context(0.0, updates=2), _fake_producer(produce), 3,
                          max_staleness=2, updates_per_batch=1)
 
 
 def test_async_steps_report_the_producers_phase_times_and_token_rates():
   # With max_staleness = 0 the trainer waits while each batch is produced, so the step's
   # wall time holds the producer's sample and score times and the train time.
-  def produce(params, version, train_step, rng, cursor, selection):
+  def produce(state, params, version, rng, trains_at):
     time.sleep(0.02)
     with timing.phase("score"):
       time.sleep(0.01)
-    produced = _fake_produced(version, cursor)
-    produced.metrics["decoded_tokens"] = 12
-    return produced
+    return _fake_produced(version, state, decoded_tokens=12)
 
-  _, history = async_loop.run_async(_fake_state(), _fake_context(0.05), produce, 3,
+  _, history = async_loop.run_async(_fake_state(), _fake_context(0.05), _fake_producer(produce), 3,
                                     max_staleness=0)
   for m in history:
     assert m["time_score_s"] >= 0.01 and m["time_sample_s"] >= 0.02
@@ -163,19 +180,19 @@ def test_async_steps_report_the_producers_phase_times_and_token_rates():
 
 
 def test_trainer_refuses_a_batch_beyond_the_bound():
-  def produce(params, version, train_step, rng, cursor, selection):
-    return _fake_produced(0, cursor)  # always labels its tokens version 0
+  def produce(state, params, version, rng, trains_at):
+    return _fake_produced(0, state)  # always labels its tokens version 0
 
   with pytest.raises(RuntimeError, match="max_staleness=1"):
-    async_loop.run_async(_fake_state(), _fake_context(0.0), produce, 4, max_staleness=1)
+    async_loop.run_async(_fake_state(), _fake_context(0.0), _fake_producer(produce), 4, max_staleness=1)
 
 
 def test_producer_errors_reach_the_trainer():
-  def produce(params, version, train_step, rng, cursor, selection):
+  def produce(state, params, version, rng, trains_at):
     raise ValueError("broken producer")
 
   with pytest.raises(ValueError, match="broken producer"):
-    async_loop.run_async(_fake_state(), _fake_context(0.0), produce, 3, max_staleness=1)
+    async_loop.run_async(_fake_state(), _fake_context(0.0), _fake_producer(produce), 3, max_staleness=1)
 
 
 def test_published_parameters_never_alias_the_trainers_buffers():
@@ -213,14 +230,16 @@ def _context(task, prompts=4, group=4, lr=1e-2, prompt_len=6):
   optimizer = train.make_optimizer(lr)
   sampling_config = SamplingConfig(max_new_tokens=6, temperature=1.0,
                                    stop_tokens=(TOKENIZER.eos_id,), pad_id=TOKENIZER.pad_id)
-  ctx = loop.LoopContext(task=task, tokenizer=TOKENIZER, model_config=model_config,
-                         sampling_config=sampling_config, prompt_len=prompt_len,
-                         prompts_per_step=prompts, group_size=group,
-                         train_step=train.make_train_step(model_config, optimizer, GRPO),
-                         batch_advantages=advantages.group_relative(advantages.grpo_advantages))
+  ctx = loop.LoopContext(
+      batch=producers.BatchContext(task=task, tokenizer=TOKENIZER, model_config=model_config,
+                                   sampling_config=sampling_config, prompt_len=prompt_len,
+                                   prompts_per_step=prompts, group_size=group),
+      train_step=train.make_train_step(model_config, optimizer, GRPO),
+      batch_advantages=advantages.group_relative(advantages.grpo_advantages))
   params = transformer.init_params(model_config, jax.random.PRNGKey(0))
   state = loop.LoopState(train=train.init_train_state(params, optimizer),
-                         rng=jax.random.PRNGKey(1))
+                         rng=jax.random.PRNGKey(1),
+                         producer=producers.CursorState(cursor=producers.cursor_array(0)))
   return ctx, state
 
 
@@ -232,26 +251,24 @@ def _copy(state):
 def test_async_with_zero_staleness_reproduces_the_sync_loop_exactly(kind):
   ctx, start = _context(_LengthTask())
 
-  def producer():
-    if kind == "independent":
-      return loop.selection_producer(ctx)
-    rollouts = partial_rollout.for_task(ctx, PartialConfig(num_slots=32, group_size=4),
-                                        max_staleness=0)
-    return partial_rollout.producer(ctx, rollouts)
-
+  if kind == "independent":
+    producer = producers.independent(ctx.batch)
+  else:
+    producer = partial_rollout.producer(ctx.batch, partial_rollout.for_task(
+        ctx.batch, PartialConfig(num_slots=32, group_size=4), max_staleness=0))
+  start = start.replace(producer=producer.init(0))
   sync_state, sync_metrics = _copy(start), []
-  produce = producer()
   for _ in range(3):
-    sync_state, metrics = loop.grpo_iteration(sync_state, ctx, produce)
+    sync_state, metrics = loop.grpo_iteration(sync_state, ctx, producer)
     sync_metrics.append(metrics)
-  async_state, async_metrics = async_loop.run_async(_copy(start), ctx, producer(), 3,
+  async_state, async_metrics = async_loop.run_async(_copy(start), ctx, producer, 3,
                                                     max_staleness=0)
   for a, b in zip(jax.tree.leaves(sync_state.train), jax.tree.leaves(async_state.train)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   np.testing.assert_array_equal(jax.random.key_data(sync_state.rng)
                                 if jnp.issubdtype(sync_state.rng.dtype, jax.dtypes.prng_key)
                                 else sync_state.rng, async_state.rng)
-  assert sync_state.data_cursor == async_state.data_cursor
+  jax.tree.map(np.testing.assert_array_equal, sync_state.producer, async_state.producer)
   for a, b in zip(sync_metrics, async_metrics):
     assert a["reward_mean"] == b["reward_mean"] and a["loss"] == b["loss"]
   # The parameters did change, so the equality above is not vacuous.
@@ -265,7 +282,7 @@ def test_async_minibatch_tokens_carry_the_step_of_their_sampling_parameters():
   # tokens must carry the step of the copy the producer sampled it with.
   ctx, state = _context(_LengthTask())
   ctx = dataclasses.replace(ctx, train_step=train.make_train_step(
-      ctx.model_config, train.make_optimizer(1e-2), GRPO, num_minibatches=2))
+      ctx.batch.model_config, train.make_optimizer(1e-2), GRPO, num_minibatches=2))
   published, steps, used, batches = [], [int(state.train.step)], [], []
 
   def publish(params):
@@ -273,17 +290,19 @@ def test_async_minibatch_tokens_carry_the_step_of_their_sampling_parameters():
     published.append(jax.tree.leaves(copy)[0])
     return copy
 
-  inner = loop.selection_producer(ctx)
+  inner = producers.independent(ctx.batch)
 
-  def produce(params, version, train_step, rng, cursor, selection):
+  def produce(producer_state, params, version, rng, trains_at):
     leaf = jax.tree.leaves(params)[0]
     used.append(next(k for k, p in enumerate(published) if p is leaf))
-    produced = inner(params, version, train_step, rng, cursor, selection)
-    batches.append(produced.rollout)
-    return produced
+    rollout, stats, producer_state = inner.produce(producer_state, params, version, rng,
+                                                   trains_at)
+    batches.append(rollout)
+    return rollout, stats, producer_state
 
   state, history = async_loop.run_async(
-      state, ctx, produce, 4, max_staleness=2, publish=publish,
+      state.replace(producer=inner.init(0)), ctx, inner._replace(produce=produce), 4,
+      max_staleness=2, publish=publish,
       on_step=lambda s, _: steps.append(int(s.train.step)))
   assert steps == [0, 2, 4, 6, 8]  # two updates per batch, none skipped
   for k, batch, metrics, trained_at in zip(used, batches, history, steps):
@@ -320,24 +339,25 @@ def test_async_training_with_stale_batches_improves_the_default_tasks_reward():
   task = _FixedPrompts(8)
   sft_ctx, state = _context(task, prompts=8, group=1, lr=1e-3, prompt_len=12)
   sft_ctx = dataclasses.replace(sft_ctx, train_step=train.make_train_step(
-      sft_ctx.model_config, train.make_optimizer(1e-3),
+      sft_ctx.batch.model_config, train.make_optimizer(1e-3),
       ml_collections.FrozenConfigDict(dict(name="sft", aggregation="token_mean", norm_len=1.0))))
   for _ in range(25):
     state, _ = loop.sft_iteration(state, sft_ctx)
   ctx, _ = _context(task, prompts=8, group=8, lr=3e-4, prompt_len=12)
+  producer = producers.independent(ctx.batch)
   state = loop.LoopState(train=train.init_train_state(state.train.params,
                                                       train.make_optimizer(3e-4)),
-                         rng=state.rng)
+                         rng=state.rng, producer=producer.init(int(state.producer.cursor)))
 
   def expected_reward(params):
     samples = rollout_lib.sample_and_score(
         params, task.examples("train", 8), task=task, tokenizer=TOKENIZER,
-        rng=jax.random.PRNGKey(42), group_size=32, prompt_len=ctx.prompt_len,
-        model_config=ctx.model_config, sampling_config=ctx.sampling_config)
+        rng=jax.random.PRNGKey(42), group_size=32, prompt_len=ctx.batch.prompt_len,
+        model_config=ctx.batch.model_config, sampling_config=ctx.batch.sampling_config)
     return float(np.asarray(samples.rollout.reward).mean())
 
   before = expected_reward(state.train.params)
-  state, history = async_loop.run_async(state, ctx, loop.selection_producer(ctx), 12,
+  state, history = async_loop.run_async(state, ctx, producer, 12,
                                         max_staleness=2)
   after = expected_reward(state.train.params)
   assert max(h["staleness"] for h in history) <= 2

@@ -2,7 +2,6 @@
 differences, the optimiser state over adapters only, the frozen base, sharding, HF export
 and the launcher's validation."""
 
-import functools
 import json
 import math
 import os
@@ -28,6 +27,7 @@ from rl import checkpoint
 from rl import evaluation
 from rl import loop
 from rl import train
+from rl.rollouts import producers
 from sampling.sampler import SamplingConfig
 from sharding import mesh as mesh_lib
 from tests.launcher_config import tiny_run_config
@@ -146,17 +146,19 @@ def _grpo_rewards(base, lora, steps=25):
   sampling_config = SamplingConfig(max_new_tokens=4, temperature=1.0,
                                    stop_tokens=(tokenizer.eos_id,))
   ctx = loop.LoopContext(
-      task=DigitTask(), tokenizer=tokenizer, model_config=CONFIG,
-      sampling_config=sampling_config, prompt_len=2, prompts_per_step=8, group_size=8,
+      batch=producers.BatchContext(
+          task=DigitTask(), tokenizer=tokenizer, model_config=CONFIG,
+          sampling_config=sampling_config, prompt_len=2, prompts_per_step=8, group_size=8),
       train_step=train.make_train_step(CONFIG, optimizer, GRPO),
       batch_advantages=advantages.group_relative(advantages.grpo_advantages))
+  producer = producers.independent(ctx.batch)
   state = loop.LoopState(train=train.init_train_state(base, optimizer, lora=lora,
                                                       model_config=CONFIG,
                                                       lora_rng=jax.random.PRNGKey(3)),
-                         rng=jax.random.PRNGKey(2))
+                         rng=jax.random.PRNGKey(2), producer=producer.init(0))
   rewards = []
   for _ in range(steps):
-    state, metrics = loop.grpo_iteration(state, ctx)
+    state, metrics = loop.grpo_iteration(state, ctx, producer)
     rewards.append(metrics["reward_mean"])
   return rewards, state
 
@@ -354,12 +356,10 @@ def _launcher_config(workdir):
 def _restore_rl_state(config, policy, step):
   """The LoopState of RL checkpoint `step` (adapters, their AdamW state, frozen base)."""
   manager = checkpoint.make_manager(os.path.join(config.workdir, "checkpoints"))
-  _, optimizer = wiring.make_context(config, policy.task, policy.tokenizer,
-                                     policy.model_config, wiring.RL)
-  like = loop.LoopState(train=jax.eval_shape(
-      functools.partial(wiring.new_train_state, config, policy.model_config,
-                        optimizer=optimizer, phase=wiring.RL), policy.params_like),
-                        rng=jax.random.PRNGKey(0))
+  ctx, optimizer = wiring.make_context(config, policy.task, policy.tokenizer,
+                                       policy.model_config, wiring.RL)
+  like = wiring.loop_state_like(config, policy.model_config, policy.params_like, wiring.RL,
+                                optimizer, wiring.make_rl_producer(config, ctx))
   return checkpoint.restore(manager, step, like)[0]
 
 

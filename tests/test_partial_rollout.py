@@ -1,4 +1,4 @@
-"""Tests for rl.rollouts.partial and rl.rollouts.trajectory_store: conservation, staleness, resume."""
+"""Tests for rl.rollouts.partial: conservation, staleness, and resuming a checkpointed pool."""
 
 import jax
 import numpy as np
@@ -6,8 +6,8 @@ import pytest
 
 from models import transformer
 from models.config import get_preset
+from rl import checkpoint
 from rl.rollouts import partial as partial_rollout
-from rl.rollouts import trajectory_store
 from sampling.partial import PartialConfig
 from sampling.sampler import SamplingConfig
 
@@ -39,11 +39,12 @@ def _rollouts(resume="reprefill", max_staleness=None):
       target_groups=2, prompt_fn=_prompt_fn, max_staleness=max_staleness)
 
 
-def _run(rollouts, steps, first_step, cursor, rng, record):
-  """`steps` batches; each taken group is checked against its own prompt and recorded."""
+def _run(rollouts, state, steps, first_step, rng, record):
+  """`steps` batches; each taken group is checked against its own prompt and recorded.
+  Returns (state, rng)."""
   for step in range(first_step, first_step + steps):
     rng, key = jax.random.split(rng)
-    gen, ids, cursor, stats = rollouts.next_batch(PARAMS, step, key, cursor)
+    gen, ids, stats, state = rollouts.next_batch(state, PARAMS, step, key)
     tokens, prompt_mask = np.asarray(gen.tokens), np.asarray(gen.prompt_mask)
     for row in range(tokens.shape[0]):
       assert _decode_id(tokens[row, :PROMPT], prompt_mask[row, :PROMPT]) == ids[row // 2]
@@ -52,75 +53,77 @@ def _run(rollouts, steps, first_step, cursor, rng, record):
     record["trained"] += list(stats.finished)
     record["discarded"] += list(stats.discarded)
     record["batches"].append(jax.device_get((gen.tokens, gen.behavior_logp, gen.version)))
-  return cursor, rng
+  return state, rng
 
 
 def _new_record():
   return {"started": [], "trained": [], "discarded": [], "batches": []}
 
 
-def _check_conservation(record, rollouts):
+def _check_conservation(record, state):
   started, trained, discarded = record["started"], record["trained"], record["discarded"]
-  in_flight = list(rollouts.in_flight_ids())
+  in_flight = list(partial_rollout.PartialRollouts.in_flight_ids(state))
   assert len(set(started)) == len(started), "a group was started twice"
   assert len(set(trained)) == len(trained), "a group was trained twice"
   everything = trained + discarded + in_flight
   assert len(everything) == len(set(everything)), "a group is in two places"
   assert sorted(everything) == sorted(started), "a started group was lost"
-  ledger = rollouts.ledger
-  assert (ledger.started, ledger.finished, ledger.discarded) == (
+  ledger = state.ledger.as_dict()
+  assert (ledger["started"], ledger["finished"], ledger["discarded"]) == (
       len(started), len(trained), len(discarded))
-  assert ledger.started == ledger.finished + ledger.discarded + len(in_flight)
+  assert ledger["started"] == ledger["finished"] + ledger["discarded"] + len(in_flight)
 
 
 @pytest.mark.parametrize("resume,max_staleness", [("reprefill", None), ("kept_kv", 1)])
 def test_conservation_over_many_steps(resume, max_staleness):
   rollouts = _rollouts(resume, max_staleness)
   record = _new_record()
-  _run(rollouts, 15, 0, 0, jax.random.PRNGKey(0), record)
-  _check_conservation(record, rollouts)
+  state, _ = _run(rollouts, rollouts.init(), 15, 0, jax.random.PRNGKey(0), record)
+  _check_conservation(record, state)
   if max_staleness is not None:
     assert record["discarded"], "the staleness bound never discarded anything (vacuous)"
   if resume == "reprefill":
     # Finish everything in flight: the pool empties and every group is accounted for.
-    gen, ids, stats = rollouts.drain(PARAMS, 99, jax.random.PRNGKey(9))
+    gen, ids, stats, state = rollouts.drain(state, PARAMS, 99, jax.random.PRNGKey(9))
     assert len(ids) == len(set(record["started"]) - set(record["trained"])
                            - set(record["discarded"]))
     assert bool(np.asarray(gen.completion_len).min() >= 1) and stats.decode_steps > 0
     record["trained"] += list(ids)
   else:
-    record["discarded"] += list(rollouts.discard_all())
-  assert len(rollouts.in_flight_ids()) == 0
-  _check_conservation(record, rollouts)
+    discarded, state = rollouts.discard_all(state)
+    record["discarded"] += list(discarded)
+  assert len(rollouts.in_flight_ids(state)) == 0
+  _check_conservation(record, state)
 
 
 def test_staleness_bound_discards_old_groups():
   rollouts = _rollouts(max_staleness=1)
-  rng, cursor = jax.random.PRNGKey(1), 0
+  rng, state = jax.random.PRNGKey(1), rollouts.init()
   for step in range(10):
     rng, key = jax.random.split(rng)
-    gen, _, cursor, _ = rollouts.next_batch(PARAMS, step, key, cursor)
+    gen, _, _, state = rollouts.next_batch(state, PARAMS, step, key)
     version = np.asarray(gen.version)[np.asarray(gen.completion_mask)]
     assert step - version.min() <= 1
 
 
 def test_checkpoint_and_resume_loses_and_duplicates_nothing(tmp_path):
   rng = jax.random.PRNGKey(3)
-  whole = _rollouts()
+  rollouts = _rollouts()
   before = _new_record()
-  cursor, rng_mid = _run(whole, 5, 0, 0, rng, before)
-  store = trajectory_store.TrajectoryStore(str(tmp_path))
-  store.save_pool(5, whole.arrays())  # what a checkpoint at step 5 keeps
-  ledger = whole.ledger.as_dict()
+  state, rng_mid = _run(rollouts, rollouts.init(), 5, 0, rng, before)
+  manager = checkpoint.make_manager(str(tmp_path))
+  saved = rollouts.for_checkpoint(state)  # what a checkpoint at step 5 keeps: no KV cache
+  assert saved.pool.sampler.cache is None
+  checkpoint.save(manager, 5, saved, {})
   after_whole = _new_record()
-  _run(whole, 6, 5, cursor, rng_mid, after_whole)  # the uninterrupted run goes on
+  _run(rollouts, state, 6, 5, rng_mid, after_whole)  # the uninterrupted run goes on
 
-  # A fresh process restores step 5 from the store (no KV cache) and continues.
+  # A fresh process restores step 5 (no KV cache: its next round re-prefills) and continues.
   resumed = _rollouts()
-  resumed.load(store.load_pool(5, partial_rollout.POOL_FIELDS), ledger)
-  assert resumed.needs_full_refresh
+  _, restored, _ = checkpoint.restore_latest(manager, resumed.for_checkpoint(resumed.init()))
+  assert int(restored.cursor) == int(state.cursor) > 0
   after = _new_record()
-  _run(resumed, 6, 5, cursor, rng_mid, after)
+  restored, _ = _run(resumed, restored, 6, 5, rng_mid, after)
   # Re-prefill recomputes every prefix each round anyway, so the resumed run is identical.
   for batch_whole, batch_resumed in zip(after_whole["batches"], after["batches"]):
     for x, y in zip(batch_whole, batch_resumed):
@@ -128,26 +131,15 @@ def test_checkpoint_and_resume_loses_and_duplicates_nothing(tmp_path):
   # Conservation across the restart: before + after the checkpoint, then the pool.
   merged = {k: before[k] + after[k] for k in ("started", "trained", "discarded")}
   assert set(before["started"]) & set(after["started"]) == set()
-  _check_conservation(merged, resumed)
-  assert resumed.ledger == whole.ledger
+  _check_conservation(merged, restored)
 
 
-def test_store_rejects_a_pool_of_another_shape(tmp_path):
-  store = trajectory_store.TrajectoryStore(str(tmp_path))
+def test_a_pool_of_another_shape_does_not_restore(tmp_path):
   small = _rollouts()
-  store.save_pool(0, small.arrays())
+  manager = checkpoint.make_manager(str(tmp_path))
+  checkpoint.save(manager, 0, small.for_checkpoint(small.init()), {})
   other = partial_rollout.PartialRollouts(
       PartialConfig(num_slots=8, group_size=2), MODEL, SAMPLING, PROMPT, target_groups=2,
       prompt_fn=_prompt_fn)
-  with pytest.raises(ValueError, match="same\\s+config.rollout"):
-    other.load(store.load_pool(0, partial_rollout.POOL_FIELDS), small.ledger.as_dict())
-
-
-def test_store_prunes_snapshots_of_dropped_checkpoints(tmp_path):
-  store = trajectory_store.TrajectoryStore(str(tmp_path))
-  for step in (1, 2, 3):
-    store.save_pool(step, {"x": np.arange(step)})
-  store.prune([3])
-  np.testing.assert_array_equal(store.load_pool(3, ["x"])["x"], np.arange(3))
-  with pytest.raises(ValueError, match="missing"):
-    store.load_pool(1, ["x"])
+  with pytest.raises(ValueError, match="No checkpoint .* restores"):
+    checkpoint.restore_latest(manager, other.for_checkpoint(other.init()))

@@ -1,18 +1,19 @@
 """rl.registry.Registry, the one registry style, and a new rollout kind added as one
 registered RolloutKind and reached through the launcher."""
 
+import dataclasses
 import json
 
 import pytest
 
 from experiments import train
-from rl import loop
 from rl import wiring
 from rl.objectives import advantages
 from rl.objectives import corrections
 from rl.objectives import losses
 from rl.registry import Registry
 from rl.rollouts import kinds
+from rl.rollouts import producers
 from rl.rollouts import selection
 from rl.tasks import TASKS
 from tests.launcher_config import tiny_run_config
@@ -57,15 +58,15 @@ def test_every_pluggable_piece_is_a_registry_naming_its_field(registry, field):
 
 
 def _tagged_producer(config, ctx):
-  """A toy rollout kind: plain independent samples whose batches carry a marker metric."""
+  """A toy rollout kind: plain independent samples whose batches carry a marker counter."""
   del config
-  inner = loop.selection_producer(ctx)
+  inner = producers.independent(ctx)
 
   def produce(*args):
-    produced = inner(*args)
-    produced.metrics["toy_batches"] = 1.0
-    return produced
-  return produce, None
+    rollout, stats, state = inner.produce(*args)
+    tagged = dataclasses.replace(stats, counters=dict(stats.counters, toy_batches=1.0))
+    return rollout, tagged, state
+  return inner._replace(produce=produce)
 
 
 @pytest.fixture

@@ -31,6 +31,7 @@ from rl.rollouts import batches as rollout_lib
 from rl import scoring
 from rl import tasks
 from rl import train
+from rl.rollouts import producers
 from sampling.sampler import SamplingConfig
 from tests import scoring_tasks
 
@@ -316,10 +317,12 @@ def test_grpo_step_goes_on_when_a_completion_hangs_its_scorer(monkeypatch):
   model_config = get_preset("tiny", vocab_size=tokenizer.vocab_size, max_seq_len=16)
   optimizer = train.make_optimizer(1e-3)
   ctx = loop.LoopContext(
-      task=scoring_tasks.DigitsUnlessTower(), tokenizer=tokenizer, model_config=model_config,
-      sampling_config=SamplingConfig(max_new_tokens=4, temperature=1.0,
-                                     stop_tokens=(tokenizer.eos_id,)),
-      prompt_len=3, prompts_per_step=2, group_size=4,
+      batch=producers.BatchContext(
+          task=scoring_tasks.DigitsUnlessTower(), tokenizer=tokenizer,
+          model_config=model_config,
+          sampling_config=SamplingConfig(max_new_tokens=4, temperature=1.0,
+                                         stop_tokens=(tokenizer.eos_id,)),
+          prompt_len=3, prompts_per_step=2, group_size=4),
       train_step=train.make_train_step(model_config, optimizer, GRPO),
       batch_advantages=advantages.group_relative(advantages.grpo_advantages))
   decode, sample_and_score = rollout_lib.decode_completions, rollout_lib.sample_and_score
@@ -337,8 +340,10 @@ def test_grpo_step_goes_on_when_a_completion_hangs_its_scorer(monkeypatch):
   monkeypatch.setattr(rollout_lib, "decode_completions", hostile_decode)
   monkeypatch.setattr(rollout_lib, "sample_and_score", recorded_sample_and_score)
   params = transformer.init_params(model_config, jax.random.PRNGKey(0))
-  state = loop.LoopState(train=train.init_train_state(params, optimizer), rng=jax.random.PRNGKey(1))
-  state, metrics = loop.grpo_iteration(state, ctx)
+  producer = producers.independent(ctx.batch)
+  state = loop.LoopState(train=train.init_train_state(params, optimizer), rng=jax.random.PRNGKey(1),
+                         producer=producer.init(0))
+  state, metrics = loop.grpo_iteration(state, ctx, producer)
   assert metrics["reward_timeouts"] == 1 and metrics["reward_errors"] == 0
   assert np.isfinite(metrics["loss"]) and int(state.train.step) == 1
   (samples,) = scored

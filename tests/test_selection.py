@@ -5,7 +5,6 @@ position p answers correctly with probability probs[p], so which groups are info
 known in advance and the tests need no model.
 """
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +16,7 @@ from experiments.configs import chain_sum_compact
 from experiments.configs import default
 from rl.objectives import advantages
 from rl import checkpoint
+from rl.rollouts import producers
 from rl.rollouts import selection
 from rl.rollouts.batches import ScoredSamples
 from rl.types import Rollout
@@ -130,7 +130,7 @@ def test_adaptive_budget_conserved_and_concentrated_on_uncertain_prompts(score, 
   budget = 8 * G
   shares = []
   for collected in out:
-    assert collected.rollout.tokens.shape[0] == budget == collected.metrics["rollouts"]
+    assert collected.rollout.tokens.shape[0] == budget == collected.stats.counters["rollouts"]
     # Share of the rollouts beyond the pilots that went to coin-flip prompts.
     positions = np.asarray(collected.rollout.tokens[:, 0])
     sizes = np.bincount(positions, minlength=16)
@@ -143,7 +143,7 @@ def test_adaptive_budget_conserved_and_concentrated_on_uncertain_prompts(score, 
     for g in np.unique(group):
       mixed = reward[group == g].std() > 0
       assert np.asarray(collected.rollout.completion_mask)[group == g].any() == mixed
-    assert collected.metrics["informative_rows"] == np.asarray(
+    assert collected.stats.counters["informative_rows"] == np.asarray(
         collected.rollout.completion_mask).any(axis=1).sum()
   # beta needs a little history before deterministic prompts look certain: skip epoch 0.
   assert np.mean(shares[2:]) > min_share
@@ -217,7 +217,7 @@ def test_greso_never_starves_a_prompt():
   calls = []
   out, _, cursor = _run(config, probs, steps=150, prompts=4, calls=calls)
   rolled = np.concatenate([c[::G] for c in calls])
-  assert np.sum([c.metrics["prompts_skipped"] for c in out]) > 0.5 * cursor  # it does skip
+  assert np.sum([c.stats.counters["prompts_skipped"] for c in out]) > 0.5 * cursor  # it does skip
   # A prompt skipped max_skips epochs in a row is rolled out next, so each prompt is rolled
   # out at least once in every max_skips + 1 = 7 of its epochs.
   per_prompt = np.bincount(rolled, minlength=16)
@@ -234,7 +234,7 @@ def test_greso_with_skipping_disabled_equals_uniform(overrides):
   assert cursor_a == cursor_b == 40
   for x, y in zip(a, b):
     jax.tree.map(np.testing.assert_array_equal, x.rollout, y.rollout)
-    assert x.metrics["prompts_skipped"] == 0
+    assert x.stats.counters["prompts_skipped"] == 0
 
 
 def test_uniform_is_plain_grpo_batch():
@@ -263,9 +263,9 @@ def test_dynamic_sampling_never_yields_zero_variance_group(kind):
     reward = np.asarray(collected.rollout.reward).reshape(4, G)
     assert reward.shape == (4, G)
     assert np.all(reward.std(axis=1) > 0)
-    assert collected.metrics["batch_informative_groups"] == 1.0
-    assert collected.metrics["informative_rows"] == 4 * G
-    refilled += collected.metrics["rollout_rounds"] > 1
+    assert collected.stats.counters["batch_informative_groups"] == 1.0
+    assert collected.stats.counters["informative_rows"] == 4 * G
+    refilled += collected.stats.counters["rollout_rounds"] > 1
   assert refilled > 0  # the data did force refills
 
 
@@ -308,7 +308,8 @@ def test_check_config_errors_name_the_field():
 # --- the loop with a real (tiny) policy ----------------------------------------------------
 
 def _tiny_loop(kind, pool, **overrides):
-  """A fresh LoopState and GRPO LoopContext for the tiny model, 2 prompts x 2 rollouts."""
+  """A fresh LoopState, GRPO LoopContext and producer for the tiny model, 2 prompts x 2
+  rollouts."""
   from models import transformer  # pylint: disable=import-outside-toplevel
   from models.tokenizer import CharTokenizer  # pylint: disable=import-outside-toplevel
   from rl import loop  # pylint: disable=import-outside-toplevel
@@ -323,59 +324,63 @@ def _tiny_loop(kind, pool, **overrides):
   task = tasks.make_task("chain_sum", seed=0, eval_size=10, **config.task.difficulty)
   model_config = wiring.build_model_config(config, tokenizer)
   ctx, optimizer = wiring.make_context(config, task, tokenizer, model_config, wiring.RL)
+  producer = wiring.make_rl_producer(config, ctx)
   params = transformer.init_params(model_config, jax.random.PRNGKey(0))
   state = loop.LoopState(train=train.init_train_state(params, optimizer), rng=jax.random.PRNGKey(1),
-                         selection=selection.init_state(pool, config.selection))
-  return state, ctx
+                         producer=producer.init(0))
+  return state, ctx, producer
 
 
 def test_loop_uniform_is_unchanged_and_greso_without_skipping_equals_it(tmp_path):
   from rl import loop  # pylint: disable=import-outside-toplevel
   from rl.rollouts import batches as rollout_lib  # pylint: disable=import-outside-toplevel
 
-  state, ctx = _tiny_loop("uniform", pool=0)
+  state, ctx, producer = _tiny_loop("uniform", pool=0)
+  b = ctx.batch
   # The GRPO iteration before rl.rollouts.selection existed: sample G per prompt, one train step.
   _, sample_rng = jax.random.split(state.rng)
-  examples = ctx.task.examples("train", 2, 0)
+  examples = b.task.examples("train", 2, 0)
   samples = rollout_lib.sample_and_score(
-      state.train.params, examples, task=ctx.task, tokenizer=ctx.tokenizer, rng=sample_rng,
-      group_size=2, prompt_len=ctx.prompt_len, model_config=ctx.model_config,
-      sampling_config=ctx.sampling_config, version=0)
+      state.train.params, examples, task=b.task, tokenizer=b.tokenizer, rng=sample_rng,
+      group_size=2, prompt_len=b.prompt_len, model_config=b.model_config,
+      sampling_config=b.sampling_config, version=0)
   batch = samples.rollout.replace(advantages=ctx.batch_advantages(samples.rollout))
   reference, _ = ctx.train_step(jax.tree.map(jnp.copy, state.train), batch)
 
-  uniform, _ = loop.grpo_iteration(state, ctx)
+  uniform, _ = loop.grpo_iteration(state, ctx, producer)
   jax.tree.map(np.testing.assert_array_equal, uniform.train.params, reference.params)
-  assert uniform.data_cursor == 2
+  assert int(uniform.producer.cursor) == 2
 
-  greso_state, greso_ctx = _tiny_loop("greso", pool=3, **{"greso.explore_prob": 1.0,
-                                                          "greso.refill": False})
+  greso_state, greso_ctx, greso = _tiny_loop("greso", pool=3, **{"greso.explore_prob": 1.0,
+                                                                 "greso.refill": False})
   for _ in range(2):  # the pool of 3 wraps around in the second step
-    greso_state, metrics = loop.grpo_iteration(greso_state, greso_ctx)
-  uniform_state, _ = _tiny_loop("uniform", pool=3)
-  uniform_ctx = dataclasses.replace(greso_ctx, selection=_config("uniform"))  # same jitted step
-  for _ in range(2):
-    uniform_state, _ = loop.grpo_iteration(uniform_state, uniform_ctx)
+    greso_state, metrics = loop.grpo_iteration(greso_state, greso_ctx, greso)
+  uniform_producer = producers.independent(greso_ctx.batch, _config("uniform"))
+  uniform_state = greso_state.replace(train=_tiny_loop("uniform", pool=3)[0].train,
+                                      rng=jax.random.PRNGKey(1), producer=uniform_producer.init(0))
+  for _ in range(2):  # the same jitted step, the same pool
+    uniform_state, _ = loop.grpo_iteration(uniform_state, greso_ctx, uniform_producer)
   jax.tree.map(np.testing.assert_array_equal, greso_state.train.params, uniform_state.train.params)
-  assert metrics["prompts_skipped"] == 0 and greso_state.data_cursor == 4
+  assert metrics["prompts_skipped"] == 0 and int(greso_state.producer.cursor) == 4
 
 
 def test_loop_resumes_selection_state_exactly_from_a_checkpoint(tmp_path):
   from rl import loop  # pylint: disable=import-outside-toplevel
 
-  state, ctx = _tiny_loop("adaptive", pool=4, **{"adaptive.initial_rollouts": 2,
-                                                 "adaptive.score": "beta"})
+  state, ctx, producer = _tiny_loop("adaptive", pool=4, **{"adaptive.initial_rollouts": 2,
+                                                           "adaptive.score": "beta"})
   like = state
-  state, _ = loop.grpo_iteration(state, ctx)
+  state, _ = loop.grpo_iteration(state, ctx, producer)
   manager = checkpoint.make_manager(str(tmp_path))
-  checkpoint.save(manager, 1, state, {"data_cursor": state.data_cursor})
-  uninterrupted, _ = loop.grpo_iteration(state, ctx)
+  checkpoint.save(manager, 1, state, {})  # the LoopState is all a resume needs
+  uninterrupted, _ = loop.grpo_iteration(state, ctx, producer)
 
-  _, restored, meta = checkpoint.restore_latest(manager, like)
-  restored = restored.replace(data_cursor=meta["data_cursor"])
-  jax.tree.map(np.testing.assert_array_equal, restored.selection, state.selection)
-  resumed, _ = loop.grpo_iteration(restored, ctx)
-  jax.tree.map(np.testing.assert_array_equal, resumed.selection, uninterrupted.selection)
+  _, restored, _ = checkpoint.restore_latest(manager, like)
+  assert int(restored.producer.cursor) == 2  # adaptive reads 2 prompts a step
+  jax.tree.map(np.testing.assert_array_equal, restored.producer.history, state.producer.history)
+  resumed, _ = loop.grpo_iteration(restored, ctx, producer)
+  jax.tree.map(np.testing.assert_array_equal, resumed.producer.history,
+               uninterrupted.producer.history)
   jax.tree.map(np.testing.assert_array_equal, resumed.train.params, uninterrupted.train.params)
 
 
@@ -399,9 +404,6 @@ def test_greso_through_the_launcher_skips_prompts_on_the_chain_sum_task(tmp_path
 def test_tree_and_partial_rollouts_cycle_over_the_train_pool(monkeypatch):
   """task.train_pool reaches every producer: the tree and partial producers read train
   position cursor mod pool, like selection does."""
-  import types  # pylint: disable=import-outside-toplevel
-  from rl import loop  # pylint: disable=import-outside-toplevel
-  from rl.rollouts import partial as partial_rollout  # pylint: disable=import-outside-toplevel
   from rl.rollouts import batches as rollout_lib  # pylint: disable=import-outside-toplevel
   from rl import tasks  # pylint: disable=import-outside-toplevel
 
@@ -418,9 +420,12 @@ def test_tree_and_partial_rollouts_cycle_over_the_train_pool(monkeypatch):
     raise Stop
 
   monkeypatch.setattr(rollout_lib, "tree_sample_and_score", fake_tree_sample_and_score)
-  ctx = types.SimpleNamespace(task=task, train_pool=3, prompts_per_step=4, tokenizer=None,
-                              prompt_len=8, model_config=None, sampling_config=None)
+  ctx = producers.BatchContext(task=task, tokenizer=None, model_config=None,
+                               sampling_config=None, prompt_len=8, prompts_per_step=4,
+                               group_size=2, train_pool=3)
+  tree = producers.tree(ctx, object())
   with pytest.raises(Stop):
-    loop.tree_producer(ctx, object())(None, 0, 0, jax.random.PRNGKey(0), 2, None)
+    tree.produce(tree.init(2), None, 0, jax.random.PRNGKey(0), 0)
   assert read == [pool[2], pool[0], pool[1], pool[2]]
-  assert [partial_rollout._example(ctx, i) for i in (3, 7)] == [pool[0], pool[1]]  # pylint: disable=protected-access
+  # The partial pool's groups read their prompts the same way (rl.rollouts.partial.for_task).
+  assert [ctx.example(i) for i in (3, 7)] == [pool[0], pool[1]]

@@ -17,6 +17,7 @@ from rl.objectives import corrections
 from rl import loop
 from rl.objectives import losses
 from rl import train
+from rl.rollouts import producers
 from rl.tasks import make_task
 from rl.types import Rollout
 from sampling import sampler
@@ -54,10 +55,12 @@ def _context(staleness, loss_name="grpo", prox_estimate="recompute"):
   optimizer = train.make_optimizer(1e-2)
   step = train.make_train_step(TINY, optimizer, loss_config)
   ctx = loop.LoopContext(
-      task=task, tokenizer=tokenizer, model_config=TINY,
-      sampling_config=sampler.SamplingConfig(max_new_tokens=4, stop_tokens=(tokenizer.eos_id,),
-                                             pad_id=tokenizer.pad_id),
-      prompt_len=8, prompts_per_step=2, group_size=2, train_step=step,
+      batch=producers.BatchContext(
+          task=task, tokenizer=tokenizer, model_config=TINY,
+          sampling_config=sampler.SamplingConfig(
+              max_new_tokens=4, stop_tokens=(tokenizer.eos_id,), pad_id=tokenizer.pad_id),
+          prompt_len=8, prompts_per_step=2, group_size=2),
+      train_step=step,
       batch_advantages=advantages.group_relative(advantages.grpo_advantages),
       staleness=staleness)
   return ctx, optimizer
@@ -66,11 +69,13 @@ def _context(staleness, loss_name="grpo", prox_estimate="recompute"):
 def _run(staleness, iterations, loss_name="grpo", prox_estimate="recompute"):
   ctx, optimizer = _context(staleness, loss_name, prox_estimate)
   params = transformer.init_params(TINY, jax.random.PRNGKey(0))
+  producer = producers.independent(ctx.batch)
   state = loop.LoopState(train=train.init_train_state(params, optimizer), rng=jax.random.PRNGKey(1),
-                         history=loop.init_history(params, staleness) if staleness else None)
+                         history=loop.init_history(params, staleness) if staleness else None,
+                         producer=producer.init(0))
   behind = []
   for _ in range(iterations):
-    state, metrics = loop.grpo_iteration(state, ctx)
+    state, metrics = loop.grpo_iteration(state, ctx, producer)
     behind.append(metrics["staleness"])
   return state, behind
 
@@ -94,9 +99,11 @@ def test_grpo_loop_samples_stale_versions_deterministically():
 def test_loop_without_history_fails_clearly():
   ctx, optimizer = _context(staleness=2)
   params = transformer.init_params(TINY, jax.random.PRNGKey(0))
-  state = loop.LoopState(train=train.init_train_state(params, optimizer), rng=jax.random.PRNGKey(1))
+  producer = producers.independent(ctx.batch)
+  state = loop.LoopState(train=train.init_train_state(params, optimizer), rng=jax.random.PRNGKey(1),
+                         producer=producer.init(0))
   with pytest.raises(ValueError, match="init_history"):
-    loop.grpo_iteration(state, ctx)
+    loop.grpo_iteration(state, ctx, producer)
 
 
 def test_cross_stage_sequence_uses_concatenated_behaviour_logps():

@@ -15,6 +15,7 @@ from models.tokenizer import CharTokenizer
 from rl.objectives import advantages
 from rl import loop
 from rl.objectives import losses
+from rl.rollouts import producers
 from rl import scoring as rl_scoring
 from rl import train
 from sampling.sampler import SamplingConfig
@@ -231,19 +232,22 @@ def test_short_grpo_run_improves_reward():
   optimizer = train.make_optimizer(3e-3)
   sampling_config = SamplingConfig(max_new_tokens=4, temperature=1.0, stop_tokens=(tokenizer.eos_id,))
   ctx = loop.LoopContext(
-      task=DigitTask(), tokenizer=tokenizer, model_config=CONFIG, sampling_config=sampling_config,
-      prompt_len=2, prompts_per_step=8, group_size=8,
+      batch=producers.BatchContext(
+          task=DigitTask(), tokenizer=tokenizer, model_config=CONFIG,
+          sampling_config=sampling_config, prompt_len=2, prompts_per_step=8, group_size=8),
       train_step=train.make_train_step(CONFIG, optimizer, GRPO),
       batch_advantages=advantages.group_relative(advantages.grpo_advantages))
+  producer = producers.independent(ctx.batch)
   params = transformer.init_params(CONFIG, jax.random.PRNGKey(1))
-  state = loop.LoopState(train=train.init_train_state(params, optimizer), rng=jax.random.PRNGKey(2))
+  state = loop.LoopState(train=train.init_train_state(params, optimizer), rng=jax.random.PRNGKey(2),
+                         producer=producer.init(0))
   rewards = []
   for _ in range(25):
-    state, metrics = loop.grpo_iteration(state, ctx)
+    state, metrics = loop.grpo_iteration(state, ctx, producer)
     rewards.append(metrics["reward_mean"])
   first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
   assert last > first + 0.25, rewards
-  assert state.data_cursor == 25 * 8 and int(state.train.step) == 25
+  assert int(state.producer.cursor) == 25 * 8 and int(state.train.step) == 25
 
 
 @pytest.mark.parametrize("loss_name, aggregation", [("grpo", "seq_mean_token_mean"),
@@ -326,14 +330,17 @@ def test_grpo_iteration_splits_its_time_and_counts_real_tokens(monkeypatch):
   sampling_config = SamplingConfig(max_new_tokens=4, temperature=1.0,
                                    stop_tokens=(tokenizer.eos_id,))
   ctx = loop.LoopContext(
-      task=DigitTask(), tokenizer=tokenizer, model_config=CONFIG, sampling_config=sampling_config,
-      prompt_len=2, prompts_per_step=4, group_size=4,
+      batch=producers.BatchContext(
+          task=DigitTask(), tokenizer=tokenizer, model_config=CONFIG,
+          sampling_config=sampling_config, prompt_len=2, prompts_per_step=4, group_size=4),
       train_step=train.make_train_step(CONFIG, optimizer, GRPO, learning_rate=schedule),
       batch_advantages=advantages.group_relative(advantages.grpo_advantages))
+  producer = producers.independent(ctx.batch)
   state = loop.LoopState(train=train.init_train_state(
-      transformer.init_params(CONFIG, jax.random.PRNGKey(1)), optimizer), rng=jax.random.PRNGKey(2))
+      transformer.init_params(CONFIG, jax.random.PRNGKey(1)), optimizer), rng=jax.random.PRNGKey(2),
+      producer=producer.init(0))
   for i in range(2):
-    state, m = loop.grpo_iteration(state, ctx)
+    state, m = loop.grpo_iteration(state, ctx, producer)
     assert m["learning_rate"] == pytest.approx(float(schedule(i)))
     assert m["time_score_s"] >= 0.05 and m["time_sample_s"] > 0 and m["time_train_s"] > 0
     assert m["time_sample_s"] + m["time_score_s"] == pytest.approx(m["time_rollout_s"])
@@ -348,15 +355,18 @@ def test_sft_iteration_counts_the_answer_tokens_it_trains_on():
   tokenizer = CharTokenizer()
   optimizer = train.make_optimizer(1e-3)
   ctx = loop.LoopContext(
-      task=DigitTask(), tokenizer=tokenizer, model_config=CONFIG,
-      sampling_config=SamplingConfig(max_new_tokens=4, stop_tokens=(tokenizer.eos_id,)),
-      prompt_len=2, prompts_per_step=8, group_size=1,
+      batch=producers.BatchContext(
+          task=DigitTask(), tokenizer=tokenizer, model_config=CONFIG,
+          sampling_config=SamplingConfig(max_new_tokens=4, stop_tokens=(tokenizer.eos_id,)),
+          prompt_len=2, prompts_per_step=8, group_size=1),
       train_step=train.make_train_step(CONFIG, optimizer, ml_collections.FrozenConfigDict(dict(
           name="sft", aggregation="token_mean", norm_len=1.0))),
       batch_advantages=advantages.group_relative(advantages.grpo_advantages))
   state = loop.LoopState(train=train.init_train_state(
-      transformer.init_params(CONFIG, jax.random.PRNGKey(1)), optimizer), rng=jax.random.PRNGKey(2))
-  _, m = loop.sft_iteration(state, ctx)
+      transformer.init_params(CONFIG, jax.random.PRNGKey(1)), optimizer), rng=jax.random.PRNGKey(2),
+      producer=producers.CursorState(cursor=producers.cursor_array(0)))
+  new_state, m = loop.sft_iteration(state, ctx)
+  assert int(new_state.producer.cursor) == 8
   assert m["trained_tokens"] == 8 * 2  # answer "1" and EOS per example
   assert 0 < m["time_train_s"] <= m["time_step_s"]
   assert m["trained_tokens_per_s"] == pytest.approx(16 / m["time_train_s"])

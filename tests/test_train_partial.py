@@ -1,5 +1,6 @@
-"""End-to-end tests of experiments.train with partial rollouts, async training and the
-trajectory store: a killed-and-resumed run equals an uninterrupted one, nothing is lost."""
+"""End-to-end tests of experiments.train with partial rollouts and async training: a
+killed-and-resumed run (the pool checkpointed in the LoopState) equals an uninterrupted
+one, and nothing is lost."""
 
 import json
 import os
@@ -26,6 +27,12 @@ def _final_params(workdir):
   return restored["state"]["train"]["params"], restored["meta"]
 
 
+def _final_producer(workdir):
+  """The partial producer's state in the newest checkpoint (cursor, pool, ledger)."""
+  manager = ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, "checkpoints")))
+  return manager.restore(manager.latest_step())["state"]["producer"]
+
+
 def _records(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [json.loads(line) for line in f]
@@ -34,13 +41,17 @@ def _records(workdir):
 def test_partial_run_resumed_from_checkpoint_equals_uninterrupted_run(tmp_path):
   whole = launcher.run(_config(tmp_path / "whole", 4))
   launcher.run(_config(tmp_path / "split", 2))
-  split = launcher.run(_config(tmp_path / "split", 4))  # resumes the pool from the store
+  split = launcher.run(_config(tmp_path / "split", 4))  # resumes the pool from the checkpoint
   params_whole, meta_whole = _final_params(tmp_path / "whole")
   params_split, meta_split = _final_params(tmp_path / "split")
   for key in ("embed", "final_norm"):
     np.testing.assert_array_equal(np.asarray(params_whole[key]), np.asarray(params_split[key]))
-  assert meta_whole["partial_ledger"] == meta_split["partial_ledger"]
-  assert meta_whole["data_cursor"] == meta_split["data_cursor"]
+  producer_whole, producer_split = _final_producer(tmp_path / "whole"), _final_producer(
+      tmp_path / "split")
+  assert producer_whole["ledger"] == producer_split["ledger"]
+  assert producer_whole["cursor"] == producer_split["cursor"]
+  assert producer_split["pool"]["sampler"]["cache"] is None  # a checkpoint keeps no KV cache
+  assert not os.path.exists(tmp_path / "split" / "trajectories")  # no side files
   ledger = split["partial_ledger"]
   assert ledger == whole["partial_ledger"]
   assert ledger["finished"] == 4 * 2  # prompts_per_step groups per RL step

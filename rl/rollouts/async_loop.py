@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from rl import loop
-from rl.loop import LoopContext, LoopState, Producer
+from rl.loop import LoopContext, LoopState
+from rl.rollouts.producers import Producer
 from rl.train import TrainState
 
 
@@ -106,7 +107,7 @@ def _detached(published, trainer_state):
   return jax.block_until_ready(copied)
 
 
-def run_async(state: LoopState, ctx: LoopContext, produce: Producer, num_steps: int, *,
+def run_async(state: LoopState, ctx: LoopContext, producer: Producer, num_steps: int, *,
               max_staleness: int, publish: Callable[[Any], Any] = lambda params: params,
               on_step: Callable[[LoopState, dict], None] | None = None,
               updates_per_batch: int | None = None) -> tuple[LoopState, list[dict]]:
@@ -118,8 +119,8 @@ def run_async(state: LoopState, ctx: LoopContext, produce: Producer, num_steps: 
   trained. When given, a train step that takes another number is refused (ValueError).
 
   The producer makes exactly `num_steps` batches, so when this returns nothing is in
-  flight: the returned state's RNG, data cursor and selection history are where the
-  producer stopped, and a checkpoint of it resumes exactly. `on_step(state, metrics)` is
+  flight: the returned state's RNG and producer state (data cursor, selection history,
+  partial pool) are where the producer stopped, and a checkpoint of it resumes exactly. `on_step(state, metrics)` is
   called after each step (logging, progress) from the trainer thread.
 
   Each step's time_step_s is the trainer thread's time from the previous step's end (just
@@ -139,8 +140,8 @@ def run_async(state: LoopState, ctx: LoopContext, produce: Producer, num_steps: 
                             int(state.train.step), 0, updates_per_batch))
   batches: queue.Queue = queue.Queue()
 
-  def producer():
-    rng, cursor, selection = state.rng, state.data_cursor, state.selection
+  def produce_batches():
+    rng, producer_state = state.rng, state.producer
     updates = updates_per_batch
     try:
       for i in range(num_steps):
@@ -150,17 +151,16 @@ def run_async(state: LoopState, ctx: LoopContext, produce: Producer, num_steps: 
         newest = channel.wait_for(i - batch_lag(max_staleness, updates) if i else 0)
         waited = time.perf_counter() - started
         rng, sample_rng = jax.random.split(rng)
-        produced = loop.produce_timed(produce, ctx, newest.params, newest.version,
-                                      expected_step(newest, i, updates), sample_rng, cursor,
-                                      selection)
-        cursor, selection = produced.cursor, produced.selection
-        produced.metrics.update(sampled_version=newest.version, time_producer_wait_s=waited)
-        batches.put(produced)
-      batches.put((rng, cursor, selection))
+        rollout, metrics, producer_state = loop.produce_timed(
+            producer, ctx, producer_state, newest.params, newest.version, sample_rng,
+            expected_step(newest, i, updates))
+        metrics.update(sampled_version=newest.version, time_producer_wait_s=waited)
+        batches.put((rollout, metrics))
+      batches.put((rng, producer_state))
     except BaseException as error:  # handed to the trainer thread, which re-raises it
       batches.put(error)
 
-  thread = threading.Thread(target=producer, name="arbor-producer", daemon=True)
+  thread = threading.Thread(target=produce_batches, name="arbor-producer", daemon=True)
   step_started = time.perf_counter()  # the producer starts after this
   thread.start()
   history = []
@@ -169,12 +169,13 @@ def run_async(state: LoopState, ctx: LoopContext, produce: Producer, num_steps: 
       item = batches.get()
       if isinstance(item, BaseException):
         raise item
+      rollout, batch_metrics = item
       step, before = int(state.train.step), updates_taken(state.train)
-      stale = loop.staleness(item.rollout, step)
+      stale = loop.staleness(rollout, step)
       if stale > max_staleness:
         raise RuntimeError(f"Batch for trainer step {step} has staleness {stale} > "
                            f"max_staleness={max_staleness}; the producer broke the bound.")
-      train, metrics = loop.train_on(state.train, item, ctx, step)
+      train, metrics = loop.train_on(state.train, rollout, batch_metrics, ctx, step)
       updates = updates_taken(train) - before
       if updates_per_batch is not None and updates != updates_per_batch:
         raise ValueError(f"run_async(updates_per_batch={updates_per_batch}), but the train "
@@ -194,8 +195,8 @@ def run_async(state: LoopState, ctx: LoopContext, produce: Producer, num_steps: 
     item = batches.get()
     if isinstance(item, BaseException):
       raise item
-    rng, cursor, selection = item
+    rng, producer_state = item
   finally:
     channel.close()
     thread.join()
-  return state.replace(rng=rng, data_cursor=cursor, selection=selection), history
+  return state.replace(rng=rng, producer=producer_state), history

@@ -18,10 +18,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from rl import loop
+import ml_collections
+
 from rl.objectives import advantages
 from rl.registry import Registry
 from rl.rollouts import partial as partial_rollout
+from rl.rollouts import producers
 from sampling import partial as partial_lib
 from sampling import tree as tree_lib
 
@@ -30,9 +32,9 @@ from sampling import tree as tree_lib
 class RolloutKind:
   """One way of making RL batches.
 
-  make_producer(config, ctx) -> (producer, partial pool or None): the rl.loop.Producer of
-    the RL phase, built from the run's config and LoopContext (the pool, when the kind
-    keeps one, is checkpointed with the run).
+  make_producer(config, ctx) -> the `rl.rollouts.producers.Producer` of the RL phase,
+    built from the run's config and `BatchContext` (its state, whatever the kind keeps
+    between batches, lives in the LoopState and is checkpointed with it).
   rows_per_prompt(config): sequences per prompt in a batch.
   batch_advantages(config): the loop's advantage stage for these batches (default:
     group-relative, config.advantage.name's estimator over each prompt's rows).
@@ -45,7 +47,7 @@ class RolloutKind:
   group_relative: rows of a prompt form one group for group-relative advantages, so
     config.rollout.group_size must be >= 2.
   """
-  make_producer: Callable[[Any, loop.LoopContext], tuple[loop.Producer, Any]]
+  make_producer: Callable[[Any, producers.BatchContext], producers.Producer]
   rows_per_prompt: Callable[[Any], int]
   batch_advantages: Callable[[Any], advantages.BatchAdvantages] = (
       lambda config: advantages.group_relative(
@@ -83,7 +85,8 @@ def _group_size(config) -> int:
 
 
 ROLLOUT_KINDS.register("independent", RolloutKind(
-    make_producer=lambda config, ctx: (loop.selection_producer(ctx), None),
+    make_producer=lambda config, ctx: producers.independent(
+        ctx, ml_collections.FrozenConfigDict(config.selection)),
     rows_per_prompt=_group_size, any_selection=True, mesh=True,
     identical_prompt_groups=True))
 
@@ -99,8 +102,7 @@ def _tree_advantages(config) -> advantages.BatchAdvantages:
 
 
 ROLLOUT_KINDS.register("tree", RolloutKind(
-    make_producer=lambda config, ctx: (
-        loop.tree_producer(ctx, fork_policy(config.rollout.tree)), None),
+    make_producer=lambda config, ctx: producers.tree(ctx, fork_policy(config.rollout.tree)),
     rows_per_prompt=lambda config: fork_policy(config.rollout.tree).leaves,
     batch_advantages=_tree_advantages, check=_check_tree, group_relative=False))
 
@@ -118,7 +120,7 @@ def _partial_producer(config, ctx):
       ctx, partial_lib.PartialConfig(num_slots=slots, group_size=r.group_size,
                                      resume=r.resume, decode_window=r.decode_window),
       max_staleness=config.rl.max_staleness)
-  return partial_rollout.producer(ctx, rollouts), rollouts
+  return partial_rollout.producer(ctx, rollouts)
 
 
 ROLLOUT_KINDS.register("partial", RolloutKind(

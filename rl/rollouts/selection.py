@@ -42,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rl.registry import Registry
+from rl.rollouts import statistics
 from rl.rollouts.batches import ScoredSamples
 from rl.types import Rollout
 
@@ -79,12 +80,13 @@ class SelectionState:
 @dataclasses.dataclass
 class Collected:
   """A training batch and what it cost: `rollout` [rows, T]; `exact` [rows] exact-match
-  flags; `selection` the updated state; `cursor` the next data cursor; `metrics`."""
+  flags; `selection` the updated state; `cursor` the next data cursor; `stats` over every
+  row rolled out (rl/rollouts/statistics.py), with the rule's counters."""
   rollout: Rollout
   exact: np.ndarray
   selection: Optional[SelectionState]
   cursor: int
-  metrics: dict
+  stats: statistics.BatchStats
 
 
 def init_state(pool_size: int, config) -> Optional[SelectionState]:
@@ -276,10 +278,9 @@ def _finish(rollout: Rollout, group: np.ndarray, keep_rows: np.ndarray) -> Rollo
   return rollout.replace(group=jnp.asarray(group, jnp.int32), completion_mask=completion_mask)
 
 
-def _scoring_failures(rounds: list[ScoredSamples]) -> dict[str, int]:
-  """Rows of all rounds whose scorer timed out or failed (rl.scoring; their reward is 0)."""
-  return dict(reward_timeouts=sum(s.reward_timeouts for s in rounds),
-              reward_errors=sum(s.reward_errors for s in rounds))
+def _lengths(rollouts: list[Rollout]) -> np.ndarray:
+  """Completion lengths of the rows of `rollouts`, in order."""
+  return np.concatenate([np.asarray(r.completion_mask).sum(axis=1) for r in rollouts])
 
 
 def _group_rewards(reward: np.ndarray, group: np.ndarray, n: int) -> list[np.ndarray]:
@@ -321,7 +322,8 @@ def _collect_rounds(state, cursor, rng, sample, *, config, prompts_per_step, gro
     rows += reward.size
     tokens += int(np.asarray(samples.rollout.completion_mask).sum())
     decode_steps += samples.decode_steps
-    informative = reward.std(axis=1) > 0 if refill else np.ones(prompts_per_step, bool)
+    informative = (statistics.informative(reward) if refill
+                   else np.ones(prompts_per_step, bool))
     kept += [(attempt, i) for i in np.flatnonzero(informative)]
     if len(kept) >= prompts_per_step:
       break
@@ -340,19 +342,21 @@ def _collect_rounds(state, cursor, rng, sample, *, config, prompts_per_step, gro
   group = np.repeat(np.arange(prompts_per_step), group_size)
   rollout = _finish(rollout, group, np.ones(len(index), bool))
   all_rewards = np.concatenate([np.asarray(s.rollout.reward) for s in rounds])
-  batch_reward = np.asarray(rollout.reward).reshape(prompts_per_step, group_size)
-  metrics = dict(rollout_rounds=len(rounds), prompts_skipped=skipped, rollouts=rows,
-                 decoded_tokens=tokens, decode_steps=decode_steps, **_scoring_failures(rounds),
-                 reward_mean=float(all_rewards.mean()), exact_match=float(exact_all.mean()),
-                 informative_groups=float(np.mean(
-                     all_rewards.reshape(-1, group_size).std(axis=1) > 0)),
-                 batch_informative_groups=float(np.mean(batch_reward.std(axis=1) > 0)),
-                 informative_rows=int(group_size * np.sum(batch_reward.std(axis=1) > 0)))
+  batch_informative = statistics.informative(
+      np.asarray(rollout.reward).reshape(prompts_per_step, group_size))
+  counters = dict(rollout_rounds=len(rounds), prompts_skipped=skipped, rollouts=rows,
+                  decode_steps=decode_steps,
+                  batch_informative_groups=float(np.mean(batch_informative)),
+                  informative_rows=int(group_size * np.sum(batch_informative)))
   if state is not None:
-    metrics.update(explore_prob_easy=float(state.explore_prob[EASY]),
-                   explore_prob_hard=float(state.explore_prob[HARD]))
+    counters.update(explore_prob_easy=float(state.explore_prob[EASY]),
+                    explore_prob_hard=float(state.explore_prob[HARD]))
+  stats = statistics.batch_stats(
+      list(all_rewards.reshape(-1, group_size)), exact_all,
+      _lengths([s.rollout for s in rounds]), _lengths([rollout]), decoded_tokens=tokens,
+      scored=rounds, **counters)
   return Collected(rollout=rollout, exact=exact_all[index], selection=state, cursor=cursor,
-                   metrics=metrics)
+                   stats=stats)
 
 
 def _collect_adaptive(state, cursor, rng, sample, *, config, prompts_per_step, group_size,
@@ -379,21 +383,19 @@ def _collect_adaptive(state, cursor, rng, sample, *, config, prompts_per_step, g
   group = group[order]
   reward = np.asarray(rollout.reward)
   group_rewards = _group_rewards(reward, group, n)
-  informative = np.array([r.std() > 0 for r in group_rewards])
+  informative = np.array([np.ptp(r) > 0 for r in group_rewards])
   rollout = _finish(rollout, group, informative[group])
   state = observe(state, positions, group_rewards, config)
   exact = np.concatenate([s.exact for s in rounds])[order]
-  metrics = dict(rollout_rounds=len(rounds), prompts_skipped=0, rollouts=budget,
-                 decoded_tokens=int(sum(np.asarray(s.rollout.completion_mask).sum()
-                                        for s in rounds)),
-                 decode_steps=sum(s.decode_steps for s in rounds), **_scoring_failures(rounds),
-                 reward_mean=float(reward.mean()), exact_match=float(exact.mean()),
-                 informative_groups=float(informative.mean()),
-                 batch_informative_groups=float(informative.mean()),
-                 informative_rows=int(np.sum(informative[group])),
-                 max_group_size=int(counts.max()))
+  scored_lengths = _lengths([s.rollout for s in rounds])
+  stats = statistics.batch_stats(
+      group_rewards, exact, scored_lengths, _lengths([rollout]),
+      decoded_tokens=int(scored_lengths.sum()), scored=rounds, rollout_rounds=len(rounds),
+      prompts_skipped=0, rollouts=budget, decode_steps=sum(s.decode_steps for s in rounds),
+      batch_informative_groups=float(informative.mean()),
+      informative_rows=int(np.sum(informative[group])), max_group_size=int(counts.max()))
   return Collected(rollout=rollout, exact=exact, selection=state, cursor=cursor + n,
-                   metrics=metrics)
+                   stats=stats)
 
 
 # collect(state, cursor, rng, sample, *, config, prompts_per_step, group_size, pool_size)

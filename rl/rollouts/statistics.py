@@ -1,0 +1,84 @@
+"""What a producer reports about the batch it made: one typed record, built in one place.
+
+Every producer (rl/rollouts/producers.py, partial.py) describes its batch with `batch_stats`,
+from the rows it scored and the rows it hands to the trainer; its own counts (selection
+rounds, tree leaves, a partial pool's ledger, ...) ride along as `counters`. The loop adds
+the phase times (`rl.loop.produce_timed`) and logs `BatchStats.metrics()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchStats:
+  """Statistics of one produced batch.
+
+  reward_mean, exact_match: over every row the producer scored for the batch (all rounds
+    of a selection rule, rejected groups included; a tree's leaves).
+  informative_groups: share of the scored groups whose rewards are not all equal.
+  completion_len: mean completion length of the scored rows (a tree leaf: its whole
+    root-to-leaf path).
+  decoded_tokens: completion tokens the sampler decoded for the batch (a tree decodes a
+    shared prefix once; a partial pool's are the batch's rows).
+  completion_length_counts: histogram of the trained rows' completion lengths (counts[n] =
+    rows with n tokens).
+  reward_timeouts, reward_errors: scored rows whose scorer timed out or failed (reward 0).
+  counters: the producer's own counts, logged as they are (decode_steps, rollout_rounds,
+    leaves, generated_tokens, groups_started, ...).
+  """
+  reward_mean: float
+  exact_match: float
+  informative_groups: float
+  completion_len: float
+  decoded_tokens: float
+  completion_length_counts: np.ndarray
+  reward_timeouts: int
+  reward_errors: int
+  counters: dict = dataclasses.field(default_factory=dict)
+
+  @property
+  def sampled_tokens(self) -> int:
+    """Tokens generated for this batch: a partial pool's decoded this step
+    (`generated_tokens`), else `decoded_tokens`."""
+    return int(self.counters.get("generated_tokens", self.decoded_tokens))
+
+  def metrics(self) -> dict:
+    """The record as the loop logs it (the counters alongside the fixed fields)."""
+    fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+              if f.name != "counters"}
+    return dict(fields, **self.counters)
+
+
+def informative(group_rewards: np.ndarray) -> np.ndarray:
+  """[groups] bool: groups [groups, G] whose rewards are not all equal (exactly: an
+  all-equal group has zero advantage however its mean rounds)."""
+  group_rewards = np.asarray(group_rewards)
+  return group_rewards.max(axis=1) != group_rewards.min(axis=1)
+
+
+def batch_stats(group_rewards: Sequence[np.ndarray], exact: np.ndarray,
+                scored_lengths: np.ndarray, trained_lengths: np.ndarray, *,
+                decoded_tokens: float, scored: Sequence, **counters) -> BatchStats:
+  """The BatchStats of a batch.
+
+  group_rewards: each scored group's rewards, in row order (groups may differ in size);
+  exact [rows]: exact-match flags of the scored rows; scored_lengths [rows] and
+  trained_lengths [trained rows]: completion lengths; decoded_tokens: tokens decoded for
+  the batch; scored: the scoring results the rows came from (each with `reward_timeouts`
+  and `reward_errors`); counters: the producer's own counts.
+  """
+  rewards = np.concatenate([np.asarray(r).reshape(-1) for r in group_rewards])
+  return BatchStats(
+      reward_mean=float(rewards.mean()), exact_match=float(np.asarray(exact).mean()),
+      informative_groups=float(np.mean([np.ptp(np.asarray(r)) > 0 if np.size(r) else False
+                                        for r in group_rewards])),
+      completion_len=float(np.asarray(scored_lengths).mean()),
+      decoded_tokens=float(decoded_tokens),
+      completion_length_counts=np.bincount(np.asarray(trained_lengths, np.int64)),
+      reward_timeouts=sum(s.reward_timeouts for s in scored),
+      reward_errors=sum(s.reward_errors for s in scored), counters=counters)
