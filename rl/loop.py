@@ -178,11 +178,12 @@ def _length_sorted_window(task: Task, start: int, span: int) -> tuple:
   return tuple(sorted(examples, key=lambda e: len(e.answer)))
 
 
-def staleness(rollout: Rollout, train_step: int) -> int:
-  """train_step - the oldest parameter version among the batch's generated tokens."""
+def staleness(rollout: Rollout, step: int) -> int:
+  """`step` (the TrainState.step it is trained at) - the oldest parameter version among the
+  batch's generated tokens."""
   version = np.asarray(rollout.version)
   generated = version[np.asarray(rollout.completion_mask)]
-  return int(train_step - generated.min()) if generated.size else 0
+  return int(step - generated.min()) if generated.size else 0
 
 
 def per_second(count: float, seconds: float) -> float:
@@ -226,15 +227,15 @@ def produce_timed(producer: Producer, ctx: LoopContext, state, params, version: 
 
 
 def train_on(train: TrainState, rollout: Rollout, batch_metrics: dict, ctx: LoopContext,
-             train_step: int) -> tuple[TrainState, dict]:
-  """One train step on a produced batch (trained at TrainState.step `train_step`); the
+             step: int) -> tuple[TrainState, dict]:
+  """One train step on a produced batch (trained at TrainState.step `step`); the
   train metrics, its time and trained tokens (`train_throughput`), the batch's metrics
   and its staleness."""
   started = time.perf_counter()
   new_train, metrics = ctx.train_step(train, rollout)
   metrics = jax.device_get(metrics)
   metrics.update(train_throughput(rollout, time.perf_counter() - started))
-  metrics.update(batch_metrics, staleness=float(staleness(rollout, train_step)))
+  metrics.update(batch_metrics, staleness=float(staleness(rollout, step)))
   return new_train, metrics
 
 
@@ -263,10 +264,10 @@ def grpo_iteration(state: LoopState, ctx: LoopContext,
   params = state.train.policy_params(params)  # under LoRA: the adapters merged into the base
   if ctx.publish is not None:
     params = ctx.publish(params)
-  train_step = int(state.train.step)
+  step = int(state.train.step)
   rollout, batch_metrics, producer_state = produce_timed(
-      producer, ctx, state.producer, params, int(version), sample_rng, train_step)
-  train, metrics = train_on(state.train, rollout, batch_metrics, ctx, train_step)
+      producer, ctx, state.producer, params, int(version), sample_rng, step)
+  train, metrics = train_on(state.train, rollout, batch_metrics, ctx, step)
   new_state = state.replace(train=train, rng=rng, history=history, producer=producer_state,
                             iteration=state.iteration + 1)
   metrics["time_step_s"] = time.perf_counter() - started

@@ -195,3 +195,17 @@ def test_resume_false_refuses_to_overwrite(tmp_path):
   config.resume = False
   with pytest.raises(ValueError, match="resume=False"):
     launcher.run(config)
+
+
+def test_a_checkpoint_of_the_older_layout_is_refused_with_the_way_out(tmp_path):
+  """Checkpoints written before the producer state joined the LoopState kept the data
+  cursor in their meta; resuming one is refused with a message, and nothing is moved."""
+  config = _tiny_config(tmp_path, {"rl.steps": 1})
+  launcher.run(config)
+  step, meta = _final_meta(tmp_path)
+  with open(os.path.join(tmp_path, "checkpoints", str(step), "meta", "metadata"), "w") as f:
+    json.dump(dict(meta, data_cursor=12), f)
+  config.rl.steps = 2
+  with pytest.raises(ValueError, match="older Arbor .* start a new config.workdir"):
+    launcher.run(config)
+  assert not any(name.endswith(".corrupt") for name in os.listdir(tmp_path / "checkpoints"))
