@@ -57,8 +57,11 @@ class Job:
       lora_lib.check_rank(self.model_config, wiring.lora_config(config))
     self.task = wiring.build_task(config)
     self.eval_examples = self.task.examples("eval", config.task.eval_size)
-    self.contexts = {phase: wiring.make_context(config, self.task, self.tokenizer, self.model_config,
-                                         phase, self.mesh)
+    # A distillation teacher is loaded (and its tokenizer and context checked) before step 1.
+    teacher = (wiring.load_teacher(config, self.tokenizer, self.model_config)
+               if config.distill.teacher else None)
+    self.contexts = {phase: wiring.make_context(config, self.task, self.tokenizer,
+                                                self.model_config, phase, self.mesh, teacher)
                      for phase in (WARM_START, RL)}
     if self.mesh is not None:  # a global array, so every process checkpoints the same key
       loop_rng = multihost.replicate(loop_rng, self.mesh)

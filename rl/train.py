@@ -19,6 +19,7 @@ from models import lora as lora_lib
 from models import transformer
 from models.config import ModelConfig
 from rl.objectives import corrections
+from rl.objectives import distillation
 from rl.objectives import losses
 from rl.types import Rollout
 from sharding import multihost
@@ -189,6 +190,7 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
                     length_buckets: Sequence[int] = (),
                     learning_rate: optax.Schedule | None = None,
                     lora: lora_lib.LoraConfig | None = None,
+                    distill: distillation.Distill | None = None, teacher_params=None,
                     ) -> Callable[[TrainState, Rollout], tuple[TrainState, dict]]:
   """Builds the jitted train step for the objective `loss_config.name`.
 
@@ -246,6 +248,16 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
   updates cover the adapters and the frozen base passes through unchanged. The step reads
   LoRA from the state; `lora` is needed only with a mesh, to lay out that state (the
   frozen base like the parameters it replaces, the adapters and their moments replicated).
+
+  On-policy distillation (`distill`, rl/objectives/distillation.py): the frozen teacher
+  (`teacher_params`, of `distill.teacher_config`) runs on every microbatch's tokens inside
+  the step, at the sampling temperature like the student, and the loss becomes the policy
+  objective + distill.coef * the distillation term (aggregated like the objective), or
+  the distillation term alone with distill.with_reward = False. Its metrics: the
+  per-token reverse KL to the teacher and the mean and variance of its sampled estimators.
+  The teacher's parameters are an argument of the jitted step, laid out by `rules` on a
+  mesh like the policy's. The student's and the teacher's [B, T, V] log-softmax are
+  materialised per microbatch (num_microbatches bounds them).
   """
   if num_minibatches < 1 or ppo_epochs < 1:
     raise ValueError(f"num_minibatches = {num_minibatches} and ppo_epochs = {ppo_epochs} must "
@@ -264,18 +276,44 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
     return policy_logprobs(policy, rollout, model_config, temperature, residual_hook,
                            shared_prefix=shared_prefix)
 
-  def objective(params, state: TrainState, micro: Rollout, version, prox_version):
+  def next_token_dists(policy, config: ModelConfig, rollout: Rollout) -> jax.Array:
+    """log-softmax [B, T, V] of the distributions that predicted each token."""
+    logits, _ = transformer.forward(policy, rollout.tokens,
+                                    transformer.positions_from_mask(rollout.token_mask),
+                                    rollout.token_mask, config, residual_hook=residual_hook)
+    if temperature not in (0.0, 1.0):
+      logits = logits / temperature
+    return distillation.next_token_logprobs(logits)
+
+  def objective(params, state: TrainState, micro: Rollout, version, prox_version, teacher):
     # Under LoRA the adapters are merged inside the differentiated function, so gradients
     # reach A and B only; the frozen base is a constant here.
-    logp = logprobs(state.policy_params(params), micro)
-    prox = micro.prox_logp
-    if prox is None and prox_estimate == "loglinear":
-      prox = corrections.loglinear_prox(logp, micro.behavior_logp, micro.version,
-                                        prox_version, version)
-    loss, metrics = loss_fn(logp, micro, prox_logp=prox, config=loss_config)
+    if distill is None:
+      logp = logprobs(state.policy_params(params), micro)
+    else:
+      student = next_token_dists(state.policy_params(params), model_config, micro)
+      logp = distillation.at_tokens(student, micro.tokens)
+    loss, metrics = jnp.zeros(()), {}
+    if distill is None or distill.with_reward:
+      prox = micro.prox_logp
+      if prox is None and prox_estimate == "loglinear":
+        prox = corrections.loglinear_prox(logp, micro.behavior_logp, micro.version,
+                                          prox_version, version)
+      loss, metrics = loss_fn(logp, micro, prox_logp=prox, config=loss_config)
+    if distill is not None:
+      teacher_dists = jax.lax.stop_gradient(
+          next_token_dists(teacher, distill.teacher_config, micro))
+      mask = micro.completion_mask
+      per_token, distill_metrics = distillation.DISTILL_OBJECTIVES.get(distill.objective)(
+          student, teacher_dists, micro.tokens, mask, distill)
+      term = losses.aggregate(per_token, mask, aggregation, resolved_norm_len)
+      loss = loss + distill.coef * term
+      metrics = dict(metrics, **distill_metrics, distill_loss=term,
+                     **distillation.kl_metrics(student, teacher_dists, micro.tokens, mask))
     return loss, metrics
 
   grad_fn = jax.value_and_grad(objective, has_aux=True)
+  resolved_norm_len = losses.resolve_config(loss_config).norm_len
 
   def recompute_prox(policy, batch: Rollout) -> Rollout:
     """The batch with prox_logp = log-probs under `policy`, one microbatch at a time."""
@@ -283,7 +321,8 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
     prox = jax.lax.map(lambda piece: logprobs(policy, piece), pieces)
     return batch.replace(prox_logp=jax.lax.stop_gradient(prox.reshape(batch.tokens.shape)))
 
-  def update(state: TrainState, minibatch: Rollout, prox_version) -> tuple[TrainState, dict]:
+  def update(state: TrainState, minibatch: Rollout, prox_version,
+             teacher) -> tuple[TrainState, dict]:
     """One optimiser update on `minibatch` (gradients accumulated over microbatches)."""
     micro = _split_rows(minibatch, num_microbatches)
     denominators = jax.vmap(
@@ -292,7 +331,7 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
 
     def accumulate(grads, one_and_share):
       one, share = one_and_share
-      (loss, metrics), g = grad_fn(state.params, state, one, state.step, prox_version)
+      (loss, metrics), g = grad_fn(state.params, state, one, state.step, prox_version, teacher)
       grads = jax.tree.map(lambda a, b: a + b * share, grads, g)
       return grads, (loss * share, metrics)
 
@@ -319,7 +358,7 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
       metrics["learning_rate"] = jnp.where(finite, learning_rate(state.step) * lr_scale, 0.0)
     return new_state, metrics
 
-  def step(state: TrainState, batch: Rollout) -> tuple[TrainState, dict]:
+  def step(state: TrainState, batch: Rollout, teacher) -> tuple[TrainState, dict]:
     if batch.advantages is None:  # checked when traced: a batch without them has no leaf
       raise ValueError("The batch has no advantages (Rollout.advantages is None): the loop "
                        "computes them on the final batch (rl.loop.with_advantages) before "
@@ -331,21 +370,30 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
 
     def one_update(state, index):
       minibatch = jax.tree.map(lambda x: x[index % num_minibatches], minibatches)
-      return update(state, minibatch, prox_version)
+      return update(state, minibatch, prox_version, teacher)
 
     state, metrics = jax.lax.scan(one_update, state, jnp.arange(num_updates))
     return state, jax.tree.map(jnp.mean, metrics)
 
+  if (distill is None) != (teacher_params is None):
+    raise ValueError("make_train_step: distill and teacher_params go together.")
   if mesh is None:
-    jitted = jax.jit(step, donate_argnums=0)
+    with_teacher = jax.jit(step, donate_argnums=0)
   else:
     state_shardings = train_state_shardings(model_config, optimizer, mesh, rules, lora=lora)
-    sharded_step = jax.jit(step, donate_argnums=0, in_shardings=(state_shardings, rows),
-                           out_shardings=(state_shardings, sharding_rules.replicated(mesh)))
+    teacher_shardings = (None if teacher_params is None else
+                         sharding_rules.tree_shardings(teacher_params, mesh, rules))
+    if teacher_params is not None:
+      teacher_params = jax.device_put(teacher_params, teacher_shardings)
+    sharded_step = jax.jit(
+        step, donate_argnums=0, in_shardings=(state_shardings, rows, teacher_shardings),
+        out_shardings=(state_shardings, sharding_rules.replicated(mesh)))
     # Several processes: a host-built batch becomes a global array, each process giving
     # only its rows (batches already global pass through).
-    jitted = sharded_step if jax.process_count() == 1 else (
-        lambda state, batch: sharded_step(state, multihost.place_rows(batch, rows)))
+    with_teacher = sharded_step if jax.process_count() == 1 else (
+        lambda state, batch, teacher: sharded_step(state, multihost.place_rows(batch, rows),
+                                                   teacher))
+  jitted = lambda state, batch: with_teacher(state, batch, teacher_params)
   if length_buckets and jax.process_count() == 1:
     unbucketed = jitted
     jitted = lambda state, batch: unbucketed(state, trim_to_bucket(batch, length_buckets))

@@ -24,10 +24,12 @@ from models import lora as lora_lib
 from models import pretrained
 from models import tokenizer as tokenizers
 from models import transformer
+from rl import checkpoint
 from rl import loop
 from rl import tasks
 from rl import train
 from rl.objectives import advantages
+from rl.objectives import distillation
 from rl.objectives import losses
 from rl.rollouts import batches as rollout_lib
 from rl.rollouts import kinds
@@ -67,6 +69,7 @@ _RANGES = (
                                                "vcpo_rho_ref", "vcpo_is_cap")]
     + [("loss.sat_quantile", 0, False, 1.0)]
     + [("lora.rank", 0, True, None), ("lora.alpha", 0, False, None)]
+    + [("distill.coef", 0, True, None), ("distill.top_k", 1, True, None)]
     + [("eval.every", 1, True, None), ("eval.batch_size", 1, True, None),
        ("checkpoint.every", 1, True, None), ("checkpoint.max_to_keep", 1, True, None)])
 
@@ -114,6 +117,7 @@ def check_names(config: ml_collections.ConfigDict) -> None:
   losses.check_config(config.loss)
   losses.check_settings_read(config.loss)
   advantages.get_advantage_fn(config.advantage.name)
+  distillation.DISTILL_OBJECTIVES.get(config.distill.objective)
   kinds.ROLLOUT_KINDS.get(config.rollout.kind).check(config)
 
 
@@ -164,6 +168,21 @@ def check_composition(config: ml_collections.ConfigDict) -> None:
                      f"sampler (mesh data={m.data}, fsdp={m.fsdp}, tensor={m.tensor}) decodes "
                      "independent samples only. Use rollout.kind='independent' or mesh.data = "
                      "mesh.fsdp = mesh.tensor = 1.")
+
+
+def check_distill(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError for a distillation setting that would be ignored or cannot run."""
+  d = config.distill
+  if bool(d.teacher) != (d.coef > 0):
+    raise ValueError(
+        f"config.distill.teacher = {d.teacher!r} with config.distill.coef = {d.coef}: "
+        "distillation needs both a teacher and a coefficient > 0 (or neither).")
+  if not d.with_reward and not d.teacher:
+    raise ValueError("config.distill.with_reward = False drops the policy objective: it needs "
+                     "a teacher (config.distill.teacher and coef > 0), or nothing trains.")
+  if d.teacher and config.rl.prefix_shared_forward:
+    raise ValueError("config.distill needs the full per-token distributions of the batch; "
+                     "turn config.rl.prefix_shared_forward off.")
 
 
 def lora_config(config: ml_collections.ConfigDict) -> lora_lib.LoraConfig | None:
@@ -233,6 +252,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"config.rollout.train_length_buckets = {r.train_length_buckets}: every "
                      "bucket must be a positive number of completion slots.")
   check_composition(config)
+  check_distill(config)
   lora_config(config)
   selection.check_config(config.selection, prompts_per_step=r.prompts_per_step,
                          group_size=r.group_size, pool_size=config.task.train_pool)
@@ -360,6 +380,57 @@ def load_policy(config, rng):
   return tokenizer, model_config, transformer.init_params(model_config, rng)
 
 
+def _vocabulary(tokenizer) -> tuple:
+  """What makes two tokenizers the same: every id's text and the special ids."""
+  return (tokenizer.vocab_size, tokenizer.pad_id, tokenizer.bos_id, tokenizer.eos_id,
+          tuple(tokenizer.decode([i]) for i in range(tokenizer.vocab_size)))
+
+
+def _run_policy(workdir: str):
+  """(tokenizer, model_config, params) of the newest checkpoint of the Arbor run in
+  `workdir` (its config.json says how its policy was built; LoRA adapters are merged)."""
+  with open(os.path.join(workdir, "config.json")) as f:
+    run = ml_collections.ConfigDict(json.load(f))
+  tokenizer, model_config, _ = load_policy(run, jax.random.PRNGKey(0))
+  manager = checkpoint.make_manager(os.path.join(workdir, "checkpoints"))
+  if manager.latest_step() is None:
+    raise ValueError(f"config.distill.teacher = {workdir!r} holds no checkpoint yet.")
+  tree, _ = checkpoint.restore_tree(manager, manager.latest_step())
+  trained = tree["train"]
+  params = trained["params"]
+  if trained.get("frozen") is not None:  # a LoRA run: the adapters merged into the base
+    params = lora_lib.merge(trained["frozen"], params, run.lora.alpha / run.lora.rank)
+  return tokenizer, model_config, params
+
+
+def load_teacher(config, tokenizer, model_config):
+  """(params, ModelConfig) of the frozen teacher config.distill.teacher names: an Arbor
+  workdir (its newest checkpoint), a HF folder, a .gguf file or 'smollm2'. Refused unless
+  its tokenizer is the student's (every token and the special ids) and its context holds a
+  rollout (prompt_len + max_new_tokens)."""
+  spec = config.distill.teacher
+  if os.path.isdir(os.path.join(spec, "checkpoints")):
+    teacher_tokenizer, teacher_config, params = _run_policy(spec)
+  else:
+    teacher_config, params, teacher_tokenizer = pretrained.load_pretrained(
+        spec, config.model.dtype, chat=config.model.get("chat_template", False),
+        tokenizer=config.model.get("tokenizer") or None)
+  if teacher_tokenizer is None or _vocabulary(teacher_tokenizer) != _vocabulary(tokenizer):
+    raise ValueError(f"config.distill.teacher = {spec!r} has another tokenizer than the "
+                     "student (its vocabulary or special tokens differ): distillation compares "
+                     "the two distributions token by token, so they must share one.")
+  needed = config.rollout.prompt_len + config.rollout.max_new_tokens
+  if teacher_config.max_seq_len < needed:
+    raise ValueError(f"config.distill.teacher = {spec!r} has a context of "
+                     f"{teacher_config.max_seq_len} tokens, shorter than a rollout "
+                     f"(rollout.prompt_len + max_new_tokens = {needed}).")
+  if config.distill.top_k > teacher_config.vocab_size:
+    raise ValueError(f"config.distill.top_k = {config.distill.top_k} exceeds the vocabulary "
+                     f"({teacher_config.vocab_size} tokens).")
+  del model_config
+  return params, teacher_config
+
+
 def length_buckets(config) -> tuple[int, ...]:
   """Sequence lengths (prompt_len + completion slots) the train step may cut batches to."""
   r = config.rollout
@@ -374,8 +445,10 @@ def rl_loss_config(config) -> ml_collections.FrozenConfigDict:
                                                     config.rollout.max_new_tokens)))
 
 
-def make_context(config, task, tokenizer, model_config, phase, mesh=None):
-  """The LoopContext (and optimizer) of one phase of the run (sharded over `mesh`, if any)."""
+def make_context(config, task, tokenizer, model_config, phase, mesh=None, teacher=None):
+  """The LoopContext (and optimizer) of one phase of the run (sharded over `mesh`, if any);
+  `teacher` = (params, ModelConfig) from `load_teacher` makes the RL phase's train step
+  distil (config.distill)."""
   if phase == WARM_START:
     rate = dict(learning_rate=config.warm_start.learning_rate,
                 warmup_steps=config.warm_start.warmup_steps,
@@ -407,7 +480,8 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None):
                                shared_prefix=shared_prefix, mesh=mesh,
                                length_buckets=length_buckets(config),
                                learning_rate=train.learning_rate_schedule(**rate),
-                               lora=phase_lora(config, phase))
+                               lora=phase_lora(config, phase),
+                               **(distill_settings(config, teacher) if phase == RL else {}))
   sharded = {} if mesh is None else dict(
       generate_fn=rollout_lib.make_generate(model_config, sampling_config, mesh),
       publish=reshard.make_publish(mesh, jax.eval_shape(
@@ -423,6 +497,17 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None):
       staleness=staleness_in_batches(config) if phase == RL else 0,
       publish=sharded.get("publish"))
   return ctx, optimizer
+
+
+def distill_settings(config, teacher) -> dict:
+  """make_train_step's distillation arguments: none without a teacher."""
+  if teacher is None:
+    return {}
+  params, teacher_config = teacher
+  d = config.distill
+  return dict(distill=distillation.Distill(
+      objective=d.objective, coef=float(d.coef), with_reward=bool(d.with_reward),
+      top_k=int(d.top_k), teacher_config=teacher_config), teacher_params=params)
 
 
 def phase_lora(config, phase: str) -> lora_lib.LoraConfig | None:

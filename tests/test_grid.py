@@ -4,6 +4,7 @@ results of an uninterrupted run; job-array lines, failed cells and the table of 
 
 The cells are tests/grid_cell.py, a stand-in that takes a fraction of a second."""
 
+import ast
 import json
 import os
 import pathlib
@@ -225,6 +226,21 @@ def test_paired_difference_compares_seed_by_seed_over_shared_seeds():
   assert pages.paired_difference(other[2:], grpo, final) == "-"
 
 
+def test_opd_page_measures_tokens_to_the_target_against_grpo(tmp_path):
+  opd = runpy.run_path(os.path.join(_REPO, "experiments", "grids", "opd.py"))
+  assert len(opd["SPEC"]["cells"]) == 30
+  results = [
+      _cell_result("grpo", 0, [0.3, 0.7, 0.85], [0, 20000, 40000], [0.0, 5.0, 10.0],
+                   {"distill_reverse_kl": 0.0}),
+      _cell_result("opd_reverse_kl", 0, [0.3, 0.82, 0.9], [0, 10000, 20000],
+                   [0.0, 6.0, 12.0], {"distill_reverse_kl": 0.2})]
+  page = opd["render_page"](results, str(tmp_path / "opd.md"))
+  row = _row(page, "opd_reverse_kl")
+  assert row[2] == "0.900" and row[4] == "0.050 (1 up, 0 down)"
+  assert row[5] == "10k" and row[6] == "0.25"  # 10k tokens against GRPO's 40k
+  assert (tmp_path / "opd.png").exists()
+
+
 def test_page_keeps_hand_written_text_around_the_generated_part(tmp_path):
   spec_path = tmp_path / "spec.py"
   spec_path.write_text("SPEC = {'cells': [{'name': 'a', 'module': 'm', 'seed': 0}]}\n"
@@ -333,7 +349,7 @@ def test_b6_page_measures_tokens_to_half_of_uniforms_gain(tmp_path):
 
 
 @pytest.mark.parametrize("spec", ["b3_tree", "b4_partial_async", "b5_staleness", "b6_selection",
-                                  "warm_starts"])
+                                  "opd", "warm_starts"])
 def test_every_benchmark_cell_is_a_valid_launcher_config(spec):
   """Each cell's flags name real fields with accepted values on the default config (the
   shared warm start's folder aside: it exists only once warm_starts.py has run)."""
@@ -351,5 +367,7 @@ def test_every_benchmark_cell_is_a_valid_launcher_config(spec):
       for name in parents:
         node = node[name]
       assert leaf in node, (cell["name"], path)
+      if isinstance(node[leaf], tuple) and isinstance(value, str):
+        value = ast.literal_eval(value)  # as the --config flag parses a tuple
       node[leaf] = value
     wiring.validate(config)

@@ -149,6 +149,18 @@ def get_config() -> ml_collections.ConfigDict:
   c.advantage = ml_collections.ConfigDict()
   c.advantage.name = "grpo"           # rl/objectives/advantages.py registry: grpo | drgrpo | rloo | median
 
+  # On-policy distillation (docs/distillation.md): a frozen teacher scores every sampled
+  # token inside the train step; loss = policy objective + coef * distillation term.
+  c.distill = ml_collections.ConfigDict()
+  c.distill.teacher = ""              # "" = off; an Arbor workdir (its newest checkpoint), a HF
+                                      # folder, a .gguf file or "smollm2"; same tokenizer as the
+                                      # student, context >= prompt_len + max_new_tokens
+  c.distill.objective = "reverse_kl"  # reverse_kl (exact) | k1 | k3 (sampled, as per-token
+                                      # advantages) | forward_kl_topk
+  c.distill.coef = 0.0                # weight of the distillation term (> 0 with a teacher)
+  c.distill.with_reward = True        # False: pure OPD, the policy objective is dropped
+  c.distill.top_k = 16                # forward_kl_topk: teacher tokens kept (renormalised)
+
   # Which prompts a GRPO step rolls out, and how often (rl/rollouts/selection.py).
   c.selection = ml_collections.ConfigDict()
   c.selection.kind = "uniform"        # uniform | dynamic (DAPO) | greso | adaptive
