@@ -165,6 +165,15 @@ def test_inconsistent_distillation_settings_are_refused(tmp_path, overrides, mes
     wiring.validate(tiny_run_config(tmp_path, overrides))
 
 
+def test_the_opd_recipe_config_is_a_valid_pure_opd_run():
+  from experiments.configs import opd_running_sum  # pylint: disable=import-outside-toplevel
+  config = opd_running_sum.get_config()
+  config.warm_start.init_from = ""  # its folder exists once the documented command has run
+  wiring.validate(config)
+  assert config.distill.coef > 0 and not config.distill.with_reward
+  assert config.distill.teacher.endswith("teacher")
+
+
 def test_distill_term_is_aggregated_like_the_objective():
   """A hand-built batch: the step's distill_loss is the token mean of the exact KL."""
   params = transformer.init_params(CONFIG, jax.random.PRNGKey(0))
