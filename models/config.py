@@ -26,6 +26,9 @@ class ModelConfig:
     tie_embeddings: the output projection is the transposed input embedding.
     max_seq_len: longest sequence (prompt + completion) the KV cache is sized for.
     dtype: dtype of parameters and activations ('float32' or 'bfloat16').
+    remat: what the layer scan keeps for the backward of a training forward (no cache):
+      'none' every activation, 'full' each layer's input only (the rest is recomputed),
+      'dots' each layer's input and matmul outputs (`models.transformer.REMAT_POLICIES`).
   """
 
   vocab_size: int
@@ -42,6 +45,7 @@ class ModelConfig:
   tie_embeddings: bool = True
   max_seq_len: int = 2048
   dtype: str = "float32"
+  remat: str = "none"
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
@@ -57,6 +61,8 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE.")
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"ModelConfig.dtype={self.dtype!r}: use 'float32' or 'bfloat16'.")
+    if self.remat not in ("none", "full", "dots"):
+      raise ValueError(f"ModelConfig.remat={self.remat!r}: use 'none', 'full' or 'dots'.")
 
   @property
   def jnp_dtype(self):

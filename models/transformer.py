@@ -225,6 +225,35 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, kv_mask: ja
   Returns:
     logits [B, T, V] in float32, and the updated cache (None without one).
   """
+  x, new_cache = hidden_states(params, tokens, positions, kv_mask, config, cache, cache_index,
+                               residual_hook)
+  logits = jnp.einsum("btd,dv->btv", x, output_head(params, config),
+                      preferred_element_type=jnp.float32)
+  return logits, new_cache
+
+
+def output_head(params: Params, config: ModelConfig) -> jax.Array:
+  """The output projection [D, V]: the transposed embedding when tied."""
+  return params["embed"].T if config.tie_embeddings else params["lm_head"]
+
+
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array,
+                  kv_mask: jax.Array, config: ModelConfig, cache: KVCache | None = None,
+                  cache_index: jax.Array | int = 0,
+                  residual_hook: Callable[[jax.Array], jax.Array] | None = None,
+                  ) -> tuple[jax.Array, KVCache | None]:
+  """`forward` up to the output projection: the final-normed residual stream [B, T, D]
+  and the updated cache. Without a cache, `config.remat` rematerialises each layer in the
+  backward (`REMAT_POLICIES`: 'none' keeps every activation, 'full' keeps only each
+  layer's input, 'dots' also keeps the matmul outputs): the same gradients, less memory
+  for more compute."""
   c = config
   hook = residual_hook or (lambda x: x)
   x = hook(params["embed"][tokens].astype(c.jnp_dtype))
@@ -233,6 +262,8 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, kv_mask: ja
   if cache is None:
     def body(x, layer):
       return hook(_block(x, layer, positions, mask, c)), None
+    if c.remat != "none":
+      body = jax.checkpoint(body, policy=REMAT_POLICIES[c.remat])
     x, _ = jax.lax.scan(body, x, params["layers"])
     new_cache = None
   else:
@@ -251,11 +282,7 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, kv_mask: ja
     (x, new_k, new_v), _ = jax.lax.scan(
         body, (x, cache["k"], cache["v"]), (params["layers"], jnp.arange(c.n_layers)))
     new_cache = {"k": new_k, "v": new_v}
-
-  x = rms_norm(x, params["final_norm"], c.norm_eps)
-  head = params["embed"].T if c.tie_embeddings else params["lm_head"]
-  logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
-  return logits, new_cache
+  return rms_norm(x, params["final_norm"], c.norm_eps), new_cache
 
 
 DecodeCache = tuple  # L pairs (keys [B, K, E, S], values [B, K, S, E])
@@ -466,6 +493,84 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> jax.Array:
   logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
   picked = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
   return jnp.pad(picked, ((0, 0), (1, 0)))
+
+
+def chunked_token_logprobs(x: jax.Array, head: jax.Array, tokens: jax.Array, chunk: int,
+                           temperature: float = 1.0) -> jax.Array:
+  """`token_logprobs(x @ head / temperature, tokens)` without the [B, T, V] logits.
+
+  x [B, T, D] is the final-normed residual stream (`hidden_states`), head [D, V]. The
+  sequence is cut into chunks of `chunk` positions (the last one padded); each chunk's
+  logits exist only while its log-probs (and in the backward, its gradient) are computed,
+  so the largest buffer is [B, chunk, V]. The gradient is exact (a custom VJP: for each
+  chunk, d logits = g (onehot - softmax) / temperature, recomputed from x and head).
+  """
+  b, t, _ = x.shape
+  logp = _chunked_logprobs(x[:, :-1], head, tokens[:, 1:], chunk, float(temperature or 1.0))
+  return jnp.pad(logp, ((0, 0), (1, 0)))
+
+
+def _chunks(x: jax.Array, chunk: int) -> jax.Array:
+  """[B, N, ...] -> [ceil(N / chunk), B, chunk, ...], zero-padded at the end."""
+  n = x.shape[1]
+  pad = -n % chunk
+  x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+  return jnp.moveaxis(x.reshape(x.shape[0], -1, chunk, *x.shape[2:]), 1, 0)
+
+
+def _unchunk(y: jax.Array, n: int) -> jax.Array:
+  """Inverse of `_chunks` for [C, B, chunk, ...] -> [B, n, ...]."""
+  y = jnp.moveaxis(y, 0, 1)
+  return y.reshape(y.shape[0], -1, *y.shape[3:])[:, :n]
+
+
+def _chunk_logits(x_chunk, head, temperature):
+  return jnp.einsum("btd,dv->btv", x_chunk, head, preferred_element_type=jnp.float32) / temperature
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _chunked_logprobs(x, head, targets, chunk, temperature):
+  return _chunked_forward(x, head, targets, chunk, temperature)[0]
+
+
+def _chunked_forward(x, head, targets, chunk, temperature):
+  def one(_, pieces):
+    x_c, t_c = pieces
+    logits = _chunk_logits(x_c, head, temperature)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    picked = jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0]
+    return None, (picked - lse, lse)
+
+  _, (logp, lse) = jax.lax.scan(one, None, (_chunks(x, chunk), _chunks(targets, chunk)))
+  n = x.shape[1]
+  return _unchunk(logp, n), (x, head, targets, _unchunk(lse, n))
+
+
+def _chunked_fwd(x, head, targets, chunk, temperature):
+  return _chunked_forward(x, head, targets, chunk, temperature)
+
+
+def _chunked_bwd(chunk, temperature, residuals, g):
+  x, head, targets, lse = residuals
+  vocab = head.shape[1]
+
+  def one(d_head, pieces):
+    x_c, t_c, lse_c, g_c = pieces
+    probs = jnp.exp(_chunk_logits(x_c, head, temperature) - lse_c[..., None])
+    d_logits = (jax.nn.one_hot(t_c, vocab, dtype=probs.dtype) - probs) * (
+        g_c[..., None] / temperature)
+    d_x = jnp.einsum("btv,dv->btd", d_logits, head.astype(jnp.float32))
+    d_head = d_head + jnp.einsum("btd,btv->dv", x_c.astype(jnp.float32), d_logits)
+    return d_head, d_x
+
+  d_head, d_x = jax.lax.scan(
+      one, jnp.zeros(head.shape, jnp.float32),
+      (_chunks(x, chunk), _chunks(targets, chunk), _chunks(lse, chunk), _chunks(g, chunk)))
+  return (_unchunk(d_x, x.shape[1]).astype(x.dtype), d_head.astype(head.dtype),
+          None)
+
+
+_chunked_logprobs.defvjp(_chunked_fwd, _chunked_bwd)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))

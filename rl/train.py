@@ -98,8 +98,13 @@ def init_train_state(params, optimizer: optax.GradientTransformation, *,
 def policy_logprobs(params, batch: Rollout, model_config: ModelConfig,
                     temperature: float = 1.0,
                     residual_hook: Callable[[jax.Array], jax.Array] | None = None, *,
-                    shared_prefix: tuple[int, int] | None = None) -> jax.Array:
+                    shared_prefix: tuple[int, int] | None = None,
+                    logprob_chunk: int = 0) -> jax.Array:
   """log-probs [B, T] of the batch's tokens at the sampling temperature.
+
+  logprob_chunk = C > 0 computes them C positions at a time
+  (`transformer.chunked_token_logprobs`): the [B, T, V] logits never exist, in the forward
+  or the backward; the values and gradients are the dense path's (up to float rounding).
 
   `residual_hook` goes to `transformer.forward` (e.g. an activation sharding constraint).
   shared_prefix=(group_size G, prompt_len P): rows come in contiguous groups of G that
@@ -111,6 +116,12 @@ def policy_logprobs(params, batch: Rollout, model_config: ModelConfig,
   """
   if shared_prefix is not None:
     return _shared_prefix_logprobs(params, batch, model_config, temperature, *shared_prefix)
+  if logprob_chunk:
+    x, _ = transformer.hidden_states(params, batch.tokens,
+                                     transformer.positions_from_mask(batch.token_mask),
+                                     batch.token_mask, model_config, residual_hook=residual_hook)
+    return transformer.chunked_token_logprobs(x, transformer.output_head(params, model_config),
+                                              batch.tokens, logprob_chunk, temperature)
   logits, _ = transformer.forward(params, batch.tokens,
                                   transformer.positions_from_mask(batch.token_mask),
                                   batch.token_mask, model_config, residual_hook=residual_hook)
@@ -191,6 +202,7 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
                     learning_rate: optax.Schedule | None = None,
                     lora: lora_lib.LoraConfig | None = None,
                     distill: distillation.Distill | None = None, teacher_params=None,
+                    logprob_chunk: int = 0,
                     ) -> Callable[[TrainState, Rollout], tuple[TrainState, dict]]:
   """Builds the jitted train step for the objective `loss_config.name`.
 
@@ -258,6 +270,10 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
   The teacher's parameters are an argument of the jitted step, laid out by `rules` on a
   mesh like the policy's. The student's and the teacher's [B, T, V] log-softmax are
   materialised per microbatch (num_microbatches bounds them).
+
+  logprob_chunk = C > 0: the policy's log-probs (loss forward and proximal recompute) are
+  computed C positions at a time, so no [B, T, V] logits buffer is kept for the backward
+  (`policy_logprobs`); the model's `remat` policy decides which layer activations are.
   """
   if num_minibatches < 1 or ppo_epochs < 1:
     raise ValueError(f"num_minibatches = {num_minibatches} and ppo_epochs = {ppo_epochs} must "
@@ -274,7 +290,7 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
 
   def logprobs(policy, rollout: Rollout) -> jax.Array:
     return policy_logprobs(policy, rollout, model_config, temperature, residual_hook,
-                           shared_prefix=shared_prefix)
+                           shared_prefix=shared_prefix, logprob_chunk=logprob_chunk)
 
   def next_token_dists(policy, config: ModelConfig, rollout: Rollout) -> jax.Array:
     """log-softmax [B, T, V] of the distributions that predicted each token."""

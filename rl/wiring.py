@@ -70,6 +70,7 @@ _RANGES = (
     + [("loss.sat_quantile", 0, False, 1.0)]
     + [("lora.rank", 0, True, None), ("lora.alpha", 0, False, None)]
     + [("distill.coef", 0, True, None), ("distill.top_k", 1, True, None)]
+    + [("rl.logprob_chunk", 0, True, None)]
     + [("eval.every", 1, True, None), ("eval.batch_size", 1, True, None),
        ("checkpoint.every", 1, True, None), ("checkpoint.max_to_keep", 1, True, None)])
 
@@ -183,6 +184,10 @@ def check_distill(config: ml_collections.ConfigDict) -> None:
   if d.teacher and config.rl.prefix_shared_forward:
     raise ValueError("config.distill needs the full per-token distributions of the batch; "
                      "turn config.rl.prefix_shared_forward off.")
+  if d.teacher and config.rl.logprob_chunk:
+    raise ValueError("config.distill materialises the student's and the teacher's full "
+                     "per-token distributions; config.rl.logprob_chunk does not apply to "
+                     "them: set it to 0.")
 
 
 def lora_config(config: ml_collections.ConfigDict) -> lora_lib.LoraConfig | None:
@@ -234,6 +239,12 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"config.rl.prefix_shared_forward needs whole groups per microbatch: "
                      f"config.rollout.prompts_per_step = {r.prompts_per_step} must be divisible "
                      f"by config.rl.num_minibatches * num_microbatches = {rl_parts}.")
+  if config.rl.prefix_shared_forward and config.rl.logprob_chunk:
+    raise ValueError("config.rl.logprob_chunk chunks the plain forward's log-probs; the "
+                     "prefix-shared forward has its own layout: turn one of them off.")
+  if config.model.remat not in transformer.REMAT_POLICIES:
+    raise ValueError(f"config.model.remat = {config.model.remat!r}; use one of "
+                     f"{', '.join(transformer.REMAT_POLICIES)}.")
   if config.rl.prefix_shared_forward and config.selection.kind == "adaptive":
     raise ValueError("config.rl.prefix_shared_forward needs groups of exactly "
                      "config.rollout.group_size rows; config.selection.kind='adaptive' gives "
@@ -357,8 +368,11 @@ def build_model_config(config, tokenizer):
 
 
 def _with_room(config, model_config):
+  """The model config as the run uses it: room for prompt + completion, and the run's
+  rematerialisation policy."""
   needed = config.rollout.prompt_len + config.rollout.max_new_tokens
-  return model_config.replace(max_seq_len=max(model_config.max_seq_len, needed))
+  return model_config.replace(max_seq_len=max(model_config.max_seq_len, needed),
+                              remat=config.model.get("remat", "none"))
 
 
 def load_policy(config, rng):
@@ -481,6 +495,7 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None, teache
                                length_buckets=length_buckets(config),
                                learning_rate=train.learning_rate_schedule(**rate),
                                lora=phase_lora(config, phase),
+                               logprob_chunk=config.rl.logprob_chunk,
                                **(distill_settings(config, teacher) if phase == RL else {}))
   sharded = {} if mesh is None else dict(
       generate_fn=rollout_lib.make_generate(model_config, sampling_config, mesh),

@@ -41,6 +41,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.tokenizer = ""              # "" = the checkpoint's own; else a tokenizer.json file or
                                       # a HF folder holding one (for a folder without it)
   c.model.chat_template = False       # wrap prompts in the checkpoint's chat template
+  c.model.remat = "none"              # training forward: rematerialise each layer in the
+                                      # backward: none | full (keep layer inputs) | dots (and
+                                      # matmul outputs); same gradients, less memory
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.prompt_len = 16           # prompt slots (BOS + prompt, left-padded)
@@ -108,6 +111,8 @@ def get_config() -> ml_collections.ConfigDict:
                                       # (versions count optimiser updates, several per batch
                                       # with num_minibatches * ppo_epochs > 1)
   c.rl.prefix_shared_forward = False  # run each group's prompt once in the loss forward/backward
+  c.rl.logprob_chunk = 0              # > 0: log-probs this many positions at a time, so no
+                                      # [B, T, V] logits buffer exists (0 = dense)
 
   # LoRA (Hu et al. 2021; docs/lora.md): the RL phase trains low-rank adapters on the chosen
   # projections of the warm-started (or loaded) policy, whose weights stay frozen. The warm
