@@ -97,6 +97,19 @@ PRESETS = {
                                 n_kv_heads=2, head_dim=64, mlp_dim=4864, rope_theta=1000000.0,
                                 norm_eps=1e-6, qkv_bias=True, tie_embeddings=True,
                                 max_seq_len=32768),
+    # Shapes only (the memory planner, experiments/memory.py): Qwen/Qwen2.5-1.5B and 7B,
+    # meta-llama/Llama-3.1-8B, from their config.json files.
+    "qwen2_5_1_5b": ModelConfig(vocab_size=151936, d_model=1536, n_layers=28, n_heads=12,
+                                n_kv_heads=2, head_dim=128, mlp_dim=8960, rope_theta=1000000.0,
+                                norm_eps=1e-6, qkv_bias=True, tie_embeddings=True,
+                                max_seq_len=32768),
+    "qwen2_5_7b": ModelConfig(vocab_size=152064, d_model=3584, n_layers=28, n_heads=28,
+                              n_kv_heads=4, head_dim=128, mlp_dim=18944, rope_theta=1000000.0,
+                              norm_eps=1e-6, qkv_bias=True, tie_embeddings=False,
+                              max_seq_len=32768),
+    "llama3_1_8b": ModelConfig(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32,
+                               n_kv_heads=8, head_dim=128, mlp_dim=14336, rope_theta=500000.0,
+                               norm_eps=1e-5, tie_embeddings=False, max_seq_len=131072),
 }
 
 

@@ -410,6 +410,8 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
         lambda state, batch, teacher: sharded_step(state, multihost.place_rows(batch, rows),
                                                    teacher))
   jitted = lambda state, batch: with_teacher(state, batch, teacher_params)
+  if hasattr(with_teacher, "lower"):  # for memory analysis (experiments/memory.py)
+    jitted.lower = lambda state, batch: with_teacher.lower(state, batch, teacher_params)
   if length_buckets and jax.process_count() == 1:
     unbucketed = jitted
     jitted = lambda state, batch: unbucketed(state, trim_to_bucket(batch, length_buckets))

@@ -228,7 +228,7 @@ def test_paired_difference_compares_seed_by_seed_over_shared_seeds():
 
 def test_opd_page_measures_tokens_to_the_target_against_grpo(tmp_path):
   opd = runpy.run_path(os.path.join(_REPO, "experiments", "grids", "opd.py"))
-  assert len(opd["SPEC"]["cells"]) == 30
+  assert len(opd["SPEC"]["cells"]) == 36
   results = [
       _cell_result("grpo", 0, [0.3, 0.7, 0.85], [0, 20000, 40000], [0.0, 5.0, 10.0],
                    {"distill_reverse_kl": 0.0}),

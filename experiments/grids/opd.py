@@ -17,6 +17,9 @@ greedy accuracy every 10 steps, so tokens-to-accuracy has that resolution):
 - `stale_<objective>_k<k>`: pure OPD with reverse_kl or forward_kl_topk at simulated
   staleness k in {8, 32} updates (k = 0 is `opd_<objective>`): AsyncOPD's claim that the
   forward KL tolerates stale samples and the reverse KL does not.
+- `lr1e-3_<grpo | opd_reverse_kl>` (a follow-up, added after the first seed): both at 4x the
+  default learning rate (1e-3), whether the dense signal lets OPD take larger steps than
+  GRPO can.
 Cells run in that order (every seed of one block before the next), so a grid stopped
 midway has whole comparisons.
 """
@@ -49,8 +52,10 @@ def _distill(objective: str, coef: float = 1.0, with_reward: bool = False) -> di
 SETTINGS = ([("grpo", {})] + [(f"opd_{o}", _distill(o)) for o in PURE]
             + [(f"mix_c{c:g}", _distill("reverse_kl", c, True)) for c in COEFS]
             + [(f"stale_{o}_k{k}", {**_distill(o), "config.rl.staleness": k})
-               for o in ("reverse_kl", "forward_kl_topk") for k in STALENESS])
-_BLOCKS = (("grpo", "opd_"), ("mix_",), ("stale_",))
+               for o in ("reverse_kl", "forward_kl_topk") for k in STALENESS]
+            + [(f"lr1e-3_{name}", {**flags, "config.rl.learning_rate": 1e-3})
+               for name, flags in (("grpo", {}), ("opd_reverse_kl", _distill("reverse_kl")))])
+_BLOCKS = (("grpo", "opd_"), ("mix_",), ("stale_",), ("lr1e-3_",))
 SPEC = {"cells": [_cell(name, seed, flags) for block in _BLOCKS for seed in SEEDS
                   for name, flags in SETTINGS if name.startswith(block)]}
 

@@ -82,7 +82,8 @@ def supervised_batch(tokenizer: Tokenizer, examples: Sequence[Example], prompt_l
 def make_generate(model_config: ModelConfig, sampling_config: SamplingConfig,
                   mesh: jax.sharding.Mesh | None = None,
                   rules: sharding_rules.Rules = sharding_rules.SAMPLER_RULES) -> GenerateFn:
-  """The sampler as `generate_fn(params, prompt_tokens, prompt_mask, rng, version)`.
+  """The sampler as `generate_fn(params, prompt_tokens, prompt_mask, rng, version)`, with
+  `generate_fn.lower(...)` (the same arguments) lowering its compiled program.
 
   Without `mesh`: `sampling.sampler.generate`. With a mesh: the same `sampler.sample`
   jitted with `in_shardings` (parameters by `rules`, default tensor-parallel and replicated
@@ -97,8 +98,12 @@ def make_generate(model_config: ModelConfig, sampling_config: SamplingConfig,
   with copies of its last row, and the padding rows are dropped from the result.
   """
   if mesh is None:
-    return lambda params, prompt_tokens, prompt_mask, rng, version=0: generate(
+    def unsharded(params, prompt_tokens, prompt_mask, rng, version=0):
+      return generate(params, prompt_tokens, prompt_mask, rng, model_config, sampling_config,
+                      version)
+    unsharded.lower = lambda params, prompt_tokens, prompt_mask, rng, version=0: generate.lower(
         params, prompt_tokens, prompt_mask, rng, model_config, sampling_config, version)
+    return unsharded
   abstract_params = jax.eval_shape(
       lambda: transformer.init_params(model_config, jax.random.PRNGKey(0)))
   param_shardings = sharding_rules.tree_shardings(abstract_params, mesh, rules)
@@ -135,6 +140,9 @@ def make_generate(model_config: ModelConfig, sampling_config: SamplingConfig,
     if prompt_tokens.shape[0] == num_rows:
       return generation
     return jax.tree.map(lambda x: x[:num_rows] if x.ndim else x, generation)
+  # The compiled program for given shapes, for memory analysis (experiments/memory.py).
+  generate_fn.lower = lambda params, prompt_tokens, prompt_mask, rng, version=0: jitted.lower(
+      params, prompt_tokens, prompt_mask, rng, np.asarray(version, np.int32))
   return generate_fn
 
 

@@ -1,0 +1,191 @@
+"""What fits where: per-device memory of the real train step and sampler, from XLA's own
+memory analysis of the compiled programs, for a model's shapes alone (no weights).
+
+    python -m experiments.memory --model=qwen2_5_0_5b --batch=16 --seq_len=512
+    python -m experiments.memory --model=path/to/config.json --batch=64 --seq_len=1024 \\
+        --mesh=1,8,1 --logprob_chunk=256 --remat=full
+    python -m experiments.memory --table --out=runs/memory.json   # docs/pod.md's table
+
+The train step is `rl.train.make_train_step` (GRPO, AdamW, one update per batch) and the
+sampler `sampling.sampler.generate`, each lowered for abstract arrays of the given shapes
+and compiled for this machine's backend (CPU here; on a TPU or GPU host, that target).
+Reported per device, in bytes: parameters and optimiser state (from their shapes and
+shardings), and XLA's analysis of each compiled program: its arguments, outputs and the
+temporaries it allocates (activations kept for the backward, logits, gradients, buffers
+of the update). Peak = arguments + temporaries + outputs - what is donated (the train
+step updates its state in place). A mesh (data, fsdp, tensor) over N devices needs N
+devices: on a CPU host the planner asks XLA for N virtual ones.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from absl import app
+from absl import flags
+
+_MODEL = flags.DEFINE_string("model", "qwen2_5_0_5b", "A models/config.py preset or a HF "
+                             "config.json path.")
+_BATCH = flags.DEFINE_integer("batch", 16, "Sequences per train step (and per sampler call).")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", 512, "Tokens per sequence (prompt + completion).")
+_NEW_TOKENS = flags.DEFINE_integer("new_tokens", 256, "Sampler: tokens generated per row.")
+_MESH = flags.DEFINE_list("mesh", ["1", "1", "1"], "data,fsdp,tensor mesh sizes.")
+_CHUNK = flags.DEFINE_integer("logprob_chunk", 0, "config.rl.logprob_chunk (0 = dense).")
+_REMAT = flags.DEFINE_enum("remat", "none", ["none", "full", "dots"], "config.model.remat.")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and "
+                           "activation dtype.")
+_TABLE = flags.DEFINE_bool("table", False, "Run docs/pod.md's grid of models and switches.")
+_OUT = flags.DEFINE_string("out", "", "Also write the results as JSON here.")
+
+GIB = 1024 ** 3
+TABLE_MODELS = ("qwen2_5_0_5b", "qwen2_5_1_5b", "qwen2_5_7b", "llama3_1_8b")
+TABLE_SWITCHES = ({"logprob_chunk": 0, "remat": "none"}, {"logprob_chunk": 256, "remat": "none"},
+                  {"logprob_chunk": 256, "remat": "full"})
+DEVICE_SIZES_GIB = (16, 32, 80, 95)
+
+
+def model_config(spec: str, dtype: str, remat: str, seq_len: int):
+  """The ModelConfig of a preset name or a HF config.json."""
+  from models import config as model_configs  # pylint: disable=import-outside-toplevel
+  from models import hf_checkpoint  # pylint: disable=import-outside-toplevel
+  if spec.endswith(".json"):
+    with open(spec) as f:
+      config = hf_checkpoint.config_from_hf(json.load(f), dtype)
+  else:
+    config = model_configs.get_preset(spec, dtype=dtype)
+  return config.replace(remat=remat, max_seq_len=max(config.max_seq_len, seq_len))
+
+
+def _bytes(tree) -> int:
+  import jax  # pylint: disable=import-outside-toplevel
+  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
+def _per_device(tree, shardings) -> int:
+  """Bytes one device holds of `tree` laid out by `shardings` (None: all of it)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  if shardings is None:
+    return _bytes(tree)
+  total = 0
+  for x, sharding in zip(jax.tree.leaves(tree), jax.tree.leaves(shardings)):
+    shard = sharding.shard_shape(x.shape)
+    count = 1
+    for n in shard:
+      count *= n
+    total += count * x.dtype.itemsize
+  return total
+
+
+def _analysis(compiled) -> dict:
+  m = compiled.memory_analysis()
+  result = dict(argument_bytes=int(m.argument_size_in_bytes),
+                output_bytes=int(m.output_size_in_bytes), temp_bytes=int(m.temp_size_in_bytes),
+                alias_bytes=int(m.alias_size_in_bytes))
+  result["peak_bytes"] = (result["argument_bytes"] + result["temp_bytes"]
+                          + result["output_bytes"] - result["alias_bytes"])
+  return result
+
+
+def plan(model: str, batch: int, seq_len: int, new_tokens: int, mesh_sizes, logprob_chunk: int,
+         remat: str, dtype: str) -> dict:
+  """Per-device bytes of the GRPO train step and of the sampler (see the module docstring)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import ml_collections  # pylint: disable=import-outside-toplevel
+  from models import transformer  # pylint: disable=import-outside-toplevel
+  from rl import train  # pylint: disable=import-outside-toplevel
+  from rl.rollouts import batches  # pylint: disable=import-outside-toplevel
+  from rl.types import Rollout  # pylint: disable=import-outside-toplevel
+  from sampling import sampler  # pylint: disable=import-outside-toplevel
+  from sharding import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  from sharding import rules as sharding_rules  # pylint: disable=import-outside-toplevel
+
+  config = model_config(model, dtype, remat, seq_len)
+  data, fsdp, tensor = (int(n) for n in mesh_sizes)
+  devices = data * fsdp * tensor
+  mesh = None if devices == 1 else mesh_lib.make_mesh(
+      mesh_lib.MeshConfig(data=data, fsdp=fsdp, tensor=tensor), jax.devices()[:devices])
+  optimizer = train.make_optimizer(1e-6)
+  loss = ml_collections.FrozenConfigDict(dict(
+      name="grpo", eps_low=0.2, eps_high=0.2, aggregation="token_mean", norm_len=1.0,
+      kl_coef=0.0))
+  step = train.make_train_step(config, optimizer, loss, mesh=mesh, logprob_chunk=logprob_chunk)
+  params = jax.eval_shape(lambda: transformer.init_params(config, jax.random.PRNGKey(0)))
+  state = jax.eval_shape(lambda p: train.init_train_state(p, optimizer), params)
+  shape = lambda dt: jax.ShapeDtypeStruct((batch, seq_len), dt)
+  rollout = Rollout(tokens=shape(jnp.int32), prompt_mask=shape(bool), completion_mask=shape(bool),
+                    behavior_logp=shape(jnp.float32), version=shape(jnp.int32),
+                    group=jax.ShapeDtypeStruct((batch,), jnp.int32),
+                    reward=jax.ShapeDtypeStruct((batch,), jnp.float32),
+                    advantages=shape(jnp.float32))
+  shardings = (None if mesh is None else
+               train.train_state_shardings(config, optimizer, mesh))
+  train_memory = _analysis(step.lower(state, rollout).compile())
+  sampling_config = sampler.SamplingConfig(max_new_tokens=new_tokens, temperature=1.0)
+  prompt_len = max(seq_len - new_tokens, 1)
+  generate = batches.make_generate(config, sampling_config, mesh)
+  sampler_params = (params if mesh is None else jax.tree.map(
+      lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
+      sharding_rules.tree_shardings(params, mesh, sharding_rules.SAMPLER_RULES)))
+  sample_memory = _analysis(generate.lower(
+      sampler_params, jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32),
+      jax.ShapeDtypeStruct((batch, prompt_len), bool),
+      jax.ShapeDtypeStruct((2,), jnp.uint32)).compile())
+  return dict(
+      model=model, dtype=dtype, batch=batch, seq_len=seq_len, new_tokens=new_tokens,
+      mesh=[data, fsdp, tensor], logprob_chunk=logprob_chunk, remat=remat,
+      backend=jax.default_backend(), parameters=_bytes(params),
+      parameter_bytes_per_device=_per_device(state.params, None if shardings is None
+                                             else shardings.params),
+      optimizer_bytes_per_device=_per_device(state.opt_state, None if shardings is None
+                                             else shardings.opt_state),
+      logits_buffer_bytes=batch * seq_len * config.vocab_size * 4,
+      train_step=train_memory, sampler=sample_memory)
+
+
+def _gib(n: int) -> str:
+  return f"{n / GIB:.1f}"
+
+
+def table(rows: list[dict]) -> str:
+  """docs/pod.md's table: per-device GiB of each part and where the train step fits."""
+  head = ("| model | devices (data, fsdp, tensor) | log-prob chunk | remat | params | "
+          "optimiser | train temporaries | train peak | sampler peak | fits (train peak) |")
+  lines = [head, "|" + "---|" * 10]
+  for r in rows:
+    t = r["train_step"]
+    fits = ", ".join(f"{size}" for size in DEVICE_SIZES_GIB if t["peak_bytes"] <= size * GIB)
+    lines.append(
+        f"| {r['model']} | {r['mesh'][0] * r['mesh'][1] * r['mesh'][2]} ({', '.join(map(str, r['mesh']))}) "
+        f"| {r['logprob_chunk'] or 'dense'} | {r['remat']} | {_gib(r['parameter_bytes_per_device'])} "
+        f"| {_gib(r['optimizer_bytes_per_device'])} | {_gib(t['temp_bytes'])} "
+        f"| {_gib(t['peak_bytes'])} | {_gib(r['sampler']['peak_bytes'])} "
+        f"| {fits or 'none'} GB |")
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  mesh_sizes = [int(n) for n in _MESH.value]
+  devices = mesh_sizes[0] * mesh_sizes[1] * mesh_sizes[2]
+  if devices > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={devices}")
+  common = dict(batch=_BATCH.value, seq_len=_SEQ_LEN.value, new_tokens=_NEW_TOKENS.value,
+                mesh_sizes=mesh_sizes, dtype=_DTYPE.value)
+  if _TABLE.value:
+    rows = [plan(model, logprob_chunk=s["logprob_chunk"], remat=s["remat"], **common)
+            for model in TABLE_MODELS for s in TABLE_SWITCHES]
+  else:
+    rows = [plan(_MODEL.value, logprob_chunk=_CHUNK.value, remat=_REMAT.value, **common)]
+  print(table(rows))
+  if _OUT.value:
+    os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
+    with open(_OUT.value, "w") as f:
+      json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+  app.run(main)
