@@ -4,6 +4,7 @@
     python -m experiments.bench_train --peers=        # Arbor only
     python -m experiments.bench_train --smoke         # tiny shapes, one repetition (CI)
     python -m experiments.bench_train --only=lora     # LoRA vs full train step alone
+    python -m experiments.bench_train --only=distill  # what a distillation teacher costs
 
 Four measurements, on the B1 decoder (f32) unless stated, best of --repeats after compiling:
   1. train step: forward + backward + AdamW on a [16, 80] batch (GRPO loss), tokens/s and
@@ -24,6 +25,10 @@ Four measurements, on the B1 decoder (f32) unless stated, best of --repeats afte
      and optimiser state, and XLA's temporary buffer bytes of the compiled step (its peak
      working memory beyond arguments and outputs, available on CPU), plus the device's peak
      bytes in use where the backend reports it (GPU / TPU).
+  6. (--only=distill, alone) on-policy distillation's cost in the train step: the testbed's
+     policy (preset tiny2, the character vocabulary) on its RL batch (64 rows of 16 prompt +
+     101 completion slots): GRPO alone, GRPO + the exact reverse KL to a teacher of the same
+     shape, and pure OPD, alternated in each repetition, best of --repeats.
 Peers are skipped when the environment variable CI is set. Writes bench_train.json,
 bench_train.md and bench_train.png to --out (--only=lora: bench_train_lora.*, item 5 only).
 """
@@ -57,7 +62,8 @@ _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repetitions per case (best 
 _OUT = flags.DEFINE_string("out", "runs/bench_train", "Output directory.")
 _PEERS = flags.DEFINE_list("peers", ["tunix", "torch"], "Peers to run (tunix, torch); empty: none.")
 _PEER_ENVS = flags.DEFINE_string("peer_envs", "runs/peer_envs", "Where peer virtualenvs live.")
-_ONLY = flags.DEFINE_enum("only", "", ["", "lora"], "Run one measurement alone (lora: item 5).")
+_ONLY = flags.DEFINE_enum("only", "", ["", "lora", "distill"],
+                          "Run one measurement alone (lora: item 5; distill: item 6).")
 _LORA_RANKS = flags.DEFINE_list("lora_ranks", ["8", "64"], "Adapter ranks of the LoRA cases.")
 
 GRPO_LABELS = dict(PEER_LABELS, torch="TRL")  # the torch peer's GRPO step is TRL's trainer
@@ -169,6 +175,49 @@ def lora_vs_full(config: ModelConfig, batch: Rollout, ranks, repeats: int) -> li
                state_bytes=row["trained_bytes"] + row["frozen_bytes"] + row["opt_state_bytes"])
     row["state_ratio"] = row["state_bytes"] / rows[0]["state_bytes"]
   return rows
+
+
+def distill_overhead(repeats: int, smoke: bool) -> dict:
+  """Item 6: seconds per train step of GRPO alone, GRPO + reverse KL to a teacher and pure
+  OPD on the testbed's batch shape, the three alternated in each repetition."""
+  from models.tokenizer import CharTokenizer  # pylint: disable=import-outside-toplevel
+  from rl.objectives import distillation  # pylint: disable=import-outside-toplevel
+  config = get_preset("tiny2", vocab_size=CharTokenizer().vocab_size, max_seq_len=128)
+  groups, completion = (2, 8) if smoke else (8, 101)
+  batch = random_rollout(config, groups, 8, 16, completion)
+  teacher = transformer.init_params(config, jax.random.PRNGKey(1))
+  optimizer = train.make_optimizer(1e-5)
+  cases = {"grpo": {}, "grpo + reverse KL": dict(with_reward=True),
+           "pure OPD": dict(with_reward=False)}
+  steps, states = {}, {}
+  for name, setting in cases.items():
+    extra = {} if not setting else dict(
+        distill=distillation.Distill("reverse_kl", 1.0, setting["with_reward"], 16, config),
+        teacher_params=teacher)
+    steps[name] = train.make_train_step(config, optimizer, GRPO, **extra)
+    states[name] = train.init_train_state(
+        transformer.init_params(config, jax.random.PRNGKey(0)), optimizer)
+  best = dict.fromkeys(cases, float("inf"))
+  for rep in range(repeats + 1):  # the first round compiles
+    for name in cases:
+      def run(name=name):
+        states[name], metrics = steps[name](states[name], batch)
+        jax.block_until_ready(metrics)
+      seconds = timed(run)
+      if rep:
+        best[name] = min(best[name], seconds)
+  return dict(shape=[groups * 8, 16 + completion], best_s=best,
+              vs_grpo={name: best[name] / best["grpo"] for name in cases})
+
+
+def distill_markdown(result: dict) -> str:
+  rows, length = result["distill"]["shape"]
+  lines = [f"Train step on {rows} x {length} tokens (testbed shape), best of "
+           f"{result['repeats']}; load {result['load_before']} before, {result['load_after']} "
+           "after.", "", "| case | seconds | vs GRPO |", "|---|---|---|"]
+  for name, seconds in result["distill"]["best_s"].items():
+    lines.append(f"| {name} | {seconds:.4f} | {result['distill']['vs_grpo'][name]:.2f}x |")
+  return "\n".join(lines) + "\n"
 
 
 def lora_markdown(rows: list[dict], batch: int, length: int) -> list[str]:
@@ -378,6 +427,13 @@ def main(argv):
     lora_ranks = _LORA_RANKS.value
   batch, length = step_shape
   step_batch = random_rollout(config, batch, 1, length // 5, length - length // 5)
+  if _ONLY.value == "distill":
+    load_before = load()
+    distill = distill_overhead(repeats, _SMOKE.value)
+    result = {"device": str(jax.devices()[0]), "repeats": repeats, "load_before": load_before,
+              "load_after": load(), "distill": distill}
+    write_results(_OUT.value, "bench_train_distill", result, distill_markdown, None)
+    return
   if _ONLY.value == "lora":
     load_before = load()
     lora = lora_vs_full(config, step_batch, lora_ranks, repeats)

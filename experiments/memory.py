@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 
 from absl import app
@@ -37,12 +38,16 @@ _REMAT = flags.DEFINE_enum("remat", "none", ["none", "full", "dots"], "config.mo
 _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and "
                            "activation dtype.")
 _TABLE = flags.DEFINE_bool("table", False, "Run docs/pod.md's grid of models and switches.")
+_CHECK = flags.DEFINE_bool("check", False, "Also run the train step once (random weights, "
+                           "one device) and compare its measured peak memory with the plan.")
 _OUT = flags.DEFINE_string("out", "", "Also write the results as JSON here.")
 
 GIB = 1024 ** 3
 TABLE_MODELS = ("qwen2_5_0_5b", "qwen2_5_1_5b", "qwen2_5_7b", "llama3_1_8b")
-TABLE_SWITCHES = ({"logprob_chunk": 0, "remat": "none"}, {"logprob_chunk": 256, "remat": "none"},
-                  {"logprob_chunk": 256, "remat": "full"})
+# (data, fsdp, tensor) mesh and switches of each row of docs/pod.md's table, per model.
+TABLE_CASES = (((1, 1, 1), 0, "none"), ((1, 1, 1), 256, "none"), ((1, 1, 1), 256, "full"),
+               ((1, 8, 1), 0, "none"), ((1, 8, 1), 256, "full"),
+               ((1, 16, 4), 0, "none"), ((1, 16, 4), 256, "full"))
 DEVICE_SIZES_GIB = (16, 32, 80, 95)
 
 
@@ -145,6 +150,51 @@ def plan(model: str, batch: int, seq_len: int, new_tokens: int, mesh_sizes, logp
       train_step=train_memory, sampler=sample_memory)
 
 
+def _resident_kib(field: str) -> int:
+  with open("/proc/self/status") as f:
+    return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def measured_step_bytes(model: str, batch: int, seq_len: int, logprob_chunk: int, remat: str,
+                        dtype: str) -> dict:
+  """Runs the planned train step once on this host (random weights, one device) and
+  measures what its execution adds to the process's resident memory: the high-water mark
+  (VmHWM, reset just before, Linux) minus the resident size before. On a CPU host that is
+  the step's temporaries and outputs, which `plan` predicts as temp + output - alias."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import ml_collections  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from models import transformer  # pylint: disable=import-outside-toplevel
+  from rl import train  # pylint: disable=import-outside-toplevel
+  from rl.types import Rollout  # pylint: disable=import-outside-toplevel
+
+  config = model_config(model, dtype, remat, seq_len)
+  optimizer = train.make_optimizer(1e-6)
+  loss = ml_collections.FrozenConfigDict(dict(
+      name="grpo", eps_low=0.2, eps_high=0.2, aggregation="token_mean", norm_len=1.0,
+      kl_coef=0.0))
+  step = train.make_train_step(config, optimizer, loss, logprob_chunk=logprob_chunk)
+  state = train.init_train_state(transformer.init_params(config, jax.random.PRNGKey(0)),
+                                 optimizer)
+  rng = np.random.default_rng(0)
+  completion = jnp.asarray(np.arange(seq_len)[None] >= seq_len // 2).repeat(batch, 0)
+  rollout = Rollout(
+      tokens=jnp.asarray(rng.integers(0, config.vocab_size, (batch, seq_len)), jnp.int32),
+      prompt_mask=~completion, completion_mask=completion,
+      behavior_logp=jnp.full((batch, seq_len), -2.0) * completion,
+      version=jnp.zeros((batch, seq_len), jnp.int32), group=jnp.arange(batch) // 2,
+      reward=jnp.zeros((batch,)), advantages=jnp.ones((batch, seq_len)) * completion)
+  compiled = step.lower(state, rollout).compile()
+  jax.block_until_ready((state, rollout))
+  before = _resident_kib("VmRSS")
+  with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # reset the high-water mark to the current resident size
+  state, metrics = compiled(state, rollout, None)
+  jax.block_until_ready((state, metrics))
+  return dict(measured_bytes=(_resident_kib("VmHWM") - before) * 1024)
+
+
 def _gib(n: int) -> str:
   return f"{n / GIB:.1f}"
 
@@ -166,21 +216,54 @@ def table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def table_rows(out: str) -> list[dict]:
+  """docs/pod.md's rows (TABLE_MODELS x TABLE_CASES, at this run's --batch, --seq_len,
+  --new_tokens, --dtype), each planned in its own process (a process that compiles many
+  large programs keeps them and runs out of memory) and kept as <out's folder>/rows/<row>.json,
+  so an interrupted table resumes; the rows are also written to `out`."""
+  folder = os.path.join(os.path.dirname(os.path.abspath(out)), "rows")
+  os.makedirs(folder, exist_ok=True)
+  rows = []
+  for model in TABLE_MODELS:
+    for mesh, chunk, remat in TABLE_CASES:
+      path = os.path.join(folder, f"{model}_{'-'.join(map(str, mesh))}_c{chunk}_{remat}.json")
+      if not os.path.exists(path):
+        subprocess.run([sys.executable, "-m", "experiments.memory", f"--model={model}",
+                        f"--batch={_BATCH.value}", f"--seq_len={_SEQ_LEN.value}",
+                        f"--new_tokens={_NEW_TOKENS.value}", f"--dtype={_DTYPE.value}",
+                        f"--mesh={','.join(map(str, mesh))}", f"--logprob_chunk={chunk}",
+                        f"--remat={remat}", f"--out={path}"], check=True)
+      with open(path) as f:
+        rows += json.load(f)
+  with open(out, "w") as f:
+    json.dump(rows, f, indent=1)
+  return rows
+
+
 def main(argv):
   del argv
+  if _TABLE.value:
+    rows = table_rows(_OUT.value or "runs/memory/table.json")
+    print(table(rows))
+    return
   mesh_sizes = [int(n) for n in _MESH.value]
   devices = mesh_sizes[0] * mesh_sizes[1] * mesh_sizes[2]
   if devices > 1 and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                f" --xla_force_host_platform_device_count={devices}")
-  common = dict(batch=_BATCH.value, seq_len=_SEQ_LEN.value, new_tokens=_NEW_TOKENS.value,
-                mesh_sizes=mesh_sizes, dtype=_DTYPE.value)
-  if _TABLE.value:
-    rows = [plan(model, logprob_chunk=s["logprob_chunk"], remat=s["remat"], **common)
-            for model in TABLE_MODELS for s in TABLE_SWITCHES]
-  else:
-    rows = [plan(_MODEL.value, logprob_chunk=_CHUNK.value, remat=_REMAT.value, **common)]
+  rows = [plan(_MODEL.value, batch=_BATCH.value, seq_len=_SEQ_LEN.value,
+               new_tokens=_NEW_TOKENS.value, dtype=_DTYPE.value, mesh_sizes=mesh_sizes,
+               logprob_chunk=_CHUNK.value, remat=_REMAT.value)]
   print(table(rows))
+  if _CHECK.value:
+    for row in rows:
+      t = row["train_step"]
+      row["check"] = measured_step_bytes(row["model"], row["batch"], row["seq_len"],
+                                         row["logprob_chunk"], row["remat"], row["dtype"])
+      predicted = t["temp_bytes"] + t["output_bytes"] - t["alias_bytes"]
+      print(f"{row['model']}: the step's execution added {_gib(row['check']['measured_bytes'])} "
+            f"GiB to the resident memory; planned temporaries + outputs - donated: "
+            f"{_gib(predicted)} GiB")
   if _OUT.value:
     os.makedirs(os.path.dirname(os.path.abspath(_OUT.value)), exist_ok=True)
     with open(_OUT.value, "w") as f:

@@ -231,3 +231,13 @@ def test_torch_peer_times_generate_on_token_tensors(monkeypatch):
     assert kwargs["min_new_tokens"] == kwargs["max_new_tokens"] == 4
     if kwargs.get("do_sample"):
       assert (kwargs["top_k"], kwargs["top_p"]) == (0, 1.0)
+
+
+def test_distillation_cost_benchmark_times_the_three_train_steps(tmp_path):
+  env = dict(os.environ, PYTHONPATH=str(_REPO))
+  subprocess.run([sys.executable, "-m", "experiments.bench_train", "--only=distill", "--smoke",
+                  f"--out={tmp_path}"], cwd=_REPO, env=env, check=True, timeout=300)
+  result = json.loads((tmp_path / "bench_train_distill.json").read_text())
+  assert set(result["distill"]["best_s"]) == {"grpo", "grpo + reverse KL", "pure OPD"}
+  assert result["distill"]["vs_grpo"]["grpo"] == 1.0
+  assert (tmp_path / "bench_train_distill.md").stat().st_size > 0
