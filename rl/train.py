@@ -348,7 +348,7 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
     def accumulate(grads, one_and_share):
       one, share = one_and_share
       (loss, metrics), g = grad_fn(state.params, state, one, state.step, prox_version, teacher)
-      grads = jax.tree.map(lambda a, b: a + b * share, grads, g)
+      grads = jax.tree.map(lambda a, b: a + (b * share).astype(a.dtype), grads, g)
       return grads, (loss * share, metrics)
 
     zeros = jax.tree.map(jnp.zeros_like, state.params)

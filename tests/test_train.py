@@ -425,3 +425,19 @@ def test_memory_switches_train_the_same_run_through_the_launcher(tmp_path):
     assert json.load(open(tmp_path / name / "config.json"))["model"]["remat"] == (
         overrides.get("model.remat", "none"))
   np.testing.assert_allclose(losses_of["chunked"], losses_of["plain"], rtol=1e-4, atol=1e-6)
+
+
+def test_a_bfloat16_policy_trains():
+  """Weights, activations and moments in bfloat16: the step compiles (its gradient
+  accumulator keeps the parameters' dtype) and moves the parameters."""
+  config = CONFIG.replace(dtype="bfloat16")
+  params = jax.tree.map(lambda p: p.astype(jnp.bfloat16),
+                        transformer.init_params(CONFIG, jax.random.PRNGKey(0)))
+  optimizer = train.make_optimizer(1e-2)
+  step = train.make_train_step(config, optimizer, GRPO)
+  state, metrics = step(train.init_train_state(jax.tree.map(jnp.copy, params), optimizer),
+                        random_rollout(seed=1, batch=4, length=12))
+  assert np.isfinite(float(metrics["loss"])) and float(metrics["grad_norm"]) > 0
+  assert state.params["embed"].dtype == jnp.bfloat16
+  assert not np.array_equal(np.asarray(state.params["embed"], np.float32),
+                            np.asarray(params["embed"], np.float32))
