@@ -435,8 +435,9 @@ def test_a_bfloat16_policy_trains():
                         transformer.init_params(CONFIG, jax.random.PRNGKey(0)))
   optimizer = train.make_optimizer(1e-2)
   step = train.make_train_step(config, optimizer, GRPO)
-  state, metrics = step(train.init_train_state(jax.tree.map(jnp.copy, params), optimizer),
-                        random_rollout(seed=1, batch=4, length=12))
+  batch = random_rollout(seed=1, batch=4, length=12)
+  batch = batch.replace(advantages=jnp.abs(batch.advantages))  # A > 0: ratios < 1 not clipped
+  state, metrics = step(train.init_train_state(jax.tree.map(jnp.copy, params), optimizer), batch)
   assert np.isfinite(float(metrics["loss"])) and float(metrics["grad_norm"]) > 0
   assert state.params["embed"].dtype == jnp.bfloat16
   assert not np.array_equal(np.asarray(state.params["embed"], np.float32),
