@@ -274,7 +274,8 @@ def validate(config: ml_collections.ConfigDict) -> None:
 
 # The config fields that decide what a warm start trains: a run may start its RL phase from
 # another run's warm start (config.warm_start.init_from) only when these agree
-# (task.train_pool excepted: the warm start reads the unbounded train split whatever it is).
+# (task.train_pool excepted: the warm start reads the unbounded train split whatever it is;
+# model.remat too: it trades memory for compute and trains the same policy).
 WARM_START_FIELDS = ("seed", "task", "model", "warm_start", "rollout.prompt_len",
                      "rollout.max_new_tokens", "rollout.train_length_buckets",
                      "rl.max_grad_norm", "rl.num_microbatches")
@@ -299,6 +300,7 @@ def warm_start_settings(config_json: dict) -> dict:
     settings.update(_flat(node, path))
   settings.pop("warm_start.init_from", None)
   settings.pop("task.train_pool", None)  # RL's finite prompt pool; the warm start ignores it
+  settings.pop("model.remat", None)  # what the backward keeps, not what is trained
   return settings
 
 

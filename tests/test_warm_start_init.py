@@ -3,6 +3,7 @@ run's finished warm start exactly as if it had trained that warm start itself.""
 
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -90,6 +91,19 @@ def test_a_warm_start_trained_otherwise_is_refused_naming_the_field(
   config = _config(tmp_path, **{"warm_start.init_from": warm_start_dir, field: value})
   with pytest.raises(ValueError, match=rf"config\.{field} = .*this run has"):
     wiring.validate(config)
+
+
+def test_a_memory_switch_does_not_make_the_warm_start_another(warm_start_dir, tmp_path):
+  """model.remat trades memory for compute: a run with it starts from a warm start trained
+  without (and from one whose config.json predates the field)."""
+  wiring.validate(_config(tmp_path, **{"warm_start.init_from": warm_start_dir,
+                                       "model.remat": "full", "rl.logprob_chunk": 4}))
+  older = tmp_path / "older"
+  shutil.copytree(warm_start_dir, older)
+  saved = json.loads((older / "config.json").read_text())
+  del saved["model"]["remat"]
+  (older / "config.json").write_text(json.dumps(saved))
+  wiring.validate(_config(tmp_path, **{"warm_start.init_from": str(older)}))
 
 
 def test_init_from_a_folder_that_is_no_run_or_without_warm_start_is_refused(tmp_path):
