@@ -70,7 +70,15 @@ def _final(result: dict) -> float:
   return result["summary"]["final_accuracy"]
 
 
-def _row(name: str, group: list[dict], grpo: list[dict]) -> str:
+def _reference(name: str) -> str:
+  """The setting a row's paired column compares with: the same objective without staleness
+  for the staleness rows, the same learning rate's GRPO for the lr rows, else GRPO."""
+  if name.startswith("stale_"):
+    return "opd_" + name.removeprefix("stale_").rsplit("_k", 1)[0]
+  return "lr1e-3_grpo" if name.startswith("lr1e-3_") else "grpo"
+
+
+def _row(name: str, group: list[dict], grpo: list[dict], reference: list[dict]) -> str:
   tokens = [_tokens_to_target(r) for r in group]
   base = {r["seed"]: _tokens_to_target(r) for r in grpo}
   ratio = [t / base[r["seed"]] for r, t in zip(group, tokens)
@@ -80,7 +88,7 @@ def _row(name: str, group: list[dict], grpo: list[dict]) -> str:
   return pages.table_row(name, group, [
       pages.mean_std([_final(r) for r in group]),
       pages.per_seed([_final(r) for r in group], lambda v: f"{v:.3f}"),
-      pages.paired_difference(group, grpo, _final) if name != "grpo" else "-",
+      pages.paired_difference(group, reference, _final) if _reference(name) != name else "-",
       pages.per_seed(tokens, lambda t: f"{t / 1e3:.0f}k"),
       pages.per_seed(ratio, lambda x: f"{x:.2f}") or "-",
       pages.mean_std([pages.area_under_curve(*pages.rl_curve(r)) for r in group]),
@@ -95,12 +103,15 @@ def render_page(results: list[dict], page_path: str) -> str:
            f"Tokens to {TARGET:.2f}: RL tokens sampled before the first evaluation at or "
            f"above {TARGET:.2f} held-out accuracy (evaluations every {EVAL_EVERY} steps; "
            "- = never); vs GRPO: that over GRPO's in the same seed; paired: final accuracy "
-           "minus GRPO's in the same seed; area: mean accuracy over the RL phase; KL: the "
-           "per-token reverse KL to the teacher, mean over the RL steps.", "",
+           "minus the reference's in the same seed (GRPO's; for a staleness row, the same "
+           "objective's at k = 0; for a lr1e-3 row, GRPO's at lr 1e-3); area: mean accuracy "
+           "over the RL phase; KL: the per-token reverse KL to the teacher, mean over the RL "
+           "steps.", "",
            pages.table_head(["setting", "seeds", "final accuracy", "per seed",
-                             "final minus GRPO's, paired", f"tokens to {TARGET:.2f}",
+                             "final minus reference's, paired", f"tokens to {TARGET:.2f}",
                              "vs GRPO", "area", "KL to teacher", "RL s"])]
-  lines += [_row(name, groups[name], grpo) for name, _ in SETTINGS if name in groups]
+  lines += [_row(name, groups[name], grpo, groups.get(_reference(name), []))
+            for name, _ in SETTINGS if name in groups]
   figure = os.path.splitext(page_path)[0] + ".png"
   if results:
     pure = {name: groups.get(name, []) for name, _ in SETTINGS
