@@ -144,6 +144,21 @@ def test_each_objective_trains_through_the_launcher(tmp_path, teacher_run, objec
   assert all(("clip_fraction" in r) == (objective != "k1") for r in steps)
 
 
+def test_the_teacher_is_sharded_like_the_policy_on_a_mesh(tmp_path, teacher_run):
+  """A 2 x 4 (data x fsdp) mesh: the teacher's parameters are laid out by the trainer's
+  rules inside the sharded step, and the run trains as on one device."""
+  flags_ = {"distill.teacher": teacher_run, "distill.coef": 1.0}
+  one = launcher.run(tiny_run_config(tmp_path / "one", flags_))
+  mesh = launcher.run(tiny_run_config(tmp_path / "mesh", {**flags_, "mesh.data": 2,
+                                                          "mesh.fsdp": -1}))
+  kl = lambda workdir: [json.loads(line)["distill_reverse_kl"]
+                        for line in open(os.path.join(workdir, "metrics.jsonl"))
+                        if '"distill_reverse_kl"' in line]
+  assert len(kl(tmp_path / "one")) == 2
+  np.testing.assert_allclose(kl(tmp_path / "mesh"), kl(tmp_path / "one"), rtol=1e-4)
+  assert mesh["final_accuracy"] == one["final_accuracy"]
+
+
 def test_a_teacher_with_another_tokenizer_is_refused_before_step_one(tmp_path):
   config = tiny_run_config(tmp_path, {"distill.teacher": "smollm2", "distill.coef": 1.0})
   with pytest.raises(ValueError, match="another tokenizer than the student"):
