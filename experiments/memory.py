@@ -27,21 +27,6 @@ import sys
 from absl import app
 from absl import flags
 
-_MODEL = flags.DEFINE_string("model", "qwen2_5_0_5b", "A models/config.py preset or a HF "
-                             "config.json path.")
-_BATCH = flags.DEFINE_integer("batch", 16, "Sequences per train step (and per sampler call).")
-_SEQ_LEN = flags.DEFINE_integer("seq_len", 512, "Tokens per sequence (prompt + completion).")
-_NEW_TOKENS = flags.DEFINE_integer("new_tokens", 256, "Sampler: tokens generated per row.")
-_MESH = flags.DEFINE_list("mesh", ["1", "1", "1"], "data,fsdp,tensor mesh sizes.")
-_CHUNK = flags.DEFINE_integer("logprob_chunk", 0, "config.rl.logprob_chunk (0 = dense).")
-_REMAT = flags.DEFINE_enum("remat", "none", ["none", "full", "dots"], "config.model.remat.")
-_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and "
-                           "activation dtype.")
-_TABLE = flags.DEFINE_bool("table", False, "Run docs/pod.md's grid of models and switches.")
-_CHECK = flags.DEFINE_bool("check", False, "Also run the train step once (random weights, "
-                           "one device) and compare its measured peak memory with the plan.")
-_OUT = flags.DEFINE_string("out", "", "Also write the results as JSON here.")
-
 GIB = 1024 ** 3
 TABLE_MODELS = ("qwen2_5_0_5b", "qwen2_5_1_5b", "qwen2_5_7b", "llama3_1_8b")
 # (data, fsdp, tensor) mesh and switches of each row of docs/pod.md's table, per model.
@@ -240,6 +225,26 @@ def table_rows(out: str) -> list[dict]:
   return rows
 
 
+def _define_flags() -> None:
+  """The command line (defined only when run as a script: other experiments modules define
+  flags of the same names, and tests import several into one process)."""
+  global _MODEL, _BATCH, _SEQ_LEN, _NEW_TOKENS, _MESH, _CHUNK, _REMAT, _DTYPE, _TABLE, _CHECK, _OUT  # pylint: disable=global-statement
+  _MODEL = flags.DEFINE_string("model", "qwen2_5_0_5b", "A models/config.py preset or a HF "
+                               "config.json path.")
+  _BATCH = flags.DEFINE_integer("batch", 16, "Sequences per train step (and per sampler call).")
+  _SEQ_LEN = flags.DEFINE_integer("seq_len", 512, "Tokens per sequence (prompt + completion).")
+  _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 256, "Sampler: tokens generated per row.")
+  _MESH = flags.DEFINE_list("mesh", ["1", "1", "1"], "data,fsdp,tensor mesh sizes.")
+  _CHUNK = flags.DEFINE_integer("logprob_chunk", 0, "config.rl.logprob_chunk (0 = dense).")
+  _REMAT = flags.DEFINE_enum("remat", "none", ["none", "full", "dots"], "config.model.remat.")
+  _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and "
+                             "activation dtype.")
+  _TABLE = flags.DEFINE_bool("table", False, "Run docs/pod.md's grid of models and switches.")
+  _CHECK = flags.DEFINE_bool("check", False, "Also run the train step once (random weights, "
+                             "one device) and compare its measured peak memory with the plan.")
+  _OUT = flags.DEFINE_string("out", "", "Also write the results as JSON here.")
+
+
 def main(argv):
   del argv
   if _TABLE.value:
@@ -271,4 +276,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main)
