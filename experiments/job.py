@@ -58,7 +58,7 @@ class Job:
     self.task = wiring.build_task(config)
     self.eval_examples = self.task.examples("eval", config.task.eval_size)
     # A distillation teacher is loaded (and its tokenizer and context checked) before step 1.
-    teacher = (wiring.load_teacher(config, self.tokenizer, self.model_config)
+    teacher = (wiring.load_teacher(config, self.tokenizer)
                if config.distill.teacher else None)
     self.contexts = {phase: wiring.make_context(config, self.task, self.tokenizer,
                                                 self.model_config, phase, self.mesh, teacher)

@@ -48,6 +48,14 @@ def model_config(spec: str, dtype: str, remat: str, seq_len: int):
   return config.replace(remat=remat, max_seq_len=max(config.max_seq_len, seq_len))
 
 
+def _grpo_loss():
+  """The objective both the plan and the check compile: GRPO, token mean, no KL."""
+  import ml_collections  # pylint: disable=import-outside-toplevel
+  return ml_collections.FrozenConfigDict(dict(
+      name="grpo", eps_low=0.2, eps_high=0.2, aggregation="token_mean", norm_len=1.0,
+      kl_coef=0.0))
+
+
 def _bytes(tree) -> int:
   import jax  # pylint: disable=import-outside-toplevel
   return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
@@ -83,7 +91,6 @@ def plan(model: str, batch: int, seq_len: int, new_tokens: int, mesh_sizes, logp
   """Per-device bytes of the GRPO train step and of the sampler (see the module docstring)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  import ml_collections  # pylint: disable=import-outside-toplevel
   from models import transformer  # pylint: disable=import-outside-toplevel
   from rl import train  # pylint: disable=import-outside-toplevel
   from rl.rollouts import batches  # pylint: disable=import-outside-toplevel
@@ -98,10 +105,7 @@ def plan(model: str, batch: int, seq_len: int, new_tokens: int, mesh_sizes, logp
   mesh = None if devices == 1 else mesh_lib.make_mesh(
       mesh_lib.MeshConfig(data=data, fsdp=fsdp, tensor=tensor), jax.devices()[:devices])
   optimizer = train.make_optimizer(1e-6)
-  loss = ml_collections.FrozenConfigDict(dict(
-      name="grpo", eps_low=0.2, eps_high=0.2, aggregation="token_mean", norm_len=1.0,
-      kl_coef=0.0))
-  step = train.make_train_step(config, optimizer, loss, mesh=mesh, logprob_chunk=logprob_chunk)
+  step = train.make_train_step(config, optimizer, _grpo_loss(), mesh=mesh, logprob_chunk=logprob_chunk)
   params = jax.eval_shape(lambda: transformer.init_params(config, jax.random.PRNGKey(0)))
   state = jax.eval_shape(lambda p: train.init_train_state(p, optimizer), params)
   shape = lambda dt: jax.ShapeDtypeStruct((batch, seq_len), dt)
@@ -148,7 +152,6 @@ def measured_step_bytes(model: str, batch: int, seq_len: int, logprob_chunk: int
   the step's temporaries and outputs, which `plan` predicts as temp + output - alias."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  import ml_collections  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from models import transformer  # pylint: disable=import-outside-toplevel
   from rl import train  # pylint: disable=import-outside-toplevel
@@ -156,10 +159,7 @@ def measured_step_bytes(model: str, batch: int, seq_len: int, logprob_chunk: int
 
   config = model_config(model, dtype, remat, seq_len)
   optimizer = train.make_optimizer(1e-6)
-  loss = ml_collections.FrozenConfigDict(dict(
-      name="grpo", eps_low=0.2, eps_high=0.2, aggregation="token_mean", norm_len=1.0,
-      kl_coef=0.0))
-  step = train.make_train_step(config, optimizer, loss, logprob_chunk=logprob_chunk)
+  step = train.make_train_step(config, optimizer, _grpo_loss(), logprob_chunk=logprob_chunk)
   state = train.init_train_state(transformer.init_params(config, jax.random.PRNGKey(0)),
                                  optimizer)
   rng = np.random.default_rng(0)

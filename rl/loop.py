@@ -33,6 +33,7 @@ import numpy as np
 
 from rl import timing
 from rl.rollouts import batches as rollout_lib
+from rl.rollouts import producers
 from rl.rollouts.producers import BatchContext, Producer
 from rl.tasks import Task
 from rl.train import TrainState
@@ -152,7 +153,7 @@ def sft_iteration(state: LoopState, ctx: LoopContext,
   metrics.update(train_throughput(batch, time.perf_counter() - train_started))
   new_state = state.replace(train=train, iteration=state.iteration + 1,
                             producer=state.producer.replace(
-                                cursor=np.asarray(cursor + len(examples), np.int64)))
+                                cursor=producers.cursor_array(cursor + len(examples))))
   metrics["time_step_s"] = time.perf_counter() - started
   return new_state, metrics
 

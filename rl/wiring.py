@@ -419,7 +419,7 @@ def _run_policy(workdir: str):
   return tokenizer, model_config, params
 
 
-def load_teacher(config, tokenizer, model_config):
+def load_teacher(config, tokenizer):
   """(params, ModelConfig) of the frozen teacher config.distill.teacher names: an Arbor
   workdir (its newest checkpoint), a HF folder, a .gguf file or 'smollm2'. Refused unless
   its tokenizer is the student's (every token and the special ids) and its context holds a
@@ -443,7 +443,6 @@ def load_teacher(config, tokenizer, model_config):
   if config.distill.top_k > teacher_config.vocab_size:
     raise ValueError(f"config.distill.top_k = {config.distill.top_k} exceeds the vocabulary "
                      f"({teacher_config.vocab_size} tokens).")
-  del model_config
   return params, teacher_config
 
 
