@@ -23,7 +23,8 @@ def decode_flops_per_token(config: ModelConfig, context: float) -> float:
 
 def kv_bytes_per_token(config: ModelConfig) -> int:
   """KV-cache bytes one token occupies: keys and values of every layer and KV head."""
-  return 2 * config.n_layers * config.n_kv_heads * config.head_dim * config.jnp_dtype.itemsize
+  itemsize = config.compute_jnp_dtype.itemsize  # the cache holds activations
+  return 2 * config.n_layers * config.n_kv_heads * config.head_dim * itemsize
 
 
 def kv_read_per_token(config: ModelConfig, prompt_len: int, new_tokens: int) -> float:

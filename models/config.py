@@ -25,7 +25,13 @@ class ModelConfig:
     qk_norm: RMSNorm over each head of q and k before RoPE (Qwen3).
     tie_embeddings: the output projection is the transposed input embedding.
     max_seq_len: longest sequence (prompt + completion) the KV cache is sized for.
-    dtype: dtype of parameters and activations ('float32' or 'bfloat16').
+    dtype: dtype of the parameters, the master weights the optimiser updates (its moments
+      follow them): 'float32' or 'bfloat16'.
+    compute_dtype: dtype of the matmuls, activations and KV cache ('' = `dtype`). Mixed
+      precision is `dtype='float32', compute_dtype='bfloat16'`: each forward casts the
+      weights to bfloat16 (the cast's gradient casts back, so gradients, master weights
+      and AdamW moments stay float32), while norms, softmaxes, RoPE, logits and
+      log-probs are computed in float32 whatever this is.
     remat: what the layer scan keeps for the backward of a training forward (no cache):
       'none' every activation, 'full' each layer's input only (the rest is recomputed),
       'dots' each layer's input and matmul outputs (`models.transformer.REMAT_POLICIES`).
@@ -45,6 +51,7 @@ class ModelConfig:
   tie_embeddings: bool = True
   max_seq_len: int = 2048
   dtype: str = "float32"
+  compute_dtype: str = ""
   remat: str = "none"
 
   def __post_init__(self):
@@ -61,12 +68,21 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.head_dim={self.head_dim} must be even for RoPE.")
     if self.dtype not in ("float32", "bfloat16"):
       raise ValueError(f"ModelConfig.dtype={self.dtype!r}: use 'float32' or 'bfloat16'.")
+    if self.compute_dtype not in ("", "float32", "bfloat16"):
+      raise ValueError(f"ModelConfig.compute_dtype={self.compute_dtype!r}: use '' (the "
+                       "parameters' dtype), 'float32' or 'bfloat16'.")
     if self.remat not in ("none", "full", "dots"):
       raise ValueError(f"ModelConfig.remat={self.remat!r}: use 'none', 'full' or 'dots'.")
 
   @property
   def jnp_dtype(self):
+    """The parameters' dtype."""
     return jnp.dtype(self.dtype)
+
+  @property
+  def compute_jnp_dtype(self):
+    """The dtype of matmul inputs, activations and the KV cache."""
+    return jnp.dtype(self.compute_dtype or self.dtype)
 
   def replace(self, **changes) -> "ModelConfig":
     return dataclasses.replace(self, **changes)

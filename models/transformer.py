@@ -80,7 +80,27 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int | None = None)
   """An empty KV cache of `max_len` slots (default `config.max_seq_len`) per row."""
   max_len = config.max_seq_len if max_len is None else max_len
   shape = (config.n_layers, batch_size, max_len, config.n_kv_heads, config.head_dim)
-  return {"k": jnp.zeros(shape, config.jnp_dtype), "v": jnp.zeros(shape, config.jnp_dtype)}
+  dtype = config.compute_jnp_dtype
+  return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def compute_params(params: Params, config: ModelConfig) -> Params:
+  """`params` as a forward computes with them: every weight cast to `config.compute_dtype`
+  except the RMSNorm scales (kept in their own dtype; RMSNorm computes in float32, and a
+  bfloat16 scale would round away its small deviations from 1). Identity when the compute
+  dtype is the parameters' dtype. Under differentiation the cast's transpose casts each
+  gradient back to its parameter's dtype (mixed precision: float32 master weights)."""
+  dtype = config.compute_jnp_dtype
+
+  def cast(path, leaf):
+    name = str(getattr(path[-1], "key", path[-1]))
+    if name.endswith("norm") or not jnp.issubdtype(leaf.dtype, jnp.floating):
+      return leaf
+    return leaf.astype(dtype)
+
+  if all(leaf.dtype == dtype for leaf in jax.tree.leaves(params)):
+    return params
+  return jax.tree_util.tree_map_with_path(cast, params)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -209,6 +229,8 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, kv_mask: ja
             ) -> tuple[jax.Array, KVCache | None]:
   """Logits of every position, and the updated KV cache.
 
+  The weights are used in `config.compute_dtype` (`compute_params`); logits are float32.
+
   Args:
     tokens: [B, T] token ids.
     positions: [B, T] RoPE positions of the tokens.
@@ -233,8 +255,9 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, kv_mask: ja
 
 
 def output_head(params: Params, config: ModelConfig) -> jax.Array:
-  """The output projection [D, V]: the transposed embedding when tied."""
-  return params["embed"].T if config.tie_embeddings else params["lm_head"]
+  """The output projection [D, V] in the compute dtype: the transposed embedding when tied."""
+  head = params["embed"].T if config.tie_embeddings else params["lm_head"]
+  return head.astype(config.compute_jnp_dtype)
 
 
 REMAT_POLICIES = {
@@ -255,8 +278,9 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array,
   layer's input, 'dots' also keeps the matmul outputs): the same gradients, less memory
   for more compute."""
   c = config
+  params = compute_params(params, c)
   hook = residual_hook or (lambda x: x)
-  x = hook(params["embed"][tokens].astype(c.jnp_dtype))
+  x = hook(params["embed"][tokens].astype(c.compute_jnp_dtype))
   mask = attention_mask(kv_mask, tokens.shape[1], cache_index)
 
   if cache is None:
@@ -319,7 +343,10 @@ def unstack_layers(params: Params, config: ModelConfig, num_positions: int) -> P
   step gathers from: computed inside the step, XLA fuses the sin and cos into each of the
   2 * L rotations and evaluates them there, per element. Done once per decode loop,
   outside it; `num_positions` must exceed every position the loop decodes at (the
-  cache's slot count does: a position never exceeds its slot)."""
+  cache's slot count does: a position never exceeds its slot). The weights are cast to
+  `config.compute_dtype` here too (`compute_params`): a bfloat16-compute sampler holds
+  bfloat16 copies of the layers, not float32 ones."""
+  params = compute_params(params, config)
   layers = params["layers"]
   fused = dict(layers)
   fused["qkv"] = jnp.concatenate([fused.pop("q"), fused.pop("k"), fused.pop("v")], axis=-1)
@@ -382,7 +409,7 @@ def forward_decode(params: Params, tokens: jax.Array, positions: jax.Array, kv_m
   """
   c = config
   chex.assert_axis_dimension(tokens, 1, 1)
-  x = params["embed"][tokens].astype(c.jnp_dtype)
+  x = params["embed"][tokens].astype(c.compute_jnp_dtype)
   slots = cache[0][1].shape[2]
   mask = attention_mask(kv_mask[:, :slots], 1, cache_index)
   cos, sin = (params[name][positions][:, :, None, :] for name in ("rope_cos", "rope_sin"))
@@ -391,8 +418,8 @@ def forward_decode(params: Params, tokens: jax.Array, positions: jax.Array, kv_m
     x, cache_k, cache_v = _decode_block(x, layer, cos, sin, cache_k, cache_v, mask, cache_index, c)
     new_cache.append((cache_k, cache_v))
   x = rms_norm(x, params["final_norm"], c.norm_eps)
-  head = params["embed"].T if c.tie_embeddings else params["lm_head"]
-  logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
+  logits = jnp.einsum("btd,dv->btv", x, output_head(params, c),
+                      preferred_element_type=jnp.float32)
   return logits, tuple(new_cache)
 
 
@@ -455,8 +482,9 @@ def forward_shared_prefix(params: Params, prefix_tokens: jax.Array, prefix_posit
   chex.assert_shape([suffix_positions, suffix_mask], (n, g, t))
   chex.assert_axis_dimension(prefix_tokens, 0, n)
   prefix_len = prefix_tokens.shape[1]
-  x_prefix = params["embed"][prefix_tokens].astype(c.jnp_dtype)
-  x_suffix = params["embed"][suffix_tokens.reshape(n * g, t)].astype(c.jnp_dtype)
+  params = compute_params(params, c)
+  x_prefix = params["embed"][prefix_tokens].astype(c.compute_jnp_dtype)
+  x_suffix = params["embed"][suffix_tokens.reshape(n * g, t)].astype(c.compute_jnp_dtype)
   prefix_attn_mask = attention_mask(prefix_mask, prefix_len, 0)
   width = c.n_heads * c.head_dim
 
@@ -471,7 +499,7 @@ def forward_shared_prefix(params: Params, prefix_tokens: jax.Array, prefix_posit
     return (_finish_block(x_prefix, attn_p, layer, c), _finish_block(x_suffix, attn_s, layer, c)), None
 
   (x_prefix, x_suffix), _ = jax.lax.scan(body, (x_prefix, x_suffix), params["layers"])
-  head = params["embed"].T if c.tie_embeddings else params["lm_head"]
+  head = output_head(params, c)
 
   def logits(x):
     x = rms_norm(x, params["final_norm"], c.norm_eps)

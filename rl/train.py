@@ -182,6 +182,33 @@ def check_shared_prefix(batch: Rollout, group_size: int, prompt_len: int,
                      "(rl.rollouts.batches.sample_and_score) or config.rl.prefix_shared_forward=False.")
 
 
+def mismatch_terms(logp: jax.Array, batch: Rollout, version, prox_version) -> dict:
+  """The sums behind `rollout_train_mismatch_kl`, for one microbatch of one update.
+
+  The tokens counted are the fresh ones at the batch's first update: completion tokens the
+  sampler drew with the very parameter version the trainer evaluates (version ==
+  prox_version == the update's step). On them the log-ratio d = logp - behav is the gap
+  between the sampler's numerics and the trainer's (bfloat16 against float32, a decode
+  step against a full forward, top-k / top-p truncation), not staleness. Per token the k3
+  estimator of KL(sampler || trainer) from the sampler's draws: exp(d) - 1 - d >= 0.
+  """
+  fresh = ((batch.completion_mask > 0) & (batch.version == prox_version)
+           & (version == prox_version))
+  d = jax.lax.stop_gradient(logp - batch.behavior_logp)
+  k3 = jnp.where(fresh, jnp.expm1(jnp.where(fresh, d, 0.0)) - d, 0.0)
+  return {"_mismatch_k3_sum": k3.sum(), "_mismatch_tokens": fresh.sum(dtype=jnp.float32)}
+
+
+def with_mismatch_kl(metrics: dict) -> dict:
+  """metrics with `mismatch_terms`' sums (means over microbatches and updates, so their
+  ratio is the ratio of the sums) replaced by `rollout_train_mismatch_kl`, the mean k3 per
+  fresh token (0 when no token is fresh, e.g. under simulated staleness)."""
+  metrics = dict(metrics)
+  total, tokens = metrics.pop("_mismatch_k3_sum"), metrics.pop("_mismatch_tokens")
+  metrics["rollout_train_mismatch_kl"] = total / jnp.maximum(tokens, 1e-9)
+  return metrics
+
+
 def _split_rows(batch: Rollout, parts: int) -> Rollout:
   """Reshapes every [B, ...] leaf to [parts, B / parts, ...] (contiguous row blocks)."""
   size = batch.tokens.shape[0]
@@ -271,6 +298,11 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
   mesh like the policy's. The student's and the teacher's [B, T, V] log-softmax are
   materialised per microbatch (num_microbatches bounds them).
 
+  Every step reports `rollout_train_mismatch_kl` (`mismatch_terms`): the sampler-trainer
+  numerics gap on the batch's fresh tokens, e.g. under mixed precision
+  (model_config.compute_dtype = 'bfloat16' over float32 parameters, where the gradients,
+  the accumulator and the optimiser state stay in the parameters' dtype).
+
   logprob_chunk = C > 0: the policy's log-probs (loss forward and proximal recompute) are
   computed C positions at a time, so no [B, T, V] logits buffer is kept for the backward
   (`policy_logprobs`); the model's `remat` policy decides which layer activations are.
@@ -309,13 +341,14 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
     else:
       student = next_token_dists(state.policy_params(params), model_config, micro)
       logp = distillation.at_tokens(student, micro.tokens)
-    loss, metrics = jnp.zeros(()), {}
+    loss, metrics = jnp.zeros(()), mismatch_terms(logp, micro, version, prox_version)
     if distill is None or distill.with_reward:
       prox = micro.prox_logp
       if prox is None and prox_estimate == "loglinear":
         prox = corrections.loglinear_prox(logp, micro.behavior_logp, micro.version,
                                           prox_version, version)
-      loss, metrics = loss_fn(logp, micro, prox_logp=prox, config=loss_config)
+      loss, objective_metrics = loss_fn(logp, micro, prox_logp=prox, config=loss_config)
+      metrics = dict(metrics, **objective_metrics)
     if distill is not None:
       teacher_dists = jax.lax.stop_gradient(
           next_token_dists(teacher, distill.teacher_config, micro))
@@ -389,7 +422,7 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
       return update(state, minibatch, prox_version, teacher)
 
     state, metrics = jax.lax.scan(one_update, state, jnp.arange(num_updates))
-    return state, jax.tree.map(jnp.mean, metrics)
+    return state, with_mismatch_kl(jax.tree.map(jnp.mean, metrics))
 
   if (distill is None) != (teacher_params is None):
     raise ValueError("make_train_step: distill and teacher_params go together.")

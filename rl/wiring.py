@@ -115,6 +115,10 @@ def check_names(config: ml_collections.ConfigDict) -> None:
   if config.model.dtype not in ("float32", "bfloat16"):
     raise ValueError(f"config.model.dtype = {config.model.dtype!r}; use 'float32' or "
                      "'bfloat16'.")
+  if config.model.compute_dtype not in ("", "float32", "bfloat16"):
+    raise ValueError(f"config.model.compute_dtype = {config.model.compute_dtype!r}; use '' "
+                     "(config.model.dtype), 'float32' or 'bfloat16' (mixed precision: "
+                     "model.dtype='float32', model.compute_dtype='bfloat16').")
   losses.check_config(config.loss)
   losses.check_settings_read(config.loss)
   advantages.get_advantage_fn(config.advantage.name)
@@ -279,6 +283,9 @@ def validate(config: ml_collections.ConfigDict) -> None:
 WARM_START_FIELDS = ("seed", "task", "model", "warm_start", "rollout.prompt_len",
                      "rollout.max_new_tokens", "rollout.train_length_buckets",
                      "rl.max_grad_norm", "rl.num_microbatches")
+# Fields of WARM_START_FIELDS added after runs were made: a config.json without one was
+# trained with its default.
+_ADDED_WARM_START_DEFAULTS = {"model.compute_dtype": ""}
 
 
 def _flat(value, prefix: str) -> dict:
@@ -301,6 +308,8 @@ def warm_start_settings(config_json: dict) -> dict:
   settings.pop("warm_start.init_from", None)
   settings.pop("task.train_pool", None)  # RL's finite prompt pool; the warm start ignores it
   settings.pop("model.remat", None)  # what the backward keeps, not what is trained
+  for path, default in _ADDED_WARM_START_DEFAULTS.items():
+    settings.setdefault(path, default)
   return settings
 
 
@@ -371,10 +380,11 @@ def build_model_config(config, tokenizer):
 
 def _with_room(config, model_config):
   """The model config as the run uses it: room for prompt + completion, and the run's
-  rematerialisation policy."""
+  rematerialisation policy and compute dtype."""
   needed = config.rollout.prompt_len + config.rollout.max_new_tokens
   return model_config.replace(max_seq_len=max(model_config.max_seq_len, needed),
-                              remat=config.model.get("remat", "none"))
+                              remat=config.model.get("remat", "none"),
+                              compute_dtype=config.model.get("compute_dtype", ""))
 
 
 def load_policy(config, rng):

@@ -85,7 +85,8 @@ def test_a_run_on_a_mesh_starts_from_a_single_device_warm_start(warm_start_dir, 
 
 @pytest.mark.parametrize("field, value", [
     ("seed", 1), ("task.eval_size", 16), ("warm_start.learning_rate", 1e-3),
-    ("rollout.max_new_tokens", 8), ("model.preset", "tiny2")])
+    ("rollout.max_new_tokens", 8), ("model.preset", "tiny2"),
+    ("model.compute_dtype", "bfloat16")])
 def test_a_warm_start_trained_otherwise_is_refused_naming_the_field(
     warm_start_dir, tmp_path, field, value):
   config = _config(tmp_path, **{"warm_start.init_from": warm_start_dir, field: value})
@@ -95,13 +96,14 @@ def test_a_warm_start_trained_otherwise_is_refused_naming_the_field(
 
 def test_a_memory_switch_does_not_make_the_warm_start_another(warm_start_dir, tmp_path):
   """model.remat trades memory for compute: a run with it starts from a warm start trained
-  without (and from one whose config.json predates the field)."""
+  without (and from one whose config.json predates it and model.compute_dtype, read as
+  their defaults)."""
   wiring.validate(_config(tmp_path, **{"warm_start.init_from": warm_start_dir,
                                        "model.remat": "full", "rl.logprob_chunk": 4}))
   older = tmp_path / "older"
   shutil.copytree(warm_start_dir, older)
   saved = json.loads((older / "config.json").read_text())
-  del saved["model"]["remat"]
+  del saved["model"]["remat"], saved["model"]["compute_dtype"]
   (older / "config.json").write_text(json.dumps(saved))
   wiring.validate(_config(tmp_path, **{"warm_start.init_from": str(older)}))
 

@@ -35,7 +35,10 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.model = ml_collections.ConfigDict()
   c.model.preset = "tiny2"            # models/config.py PRESETS (two layers, RoPE base 100)
-  c.model.dtype = "float32"           # parameters and activations: float32 | bfloat16
+  c.model.dtype = "float32"           # parameters (master weights; AdamW's moments follow):
+                                      # float32 | bfloat16
+  c.model.compute_dtype = ""          # matmuls, activations, KV cache: "" (= dtype) | float32 |
+                                      # bfloat16 (mixed precision over float32 parameters)
   c.model.checkpoint = ""             # "" = from scratch (preset + char tokenizer); else a HF
                                       # folder, a .gguf file or "smollm2" (docs/checkpoints.md)
   c.model.tokenizer = ""              # "" = the checkpoint's own; else a tokenizer.json file or
