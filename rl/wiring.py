@@ -249,6 +249,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if config.model.remat not in transformer.REMAT_POLICIES:
     raise ValueError(f"config.model.remat = {config.model.remat!r}; use one of "
                      f"{', '.join(transformer.REMAT_POLICIES)}.")
+  if config.loss.kl_coef:
+    raise ValueError(f"config.loss.kl_coef = {config.loss.kl_coef}: the launcher has no "
+                     "reference policy to take a KL to (no reference forward is wired in). "
+                     "Set config.loss.kl_coef=0; to keep the policy near another one, use "
+                     "on-policy distillation (config.distill.teacher, docs/distillation.md).")
   if config.rl.prefix_shared_forward and config.selection.kind == "adaptive":
     raise ValueError("config.rl.prefix_shared_forward needs groups of exactly "
                      "config.rollout.group_size rows; config.selection.kind='adaptive' gives "

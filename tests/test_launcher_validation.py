@@ -45,6 +45,7 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ({"task.prompt_style": "terse"}, r"config.task.prompt_style = 'terse'"),
     ({"model.preset": "huge"}, r"Unknown config.model.preset 'huge'"),
     ({"model.dtype": "float16"}, r"config.model.dtype = 'float16'"),
+    ({"loss.kl_coef": 0.1}, r"config.loss.kl_coef = 0.1: the launcher has no reference"),
     ({"model.tokenizer": "tok.json"}, r"config.model.tokenizer = 'tok.json' is the tokenizer "
                                       r"of a pretrained checkpoint; set config.model.checkpoint"),
     # Issue #31: G identical greedy completions give zero advantages, so RL never learns.

@@ -132,7 +132,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.loss.aggregation = "seq_mean_token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
   c.loss.norm_len = 0.0               # constant normaliser of seq_mean_token_sum_norm (Dr.GRPO)
                                       # (0 = rollout.max_new_tokens, the generation budget)
-  c.loss.kl_coef = 0.0                # k3 KL to a reference policy (0 = none)
+  c.loss.kl_coef = 0.0                # k3 KL to a reference policy: the launcher wires none
+                                      # and refuses > 0 (rl.train's step takes batch.ref_logp)
   # Off-policy corrections (rl/objectives/corrections.py) appended to the objective's own, in order:
   # 'tis' | 'mis' | 'm2po' | 'sat' | 'vcpo_baseline' | 'vcpo_ess' | 'mu_veto'. Objectives fix
   # the fields that define them (e.g. dapo: eps 0.2/0.28, token_mean); setting such a field
