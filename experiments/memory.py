@@ -3,7 +3,7 @@ memory analysis of the compiled programs, for a model's shapes alone (no weights
 
     python -m experiments.memory --model=qwen2_5_0_5b --batch=16 --seq_len=512
     python -m experiments.memory --model=path/to/config.json --batch=64 --seq_len=1024 \\
-        --mesh=1,8,1 --logprob_chunk=256 --remat=full
+        --mesh=1,8,1 --logprob_chunk=256 --remat=full --compute_dtype=bfloat16
     python -m experiments.memory --table --out=runs/memory.json   # docs/pod.md's table
 
 The train step is `rl.train.make_train_step` (GRPO, AdamW, one update per batch) and the
@@ -13,7 +13,9 @@ Reported per device, in bytes: parameters and optimiser state (from their shapes
 shardings), and XLA's analysis of each compiled program: its arguments, outputs and the
 temporaries it allocates (activations kept for the backward, logits, gradients, buffers
 of the update). Peak = arguments + temporaries + outputs - what is donated (the train
-step updates its state in place). A mesh (data, fsdp, tensor) over N devices needs N
+step updates its state in place). Mixed precision (--compute_dtype=bfloat16) is planned for
+the backend it compiles for: XLA:CPU has no bfloat16 matmul and upcasts each operand to a
+float32 copy, so on a CPU host its plan is larger than float32's, not the accelerator's. A mesh (data, fsdp, tensor) over N devices needs N
 devices: on a CPU host the planner asks XLA for N virtual ones.
 """
 
@@ -36,8 +38,8 @@ TABLE_CASES = (((1, 1, 1), 0, "none"), ((1, 1, 1), 256, "none"), ((1, 1, 1), 256
 DEVICE_SIZES_GIB = (16, 32, 80, 95)
 
 
-def model_config(spec: str, dtype: str, remat: str, seq_len: int):
-  """The ModelConfig of a preset name or a HF config.json."""
+def model_config(spec: str, dtype: str, remat: str, seq_len: int, compute_dtype: str = ""):
+  """The ModelConfig of a preset name or a HF config.json, with the run's switches."""
   from models import config as model_configs  # pylint: disable=import-outside-toplevel
   from models import hf_checkpoint  # pylint: disable=import-outside-toplevel
   if spec.endswith(".json"):
@@ -45,7 +47,8 @@ def model_config(spec: str, dtype: str, remat: str, seq_len: int):
       config = hf_checkpoint.config_from_hf(json.load(f), dtype)
   else:
     config = model_configs.get_preset(spec, dtype=dtype)
-  return config.replace(remat=remat, max_seq_len=max(config.max_seq_len, seq_len))
+  return config.replace(remat=remat, compute_dtype=compute_dtype,
+                        max_seq_len=max(config.max_seq_len, seq_len))
 
 
 def _grpo_loss():
@@ -87,7 +90,7 @@ def _analysis(compiled) -> dict:
 
 
 def plan(model: str, batch: int, seq_len: int, new_tokens: int, mesh_sizes, logprob_chunk: int,
-         remat: str, dtype: str) -> dict:
+         remat: str, dtype: str, compute_dtype: str = "") -> dict:
   """Per-device bytes of the GRPO train step and of the sampler (see the module docstring)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
@@ -99,7 +102,7 @@ def plan(model: str, batch: int, seq_len: int, new_tokens: int, mesh_sizes, logp
   from sharding import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
   from sharding import rules as sharding_rules  # pylint: disable=import-outside-toplevel
 
-  config = model_config(model, dtype, remat, seq_len)
+  config = model_config(model, dtype, remat, seq_len, compute_dtype)
   data, fsdp, tensor = (int(n) for n in mesh_sizes)
   devices = data * fsdp * tensor
   mesh = None if devices == 1 else mesh_lib.make_mesh(
@@ -128,7 +131,7 @@ def plan(model: str, batch: int, seq_len: int, new_tokens: int, mesh_sizes, logp
       jax.ShapeDtypeStruct((batch, prompt_len), bool),
       jax.ShapeDtypeStruct((2,), jnp.uint32)).compile())
   return dict(
-      model=model, dtype=dtype, batch=batch, seq_len=seq_len, new_tokens=new_tokens,
+      model=model, dtype=dtype, compute_dtype=compute_dtype, batch=batch, seq_len=seq_len, new_tokens=new_tokens,
       mesh=[data, fsdp, tensor], logprob_chunk=logprob_chunk, remat=remat,
       backend=jax.default_backend(), parameters=_bytes(params),
       parameter_bytes_per_device=_per_device(state.params, None if shardings is None
@@ -145,7 +148,7 @@ def _resident_kib(field: str) -> int:
 
 
 def measured_step_bytes(model: str, batch: int, seq_len: int, logprob_chunk: int, remat: str,
-                        dtype: str) -> dict:
+                        dtype: str, compute_dtype: str = "") -> dict:
   """Runs the planned train step once on this host (random weights, one device) and
   measures what its execution adds to the process's resident memory: the high-water mark
   (VmHWM, reset just before, Linux) minus the resident size before. On a CPU host that is
@@ -157,7 +160,7 @@ def measured_step_bytes(model: str, batch: int, seq_len: int, logprob_chunk: int
   from rl import train  # pylint: disable=import-outside-toplevel
   from rl.types import Rollout  # pylint: disable=import-outside-toplevel
 
-  config = model_config(model, dtype, remat, seq_len)
+  config = model_config(model, dtype, remat, seq_len, compute_dtype)
   optimizer = train.make_optimizer(1e-6)
   step = train.make_train_step(config, optimizer, _grpo_loss(), logprob_chunk=logprob_chunk)
   state = train.init_train_state(transformer.init_params(config, jax.random.PRNGKey(0)),
@@ -186,15 +189,16 @@ def _gib(n: int) -> str:
 
 def table(rows: list[dict]) -> str:
   """docs/pod.md's table: per-device GiB of each part and where the train step fits."""
-  head = ("| model | devices (data, fsdp, tensor) | log-prob chunk | remat | params | "
+  head = ("| model | devices (data, fsdp, tensor) | log-prob chunk | remat | compute | params | "
           "optimiser | train temporaries | train peak | sampler peak | fits (train peak) |")
-  lines = [head, "|" + "---|" * 10]
+  lines = [head, "|" + "---|" * 11]
   for r in rows:
     t = r["train_step"]
     fits = ", ".join(f"{size}" for size in DEVICE_SIZES_GIB if t["peak_bytes"] <= size * GIB)
     lines.append(
         f"| {r['model']} | {r['mesh'][0] * r['mesh'][1] * r['mesh'][2]} ({', '.join(map(str, r['mesh']))}) "
-        f"| {r['logprob_chunk'] or 'dense'} | {r['remat']} | {_gib(r['parameter_bytes_per_device'])} "
+        f"| {r['logprob_chunk'] or 'dense'} | {r['remat']} "
+        f"| {r.get('compute_dtype') or r['dtype']} | {_gib(r['parameter_bytes_per_device'])} "
         f"| {_gib(r['optimizer_bytes_per_device'])} | {_gib(t['temp_bytes'])} "
         f"| {_gib(t['peak_bytes'])} | {_gib(r['sampler']['peak_bytes'])} "
         f"| {fits or 'none'} GB |")
@@ -211,13 +215,15 @@ def table_rows(out: str) -> list[dict]:
   rows = []
   for model in TABLE_MODELS:
     for mesh, chunk, remat in TABLE_CASES:
-      path = os.path.join(folder, f"{model}_{'-'.join(map(str, mesh))}_c{chunk}_{remat}.json")
+      name = f"{model}_{'-'.join(map(str, mesh))}_c{chunk}_{remat}"
+      path = os.path.join(folder, name + (f"_{_COMPUTE.value}" if _COMPUTE.value else "") + ".json")
       if not os.path.exists(path):
         subprocess.run([sys.executable, "-m", "experiments.memory", f"--model={model}",
                         f"--batch={_BATCH.value}", f"--seq_len={_SEQ_LEN.value}",
                         f"--new_tokens={_NEW_TOKENS.value}", f"--dtype={_DTYPE.value}",
                         f"--mesh={','.join(map(str, mesh))}", f"--logprob_chunk={chunk}",
-                        f"--remat={remat}", f"--out={path}"], check=True)
+                        f"--remat={remat}", f"--compute_dtype={_COMPUTE.value}", f"--out={path}"],
+                       check=True)
       with open(path) as f:
         rows += json.load(f)
   with open(out, "w") as f:
@@ -228,7 +234,8 @@ def table_rows(out: str) -> list[dict]:
 def _define_flags() -> None:
   """The command line (defined only when run as a script: other experiments modules define
   flags of the same names, and tests import several into one process)."""
-  global _MODEL, _BATCH, _SEQ_LEN, _NEW_TOKENS, _MESH, _CHUNK, _REMAT, _DTYPE, _TABLE, _CHECK, _OUT  # pylint: disable=global-statement
+  global _MODEL, _BATCH, _SEQ_LEN, _NEW_TOKENS, _MESH, _CHUNK, _REMAT, _DTYPE, _COMPUTE  # pylint: disable=global-statement
+  global _TABLE, _CHECK, _OUT  # pylint: disable=global-statement
   _MODEL = flags.DEFINE_string("model", "qwen2_5_0_5b", "A models/config.py preset or a HF "
                                "config.json path.")
   _BATCH = flags.DEFINE_integer("batch", 16, "Sequences per train step (and per sampler call).")
@@ -237,8 +244,11 @@ def _define_flags() -> None:
   _MESH = flags.DEFINE_list("mesh", ["1", "1", "1"], "data,fsdp,tensor mesh sizes.")
   _CHUNK = flags.DEFINE_integer("logprob_chunk", 0, "config.rl.logprob_chunk (0 = dense).")
   _REMAT = flags.DEFINE_enum("remat", "none", ["none", "full", "dots"], "config.model.remat.")
-  _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter and "
-                             "activation dtype.")
+  _DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "config.model.dtype: "
+                             "the parameters' (and AdamW moments') dtype.")
+  _COMPUTE = flags.DEFINE_enum("compute_dtype", "", ["", "float32", "bfloat16"],
+                               "config.model.compute_dtype: matmuls, activations, KV cache "
+                               "('' = --dtype; bfloat16 over float32 is mixed precision).")
   _TABLE = flags.DEFINE_bool("table", False, "Run docs/pod.md's grid of models and switches.")
   _CHECK = flags.DEFINE_bool("check", False, "Also run the train step once (random weights, "
                              "one device) and compare its measured peak memory with the plan.")
@@ -258,13 +268,15 @@ def main(argv):
                                f" --xla_force_host_platform_device_count={devices}")
   rows = [plan(_MODEL.value, batch=_BATCH.value, seq_len=_SEQ_LEN.value,
                new_tokens=_NEW_TOKENS.value, dtype=_DTYPE.value, mesh_sizes=mesh_sizes,
-               logprob_chunk=_CHUNK.value, remat=_REMAT.value)]
+               logprob_chunk=_CHUNK.value, remat=_REMAT.value,
+               compute_dtype=_COMPUTE.value)]
   print(table(rows))
   if _CHECK.value:
     for row in rows:
       t = row["train_step"]
       row["check"] = measured_step_bytes(row["model"], row["batch"], row["seq_len"],
-                                         row["logprob_chunk"], row["remat"], row["dtype"])
+                                         row["logprob_chunk"], row["remat"], row["dtype"],
+                                         row["compute_dtype"])
       predicted = t["temp_bytes"] + t["output_bytes"] - t["alias_bytes"]
       print(f"{row['model']}: the step's execution added {_gib(row['check']['measured_bytes'])} "
             f"GiB to the resident memory; planned temporaries + outputs - donated: "

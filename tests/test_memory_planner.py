@@ -34,3 +34,19 @@ def test_chunked_logprobs_drop_the_logits_buffers_and_remat_the_activations(tmp_
     assert row["optimizer_bytes_per_device"] >= 2 * row["parameters"]
   table = memory.table([dense, remat])
   assert table.count("\n") == 3 and "| dense | none |" in table and "| 32 | full |" in table
+
+
+def test_mixed_precision_plans_float32_masters_and_bfloat16_compute(tmp_path):
+  """compute_dtype='bfloat16' over float32 parameters: the same parameter and moment bytes,
+  the compute dtype in the row and the table. (Its temporaries are not compared: XLA:CPU
+  runs bfloat16 matmuls on float32 copies of their operands, so on this backend they grow.)"""
+  spec = _config_json(tmp_path, vocab=8192)
+  common = dict(batch=4, seq_len=128, new_tokens=16, mesh_sizes=(1, 1, 1), dtype="float32",
+                logprob_chunk=32, remat="none")
+  full = memory.plan(spec, **common)
+  mixed = memory.plan(spec, compute_dtype="bfloat16", **common)
+  assert mixed["parameter_bytes_per_device"] == full["parameter_bytes_per_device"]
+  assert mixed["optimizer_bytes_per_device"] == full["optimizer_bytes_per_device"]
+  assert mixed["train_step"]["temp_bytes"] != full["train_step"]["temp_bytes"]  # it reached XLA
+  assert "| 32 | none | bfloat16 |" in memory.table([mixed])
+  assert "| 32 | none | float32 |" in memory.table([full])
