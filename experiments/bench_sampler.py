@@ -3,8 +3,8 @@
     python -m experiments.bench_sampler                 # B1 shapes, Arbor + Tunix + transformers
     python -m experiments.bench_sampler --peers=        # Arbor only
     python -m experiments.bench_sampler --smoke         # tiny shapes, one repetition (CI)
-    python -m experiments.bench_sampler --checkpoint=smollm2 --batch_sizes=8 --new_tokens=64
-                                                        # Arbor alone on real weights
+    python -m experiments.bench_sampler --checkpoint=smollm2 --batch_sizes=16,64 --prompt_len=64 \
+        --new_tokens=128 --temperatures=1 --peers=torch   # B8: SmolLM2, Arbor vs transformers
 
 Every row of the B1 table decodes exactly `new_tokens` tokens (no stop tokens; the peers
 forbid EOS). The long-tailed batch (Arbor only; --long_tail_batch rows) stops each row at
@@ -28,9 +28,13 @@ matmul timed in this run. The machine's streaming read bandwidth is measured too
 Arbor's greedy tokens/s at the longest completion over the shortest ("flat cost") is shown
 next to the ratio that reading each step's extra KV cache at that bandwidth would allow.
 Peers are skipped when the environment variable CI is set. With --checkpoint (a Hugging
-Face folder, a .gguf file or "smollm2"), Arbor alone decodes the given shapes with those
-weights in float32 (random prompt tokens: throughput does not depend on them); the peers
-and the long-tailed batch are skipped.
+Face folder, a .gguf file or "smollm2"; B8), Arbor decodes the given shapes with those
+weights in float32 (random prompt tokens: throughput does not depend on them), and the
+torch peer runs transformers `generate` on the same weights, which Arbor writes once as a
+Hugging Face folder under --peer_weights (`experiments.peers.export_weights`) and checks
+first: transformers' logits on a fixed token row must match Arbor's (top 8 per position,
+reported as `parity_max_abs`). Tunix's peer cannot load weights and is skipped there, as is
+the long-tailed batch.
 Writes bench_sampler.json, bench_sampler.md and bench_sampler.png to --out.
 """
 
@@ -67,8 +71,13 @@ _NEW_TOKENS = flags.DEFINE_list("new_tokens", ["64", "256", "1024"], "B1 complet
 _LONG_TAIL = flags.DEFINE_integer("long_tail_batch", 64, "Rows of the long-tailed batch (0: skip).")
 _ROUNDS = flags.DEFINE_integer("rounds", 1, "Rounds of (Arbor, peers), order alternating.")
 _PEER_ENVS = flags.DEFINE_string("peer_envs", "runs/peer_envs", "Where peer virtualenvs live.")
-_CHECKPOINT = flags.DEFINE_string("checkpoint", "", "Time Arbor alone on these weights (HF "
-                                  "folder, .gguf or 'smollm2') instead of the B1 decoder.")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", "", "Time these weights (HF folder, .gguf or "
+                                  "'smollm2'; Arbor and the torch peer) instead of the B1 "
+                                  "decoder.")
+_PROMPT_LEN = flags.DEFINE_integer("prompt_len", 16, "Prompt tokens per row.")
+_TEMPERATURES = flags.DEFINE_list("temperatures", ["0", "1"], "Sampling temperatures (0: greedy).")
+_PEER_WEIGHTS = flags.DEFINE_string("peer_weights", "runs/peer_weights",
+                                    "Where --checkpoint's weights are written for the peers.")
 
 
 def peak_bytes(compiled) -> int:
@@ -152,7 +161,15 @@ def markdown(result: dict) -> str:
   head += [f"{PEER_LABELS[n]} compile s" for n in names]
   head += [f"{PEER_LABELS[n]} util" for n in names]
   head += ["Arbor KV MiB", "Arbor peak MiB"]
-  lines = [f"Weights: {result['checkpoint']}\n"] if result["checkpoint"] else []
+  lines = []
+  if result["checkpoint"]:
+    weights = f"Weights: {result['checkpoint']} (float32)"
+    if result.get("peer_weights"):
+      weights += f"; the peers load the same weights from {result['peer_weights']}"
+    for name, diff in result.get("parity_max_abs", {}).items():
+      weights += (f"; {PEER_LABELS[name]}'s logits differ from Arbor's by at most {diff:.1e} "
+                  "(top 8 of 16 positions)")
+    lines.append(weights + ".\n")
   lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   for case in result["cases"]:
     cells = [str(case["batch"]), str(case["new_tokens"]), str(case["temperature"])]
@@ -167,12 +184,13 @@ def markdown(result: dict) -> str:
   memory += [f"{PEER_LABELS[n]} {result['max_rss_bytes'][n] / 2**20:.0f} MiB" for n in names
              if n in result["max_rss_bytes"]]
   text = "\n".join(lines) + "\n\n" + " ".join(memory) + "\n"
-  text += (f"\nMemory: a streaming read runs at {result['stream_bandwidth'] / 1e9:.1f} GB/s.")
+  text += (f"\nMemory: a streaming read runs at {result['stream_bandwidth'] / 1e9:.1f} GB/s; "
+           f"f32 matmul peak {result['matmul_peak_flops'] / 1e9:.1f} GFLOP/s.")
   for f in result["flat_cost"]:
     text += (f" Batch {f['batch']}, greedy: tokens/s at {f['long']} new tokens is "
              f"{f['measured']:.2f}x that at {f['short']}; reading each step's extra KV cache at "
              f"that bandwidth alone would allow {f['bandwidth_floor']:.2f}x.")
-  text += "\n"
+  text += f"\n\nLoad before: {result['load_before']}\nLoad after: {result['load_after']}\n"
   for tail in result["long_tail"]:
     text += (f"\nLong-tailed batch ({tail['batch']} rows, T = {tail['temperature']}, "
              f"{tail['new_tokens']} slots, rows stop at the default task's solution lengths: "
@@ -213,37 +231,55 @@ def main(argv):
     repeats, peak_size, tail_rows = 1, 256, 4
   else:
     config = get_preset("b1")
-    cases = list(itertools.product(map(int, _BATCHES.value), (16,), map(int, _NEW_TOKENS.value),
-                                   (0.0, 1.0)))
+    cases = list(itertools.product(map(int, _BATCHES.value), (_PROMPT_LEN.value,),
+                                   map(int, _NEW_TOKENS.value), map(float, _TEMPERATURES.value)))
     repeats, peak_size, tail_rows = _REPEATS.value, 2048, _LONG_TAIL.value
   max_seq_len = max(p + n for _, p, n, _ in cases)
+  spec = dict(repeats=repeats, cases=[dict(batch=b, prompt_len=p, new_tokens=n, temperature=t)
+                                      for b, p, n, t in cases])
+  skipped, parity_tokens = [], None
   if _CHECKPOINT.value:
-    config, params, _ = load_pretrained(_CHECKPOINT.value)
+    config, params, tokenizer = load_pretrained(_CHECKPOINT.value)
     if max_seq_len > config.max_seq_len:
       raise ValueError(f"--new_tokens needs {max_seq_len} positions; {_CHECKPOINT.value!r} has "
                        f"{config.max_seq_len}.")
-    peer_names, tail_rows = [], 0
+    peer_names, skipped = peers.weight_peers(_PEERS.value)
+    tail_rows = 0
+    for name in skipped:
+      print(f"{PEER_LABELS[name]} skipped: its peer cannot load {_CHECKPOINT.value!r}.", flush=True)
+    if peer_names:
+      if tokenizer is None:
+        raise ValueError(f"{_CHECKPOINT.value!r} has no tokenizer to hand the peers.")
+      folder = peers.weights_folder(_PEER_WEIGHTS.value, _CHECKPOINT.value)
+      spec.update(weights=peers.export_weights(folder, params, config, tokenizer,
+                                               _CHECKPOINT.value),
+                  pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id)
+      parity_tokens = np.asarray(jax.random.randint(jax.random.PRNGKey(2), (1, 16), 3,
+                                                    config.vocab_size)).tolist()
+      spec["parity_tokens"] = parity_tokens
   else:
     config = config.replace(max_seq_len=max_seq_len)
     params = transformer.init_params(config, jax.random.PRNGKey(0))
     peer_names = peers.peers_enabled(_PEERS.value)
+  spec["shape"] = peer_shape(config)
   load_before = load()
   peak = matmul_peak_flops(peak_size, repeats)
   bandwidth = stream_bandwidth(2 ** 28 if not _SMOKE.value else 2 ** 20, repeats)
-  spec = dict(shape=peer_shape(config), repeats=repeats,
-              cases=[dict(batch=b, prompt_len=p, new_tokens=n, temperature=t)
-                     for b, p, n, t in cases])
 
   def run(name: str) -> list[dict]:
     if name == "arbor":
       return [bench_case(config, params, *case, repeats) for case in cases]
     out = peers.run_peer(name, spec, _PEER_ENVS.value)
+    if "parity" in out:
+      parity[name] = peers.parity_max_abs(config, params, parity_tokens, out.pop("parity"))
+      print(f"{PEER_LABELS[name]} logits vs Arbor's, max abs difference over the top 8: "
+            f"{parity[name]:.2e}", flush=True)
     versions[name] = {k: v for k, v in out.items() if k != "generate"}
     return out["generate"]
 
   # Rounds alternate the order (Arbor first, then last) so that a drifting machine load
   # favours no one; each case keeps its best round, and the first round's compile time.
-  versions, by_framework = {}, {}
+  versions, by_framework, parity = {}, {}, {}
   order = ["arbor"] + peer_names
   for round_index in range(_ROUNDS.value):
     for name in order if round_index % 2 == 0 else order[::-1]:
@@ -276,7 +312,8 @@ def main(argv):
              if "max_rss_bytes" in v}
   max_rss["arbor"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
   result = {"device": str(jax.devices()[0]), "checkpoint": _CHECKPOINT.value,
-            "matmul_peak_flops": peak,
+            "peer_weights": spec.get("weights"), "peers_skipped": skipped,
+            "parity_max_abs": parity, "matmul_peak_flops": peak,
             "stream_bandwidth": bandwidth, "config": str(config),
             "repeats": repeats, "rounds": _ROUNDS.value, "frameworks": frameworks,
             "peer_versions": versions, "kv_bytes_per_token": kv_bytes_per_token(config),

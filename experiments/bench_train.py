@@ -5,6 +5,8 @@
     python -m experiments.bench_train --smoke         # tiny shapes, one repetition (CI)
     python -m experiments.bench_train --only=lora     # LoRA vs full train step alone
     python -m experiments.bench_train --only=distill  # what a distillation teacher costs
+    python -m experiments.bench_train --checkpoint=smollm2 --peers=torch
+                                                      # B8: the GRPO step on SmolLM2, vs TRL
 
 Four measurements, on the B1 decoder (f32) unless stated, best of --repeats after compiling:
   1. train step: forward + backward + AdamW on a [16, 80] batch (GRPO loss), tokens/s and
@@ -29,12 +31,22 @@ Four measurements, on the B1 decoder (f32) unless stated, best of --repeats afte
      policy (preset tiny2, the character vocabulary) on its RL batch (64 rows of 16 prompt +
      101 completion slots): GRPO alone, GRPO + the exact reverse KL to a teacher of the same
      shape, and pure OPD, alternated in each repetition, best of --repeats.
+  7. (--checkpoint, alone; B8) the GRPO step of item 2 on real weights (a HF folder, a .gguf
+     or "smollm2", float32): 8 prompts x 4 completions x 128 new tokens (temperature 1,
+     exactly 128 tokens per row), each prompt the first 64 tokens of a gsm_symbolic word
+     problem (as text that re-encodes to those 64 ids), reward = share of digits in the
+     completion text (`digit_share`, the same function in the peer). Arbor's
+     `rl.loop.grpo_iteration` with the checkpoint's tokenizer vs TRL's GRPOTrainer on the same
+     weights, which Arbor writes once as a HF folder under --peer_weights
+     (`experiments.peers.export_weights`), with the same prompt texts (the peer checks that its
+     tokenizer gives Arbor's ids); the time each side spends sampling is reported beside
+     the step. Best of --repeats after a compiling first step.
 Peers are skipped when the environment variable CI is set. Writes bench_train.json,
-bench_train.md and bench_train.png to --out (--only=lora: bench_train_lora.*, item 5 only).
+bench_train.md and bench_train.png to --out (--only=lora: bench_train_lora.*, item 5 only;
+--only=distill: bench_train_distill.*; --checkpoint: bench_train_b8.*).
 """
 
 from __future__ import annotations
-
 
 from absl import app
 from absl import flags
@@ -65,6 +77,10 @@ _PEER_ENVS = flags.DEFINE_string("peer_envs", "runs/peer_envs", "Where peer virt
 _ONLY = flags.DEFINE_enum("only", "", ["", "lora", "distill"],
                           "Run one measurement alone (lora: item 5; distill: item 6).")
 _LORA_RANKS = flags.DEFINE_list("lora_ranks", ["8", "64"], "Adapter ranks of the LoRA cases.")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", "", "B8: time the GRPO step alone on these "
+                                  "weights (HF folder, .gguf or 'smollm2'), Arbor vs TRL.")
+_PEER_WEIGHTS = flags.DEFINE_string("peer_weights", "runs/peer_weights",
+                                    "Where --checkpoint's weights are written for the peers.")
 
 GRPO_LABELS = dict(PEER_LABELS, torch="TRL")  # the torch peer's GRPO step is TRL's trainer
 GRPO = ml_collections.FrozenConfigDict(dict(
@@ -269,30 +285,156 @@ class EvenTokensTask:
     return False
 
 
-def bench_grpo_step(config: ModelConfig, g: dict, repeats: int) -> dict:
-  """Arbor's GRPO iteration: sample G completions per prompt, score, advantages, update."""
+def digit_share(text: str) -> float:
+  """The share of a completion's characters that are digits (0 for an empty one): B8's reward,
+  computed the same way by the torch peer (experiments/peers/torch_peer.py)."""
+  return sum(ch.isdigit() for ch in text) / len(text) if text else 0.0
+
+
+class TextPromptsTask:
+  """Given prompt texts (cycled); reward = `digit_share` of the completion (B8, as the peer)."""
+  name = "text_prompts"
+
+  def __init__(self, prompts):
+    self.prompts = list(prompts)
+
+  def examples(self, split, n, start=0):
+    del split
+    return [Example(prompt=self.prompts[(start + i) % len(self.prompts)], answer="", entry={})
+            for i in range(n)]
+
+  def reward(self, completion, example):
+    del example
+    return digit_share(completion)
+
+  def exact_match(self, completion, example):
+    del completion, example
+    return False
+
+
+def b8_prompts(tokenizer, prompt_len: int, count: int) -> tuple[list[str], list[list[int]]]:
+  """`count` prompt texts of exactly `prompt_len` tokens (as Arbor encodes a prompt) and their
+  ids: the first prompt_len tokens of gsm_symbolic's training word problems, decoded, kept
+  where the text encodes back to those ids."""
+  from rl.tasks import make_task  # pylint: disable=import-outside-toplevel
+  task = make_task("gsm_symbolic", prompt_style="full")
+  texts, ids, start = [], [], 0
+  while len(texts) < count:
+    for example in task.examples("train", 64, start):
+      tokens = tokenizer.encode(example.prompt, add_bos=True)[:prompt_len]
+      text = tokenizer.decode(tokens)
+      if len(tokens) == prompt_len and tokenizer.encode(text, add_bos=True) == tokens:
+        texts.append(text)
+        ids.append(tokens)
+    start += 64
+  return texts[:count], ids[:count]
+
+
+def bench_grpo_step(config: ModelConfig, g: dict, repeats: int, params=None, task=None,
+                    tokenizer=None) -> dict:
+  """Arbor's GRPO iteration: sample G completions per prompt, score, advantages, update.
+  Default: random B1 weights on the even-token task (item 2); B8 passes real weights, their
+  tokenizer and a task."""
   optimizer = train.make_optimizer(1e-5)
   # No stop tokens: every row decodes exactly new_tokens tokens, as the peers are forced to.
   sampling_config = SamplingConfig(max_new_tokens=g["new_tokens"], temperature=1.0)
   ctx = loop.LoopContext(
       batch=producers.BatchContext(
-          task=EvenTokensTask(config.vocab_size, g["prompt_len"]), tokenizer=WordTokenizer(),
+          task=task or EvenTokensTask(config.vocab_size, g["prompt_len"]),
+          tokenizer=tokenizer or WordTokenizer(),
           model_config=config, sampling_config=sampling_config, prompt_len=g["prompt_len"],
           prompts_per_step=g["prompts"], group_size=g["group_size"]),
       train_step=train.make_train_step(config, optimizer, GRPO),
       batch_advantages=advantages.group_relative(advantages.grpo_advantages))
   producer = producers.independent(ctx.batch)
-  state = loop.LoopState(
-      train=train.init_train_state(transformer.init_params(config, jax.random.PRNGKey(0)),
-                                   optimizer), rng=jax.random.PRNGKey(1), producer=producer.init(0))
+  if params is None:
+    params = transformer.init_params(config, jax.random.PRNGKey(0))
+  state = loop.LoopState(train=train.init_train_state(params, optimizer),
+                         rng=jax.random.PRNGKey(1), producer=producer.init(0))
+  steps = []
 
   def run():
     nonlocal state
-    state, _ = loop.grpo_iteration(state, ctx, producer)
+    state, metrics = loop.grpo_iteration(state, ctx, producer)
+    steps.append({k: float(metrics[k]) for k in ("time_sample_s", "time_score_s",
+                                                  "time_train_s", "reward_mean")
+                  if k in metrics})
 
   first = timed(run)
-  best = min(timed(run) for _ in range(repeats))
-  return dict(first_step_s=first, best_step_s=best)
+  times = [timed(run) for _ in range(repeats)]
+  best = int(np.argmin(times))
+  return dict(first_step_s=first, best_step_s=times[best], step_s=times, best_split=steps[1 + best],
+              first_split=steps[0])
+
+
+def b8_grpo(checkpoint: str, repeats: int, smoke: bool) -> dict:
+  """Item 7 (B8): the GRPO step on `checkpoint`'s weights, Arbor then each weight-loading peer,
+  with the load average before and after each side."""
+  from models.pretrained import load_pretrained  # pylint: disable=import-outside-toplevel
+  config, params, tokenizer = load_pretrained(checkpoint)
+  if tokenizer is None:
+    raise ValueError(f"{checkpoint!r} has no tokenizer.json: B8 needs text prompts.")
+  g = (dict(prompts=2, group_size=2, prompt_len=8, new_tokens=4) if smoke else
+       dict(prompts=8, group_size=4, prompt_len=64, new_tokens=128))
+  texts, ids = b8_prompts(tokenizer, g["prompt_len"], g["prompts"] * (repeats + 1))
+  peer_names, skipped = peers.weight_peers(_PEERS.value)
+  for name in skipped:
+    print(f"{GRPO_LABELS[name]} skipped: its peer cannot load {checkpoint!r}.", flush=True)
+  result = {"device": str(jax.devices()[0]), "checkpoint": checkpoint, "config": str(config),
+            "repeats": repeats, "frameworks": ["arbor"] + peer_names, "peers_skipped": skipped,
+            "load_before": load(), "matmul_peak_flops": matmul_peak_flops(
+                256 if smoke else 2048, repeats), "prompts": texts[:g["prompts"]],
+            "prompt_lens": sorted({len(i) for i in ids})}
+  folder = None
+  if peer_names:  # written before Arbor's steps, whose train state donates the parameters
+    folder = peers.export_weights(peers.weights_folder(_PEER_WEIGHTS.value, checkpoint), params,
+                                  config, tokenizer, checkpoint)
+  grpo_step = dict(g)
+  arbor_load = load()
+  grpo_step["arbor"] = dict(bench_grpo_step(config, g, repeats, params=params,
+                                            task=TextPromptsTask(texts), tokenizer=tokenizer),
+                            load_before=arbor_load, load_after=load())
+  print(f"Arbor GRPO step: {grpo_step['arbor']['best_step_s']:.3f} s", flush=True)
+  versions = {}
+  for name in peer_names:
+    peer_load = load()
+    spec = dict(shape=peer_shape(config), weights=folder,
+                grpo=dict(g, repeats=repeats, prompt_texts=texts, prompt_ids=ids))
+    out = peers.run_peer(name, spec, _PEER_ENVS.value)
+    grpo_step[name] = dict(out.pop("grpo"), load_before=peer_load, load_after=load())
+    versions[name] = out
+    print(f"{GRPO_LABELS[name]} GRPO step: {grpo_step[name]['best_step_s']:.3f} s", flush=True)
+  result.update(peer_versions=versions, grpo_step=grpo_step, load_after=load(),
+                peer_weights=folder)
+  return result
+
+
+def b8_markdown(result: dict) -> str:
+  g = result["grpo_step"]
+  lines = [f"**B8 GRPO step on {result['checkpoint']}** (float32; {g['prompts']} prompts x "
+           f"{g['group_size']} completions x {g['new_tokens']} new tokens, prompts of "
+           f"{g['prompt_len']} tokens: sample + score + advantages + update; best of "
+           f"{result['repeats']} after a first step)", "",
+           "| framework | step s (best) | of which sampling s | first step s | steps s | "
+           "Arbor speed-up |", "|---|---|---|---|---|---|"]
+  for name in result["frameworks"]:
+    r = g[name]
+    sampling = r["best_split"]["time_sample_s"] if name == "arbor" else r.get("best_generate_s")
+    lines.append(f"| {GRPO_LABELS[name]} | {r['best_step_s']:.2f} | {sampling:.2f} | "
+                 f"{r['first_step_s']:.2f} | {', '.join(f'{t:.2f}' for t in r['step_s'])} | "
+                 f"{r['best_step_s'] / g['arbor']['best_step_s']:.2f}x |")
+  lines += ["", f"Load before: {result['load_before']}"]
+  for name in result["frameworks"]:
+    lines.append(f"{GRPO_LABELS[name]}: before {g[name]['load_before']}; after "
+                 f"{g[name]['load_after']}")
+  for name in result["frameworks"][1:]:
+    r = g[name]
+    lines.append(f"{GRPO_LABELS[name]} checks: {r.get('prompt_ids_equal')} of "
+                 f"{g['prompts'] * (result['repeats'] + 1)} prompts "
+                 f"tokenised to Arbor's ids; prompt lengths {r.get('prompt_lens')}; model "
+                 f"{r.get('model_dtype')}, gradient checkpointing "
+                 f"{r.get('gradient_checkpointing')}")
+  return "\n".join(lines) + "\n"
 
 
 def autodiff_swiglu(h, gate, up, down):
@@ -425,6 +567,10 @@ def main(argv):
     mlp_cases = [(*step_shape, config.d_model, config.mlp_dim),
                  (256, 18, tiny.d_model, tiny.mlp_dim)]
     lora_ranks = _LORA_RANKS.value
+  if _CHECKPOINT.value:
+    result = b8_grpo(_CHECKPOINT.value, repeats, _SMOKE.value)
+    write_results(_OUT.value, "bench_train_b8", result, b8_markdown, None)
+    return
   batch, length = step_shape
   step_batch = random_rollout(config, batch, 1, length // 5, length - length // 5)
   if _ONLY.value == "distill":

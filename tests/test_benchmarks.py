@@ -36,20 +36,111 @@ def test_benchmark_smoke_run_writes_its_results(module, outputs, tmp_path):
 
 
 def test_sampler_benchmark_times_a_loaded_checkpoint_alone(tmp_path):
-  """--checkpoint decodes with the folder's weights and shape (not the B1 decoder); no peers."""
+  """--checkpoint decodes with the folder's weights and shape (not the B1 decoder); with
+  --peers= Arbor alone (no folder is exported for peers)."""
   config = get_preset("tiny").replace(d_model=48, n_heads=2, n_kv_heads=1, head_dim=24,
                                       mlp_dim=96, max_seq_len=64)
   params = transformer.init_params(config, jax.random.PRNGKey(0))
   hf_checkpoint.save_hf(str(tmp_path / "ckpt"), params, config)
-  env = dict(os.environ, PYTHONPATH=str(_REPO))  # no CI: the checkpoint alone skips the peers
-  subprocess.run([sys.executable, "-m", "experiments.bench_sampler", "--smoke",
-                  f"--checkpoint={tmp_path / 'ckpt'}", f"--out={tmp_path / 'out'}"],
+  env = dict(os.environ, PYTHONPATH=str(_REPO))
+  subprocess.run([sys.executable, "-m", "experiments.bench_sampler", "--smoke", "--peers=",
+                  f"--checkpoint={tmp_path / 'ckpt'}", f"--out={tmp_path / 'out'}",
+                  f"--peer_weights={tmp_path / 'peer_weights'}"],
                  cwd=_REPO, env=env, check=True, timeout=300)
   result = json.loads((tmp_path / "out" / "bench_sampler.json").read_text())
   assert result["frameworks"] == ["arbor"] and result["long_tail"] == []
-  assert result["checkpoint"] == str(tmp_path / "ckpt")
+  assert result["checkpoint"] == str(tmp_path / "ckpt") and result["peer_weights"] is None
   assert "d_model=48" in result["config"]
   assert result["kv_bytes_per_token"] == decode_cost.kv_bytes_per_token(config)
+  assert not (tmp_path / "peer_weights").exists()
+
+
+def _byte_tokenizer():
+  """A byte-level tokenizer (id 0 = EOS, then the 256 byte symbols, no merges): every text
+  decodes and encodes back exactly, as B8's prompts need."""
+  import tokenizers  # pylint: disable=import-outside-toplevel
+  from models.hf_tokenizer import HFTokenizer  # pylint: disable=import-outside-toplevel
+  alphabet = sorted(tokenizers.pre_tokenizers.ByteLevel.alphabet())
+  vocab = {"<eos>": 0, **{symbol: i + 1 for i, symbol in enumerate(alphabet)}}
+  tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab=vocab, merges=[]))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = tokenizers.decoders.ByteLevel()
+  tok.add_special_tokens([tokenizers.AddedToken("<eos>", special=True)])
+  return HFTokenizer(tok, eos_id=0)
+
+
+def _exported_tiny_model(folder):
+  """A tiny tied-embedding Llama with the byte tokenizer, exported for the peers (B8)."""
+  tokenizer = _byte_tokenizer()
+  config = get_preset("tiny").replace(d_model=48, n_heads=2, n_kv_heads=1, head_dim=24,
+                                      mlp_dim=96, vocab_size=tokenizer.vocab_size, max_seq_len=64,
+                                      tie_embeddings=True)
+  params = transformer.init_params(config, jax.random.PRNGKey(0))
+  peers.export_weights(str(folder), params, config, tokenizer, "tiny")
+  return config, params, tokenizer
+
+
+def test_exported_weights_load_back_with_their_tokenizer(tmp_path):
+  # B8: the folder the peers load holds the same weights and tokenizer as Arbor's policy,
+  # and it is written once per source.
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from models.pretrained import load_pretrained  # pylint: disable=import-outside-toplevel
+  config, params, tokenizer = _exported_tiny_model(tmp_path / "w")
+  loaded_config, loaded, loaded_tokenizer = load_pretrained(str(tmp_path / "w"))
+  assert loaded_config == config
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  text = "Charlotte writes 0.25 of it, then 28 letters: \\boxed{}"
+  assert loaded_tokenizer.encode(text, add_bos=True) == tokenizer.encode(text, add_bos=True)
+  assert (loaded_tokenizer.eos_id, loaded_tokenizer.pad_id) == (0, 0)
+  weights = tmp_path / "w" / "model.safetensors"
+  stamp = weights.stat().st_mtime_ns
+  peers.export_weights(str(tmp_path / "w"), params, config, tokenizer, "tiny")
+  assert weights.stat().st_mtime_ns == stamp  # same source: not rewritten
+  assert peers.weights_folder("runs/pw", "smollm2") == os.path.join("runs/pw", "smollm2")
+  assert peers.weights_folder("runs/pw", "/a/b/model.gguf") == os.path.join("runs/pw", "model_gguf")
+
+
+def test_only_the_torch_peer_loads_weights(monkeypatch):
+  monkeypatch.delenv("CI", raising=False)
+  assert peers.weight_peers(["tunix", "torch"]) == (["torch"], ["tunix"])
+  monkeypatch.setenv("CI", "1")
+  assert peers.weight_peers(["tunix", "torch"]) == ([], [])
+
+
+def test_torch_peer_runs_the_exported_weights(tmp_path, monkeypatch):
+  # transformers loads Arbor's exported folder and computes Arbor's logits; its `generate`
+  # benchmark runs on those weights with the spec's special ids.
+  pytest.importorskip("torch")
+  pytest.importorskip("transformers")
+  config, params, _ = _exported_tiny_model(tmp_path / "w")
+  peer = _load_peer("torch", monkeypatch)
+  spec = dict(weights=str(tmp_path / "w"), repeats=1, pad_id=0, eos_id=0,
+              cases=[dict(batch=2, prompt_len=4, new_tokens=3, temperature=1.0)])
+  model = peer.load_model(spec)
+  assert type(model).__name__ == "LlamaForCausalLM" and not model.training
+  tokens = [[5, 9, 200, 17, 3, 3, 250, 1]]
+  assert peers.parity_max_abs(config, params, tokens, peer.parity(model, tokens)) < 1e-4
+  rows = peer.bench_generate(spec, model)
+  assert len(rows) == 1 and rows[0]["tokens_per_s"] > 0
+
+
+def test_b8_grpo_step_smoke_run_on_a_checkpoint(tmp_path):
+  # --checkpoint: the GRPO step alone on the folder's weights with its tokenizer and text
+  # prompts of exactly prompt_len tokens (peers skipped under CI).
+  _exported_tiny_model(tmp_path / "w")
+  env = dict(os.environ, CI="1", PYTHONPATH=str(_REPO))
+  subprocess.run([sys.executable, "-m", "experiments.bench_train", "--smoke",
+                  f"--checkpoint={tmp_path / 'w'}", f"--out={tmp_path / 'out'}"],
+                 cwd=_REPO, env=env, check=True, timeout=600)
+  result = json.loads((tmp_path / "out" / "bench_train_b8.json").read_text())
+  assert result["frameworks"] == ["arbor"] and result["peer_weights"] is None
+  step = result["grpo_step"]
+  assert (step["prompts"], step["group_size"], step["prompt_len"]) == (2, 2, 8)
+  assert step["arbor"]["best_step_s"] > 0 and step["arbor"]["best_split"]["time_sample_s"] > 0
+  assert len(result["prompts"]) == 2 and len(set(result["prompts"])) == 2
+  assert result["prompt_lens"] == [8]  # every prompt (of every step) is exactly 8 tokens
+  assert (tmp_path / "out" / "bench_train_b8.md").stat().st_size > 0
 
 
 def test_token_choice_benchmark_smoke_run_times_both_sides(tmp_path):

@@ -4,6 +4,12 @@
 runs that peer's script (`experiments/peers/<name>_peer.py`, never imported by Arbor) in
 it with a JSON spec and returns the JSON it prints last. Peers are skipped when the
 environment variable `CI` is set, so the smoke runs in the test suite stay offline and fast.
+
+On real weights (B8, `--checkpoint`), `export_weights` writes the policy Arbor loaded as a
+Hugging Face folder (config.json + model.safetensors via `models.save_hf`, and its tokenizer
+as tokenizer.json + tokenizer_config.json), which the torch peer loads with
+`from_pretrained` (spec key "weights"): both sides run the same weights. Only the torch peer
+loads weights (`WEIGHT_PEERS`); Tunix's peer builds its own random Qwen2.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -23,6 +30,8 @@ PEER_PACKAGES = {
     "torch": [["torch==2.13.0"], ["transformers==5.24.0", "trl==1.16.0"]],
 }
 _READY = ".arbor_ready"
+WEIGHT_PEERS = ("torch",)  # peers whose script loads a weights folder (spec key "weights")
+_EXPORTED = ".arbor_exported"
 
 
 def peers_enabled(requested: list[str]) -> list[str]:
@@ -67,3 +76,67 @@ def peer_shape(config) -> dict:
   return {k: v for k, v in dataclasses.asdict(config).items()
           if k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                    "mlp_dim", "rope_theta", "norm_eps", "max_seq_len")}
+
+
+def weight_peers(requested: list[str]) -> tuple[list[str], list[str]]:
+  """(the requested peers that can load real weights, those that cannot), `CI` applied."""
+  enabled = peers_enabled(requested)
+  return ([n for n in enabled if n in WEIGHT_PEERS], [n for n in enabled if n not in WEIGHT_PEERS])
+
+
+def weights_folder(root: str, checkpoint: str) -> str:
+  """Where a checkpoint spec's weights are exported for the peers: root/<its base name>
+  ("smollm2" -> root/smollm2, "a/model.gguf" -> root/model_gguf)."""
+  return os.path.join(root, re.sub(r"[^A-Za-z0-9_-]+", "_",
+                                   os.path.basename(os.path.normpath(checkpoint))))
+
+
+def export_weights(folder: str, params, config, tokenizer, source: str) -> str:
+  """Writes `params` (a models.config.ModelConfig `config` policy) and `tokenizer` (a
+  models.hf_tokenizer.HFTokenizer) as a Hugging Face folder the torch peer loads, once per
+  `source` (the checkpoint spec they came from; the folder is rewritten when it differs).
+
+  Tokenizer: the `tokenizers` object the HFTokenizer wraps is saved as tokenizer.json, and
+  tokenizer_config.json names its special tokens (so transformers' PreTrainedTokenizerFast
+  and Arbor's HFTokenizer.from_pretrained both read it back) and chat template. config.json
+  carries the token ids. Returns the folder.
+  """
+  from models import hf_checkpoint  # pylint: disable=import-outside-toplevel
+  marker = os.path.join(folder, _EXPORTED)
+  if os.path.exists(marker):
+    with open(marker) as f:
+      if f.read() == source:
+        return folder
+  os.makedirs(folder, exist_ok=True)
+  ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id,
+         "pad_token_id": tokenizer.pad_id}
+  hf_checkpoint.save_hf(folder, params, config, extra_config=ids)
+  inner = tokenizer._tokenizer  # pylint: disable=protected-access  (the tokenizers.Tokenizer)
+  inner.save(os.path.join(folder, "tokenizer.json"))
+  settings = {"tokenizer_class": "PreTrainedTokenizerFast",
+              "bos_token": tokenizer.token(tokenizer.bos_id),
+              "eos_token": tokenizer.token(tokenizer.eos_id),
+              "pad_token": tokenizer.token(tokenizer.pad_id),
+              "add_bos_token": tokenizer.add_bos, "model_max_length": config.max_seq_len}
+  if tokenizer.chat_template:
+    settings["chat_template"] = tokenizer.chat_template
+  with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+    json.dump({k: v for k, v in settings.items() if v is not None}, f, indent=2)
+  with open(marker, "w") as f:
+    f.write(source)
+  return folder
+
+
+def parity_max_abs(config, params, tokens: list[list[int]], peer: list[dict]) -> float:
+  """The largest |Arbor logit - peer logit| at the peer's top ids of every position of
+  `tokens` (the peer ran the exported weights on the same ids; torch_peer.py `parity`)."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from models import transformer  # pylint: disable=import-outside-toplevel
+  ids = jnp.asarray(tokens, jnp.int32)
+  mask = jnp.ones(ids.shape, bool)
+  logits, _ = transformer.forward(params, ids, transformer.positions_from_mask(mask), mask, config)
+  logits = np.asarray(logits)
+  return float(max(np.max(np.abs(np.take_along_axis(logits[r], np.asarray(p["ids"]), -1)
+                                 - np.asarray(p["values"])))
+                   for r, p in enumerate(peer)))
