@@ -538,7 +538,7 @@ def chunked_token_logprobs(x: jax.Array, head: jax.Array, tokens: jax.Array, chu
   return jnp.pad(logp, ((0, 0), (1, 0)))
 
 
-def _chunks(x: jax.Array, chunk: int) -> jax.Array:
+def chunk_positions(x: jax.Array, chunk: int) -> jax.Array:
   """[B, N, ...] -> [ceil(N / chunk), B, chunk, ...], zero-padded at the end."""
   n = x.shape[1]
   pad = -n % chunk
@@ -546,8 +546,8 @@ def _chunks(x: jax.Array, chunk: int) -> jax.Array:
   return jnp.moveaxis(x.reshape(x.shape[0], -1, chunk, *x.shape[2:]), 1, 0)
 
 
-def _unchunk(y: jax.Array, n: int) -> jax.Array:
-  """Inverse of `_chunks` for [C, B, chunk, ...] -> [B, n, ...]."""
+def unchunk_positions(y: jax.Array, n: int) -> jax.Array:
+  """Inverse of `chunk_positions` for [C, B, chunk, ...] -> [B, n, ...]."""
   y = jnp.moveaxis(y, 0, 1)
   return y.reshape(y.shape[0], -1, *y.shape[3:])[:, :n]
 
@@ -569,9 +569,9 @@ def _chunked_forward(x, head, targets, chunk, temperature):
     picked = jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0]
     return None, (picked - lse, lse)
 
-  _, (logp, lse) = jax.lax.scan(one, None, (_chunks(x, chunk), _chunks(targets, chunk)))
+  _, (logp, lse) = jax.lax.scan(one, None, (chunk_positions(x, chunk), chunk_positions(targets, chunk)))
   n = x.shape[1]
-  return _unchunk(logp, n), (x, head, targets, _unchunk(lse, n))
+  return unchunk_positions(logp, n), (x, head, targets, unchunk_positions(lse, n))
 
 
 def _chunked_fwd(x, head, targets, chunk, temperature):
@@ -593,8 +593,8 @@ def _chunked_bwd(chunk, temperature, residuals, g):
 
   d_head, d_x = jax.lax.scan(
       one, jnp.zeros(head.shape, jnp.float32),
-      (_chunks(x, chunk), _chunks(targets, chunk), _chunks(lse, chunk), _chunks(g, chunk)))
-  return (_unchunk(d_x, x.shape[1]).astype(x.dtype), d_head.astype(head.dtype),
+      (chunk_positions(x, chunk), chunk_positions(targets, chunk), chunk_positions(lse, chunk), chunk_positions(g, chunk)))
+  return (unchunk_positions(d_x, x.shape[1]).astype(x.dtype), d_head.astype(head.dtype),
           None)
 
 

@@ -296,16 +296,18 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
   per-token reverse KL to the teacher and the mean and variance of its sampled estimators.
   The teacher's parameters are an argument of the jitted step, laid out by `rules` on a
   mesh like the policy's. The student's and the teacher's [B, T, V] log-softmax are
-  materialised per microbatch (num_microbatches bounds them).
+  materialised per microbatch (num_microbatches bounds them), or with logprob_chunk only
+  [B, C, V] of them at a time (`distillation.chunked_token_terms`).
 
   Every step reports `rollout_train_mismatch_kl` (`mismatch_terms`): the sampler-trainer
   numerics gap on the batch's fresh tokens, e.g. under mixed precision
   (model_config.compute_dtype = 'bfloat16' over float32 parameters, where the gradients,
   the accumulator and the optimiser state stay in the parameters' dtype).
 
-  logprob_chunk = C > 0: the policy's log-probs (loss forward and proximal recompute) are
-  computed C positions at a time, so no [B, T, V] logits buffer is kept for the backward
-  (`policy_logprobs`); the model's `remat` policy decides which layer activations are.
+  logprob_chunk = C > 0: the policy's log-probs (loss forward, proximal recompute and the
+  distillation term) are computed C positions at a time, so no [B, T, V] logits buffer is
+  kept for the backward (`policy_logprobs`); the model's `remat` policy decides which layer
+  activations are.
   """
   if num_minibatches < 1 or ppo_epochs < 1:
     raise ValueError(f"num_minibatches = {num_minibatches} and ppo_epochs = {ppo_epochs} must "
@@ -324,23 +326,41 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
     return policy_logprobs(policy, rollout, model_config, temperature, residual_hook,
                            shared_prefix=shared_prefix, logprob_chunk=logprob_chunk)
 
+  def hidden(policy, config: ModelConfig, rollout: Rollout) -> jax.Array:
+    return transformer.hidden_states(policy, rollout.tokens,
+                                     transformer.positions_from_mask(rollout.token_mask),
+                                     rollout.token_mask, config, residual_hook=residual_hook)[0]
+
   def next_token_dists(policy, config: ModelConfig, rollout: Rollout) -> jax.Array:
     """log-softmax [B, T, V] of the distributions that predicted each token."""
-    logits, _ = transformer.forward(policy, rollout.tokens,
-                                    transformer.positions_from_mask(rollout.token_mask),
-                                    rollout.token_mask, config, residual_hook=residual_hook)
+    logits = jnp.einsum("btd,dv->btv", hidden(policy, config, rollout),
+                        transformer.output_head(policy, config),
+                        preferred_element_type=jnp.float32)
     if temperature not in (0.0, 1.0):
       logits = logits / temperature
     return distillation.next_token_logprobs(logits)
 
+  def distill_terms(policy, teacher, micro: Rollout) -> dict:
+    """`distillation.token_terms` of the student and the frozen teacher on `micro`; with
+    logprob_chunk, a chunk of positions at a time (no [B, T, V] buffer)."""
+    sg = jax.lax.stop_gradient
+    if logprob_chunk:
+      return distillation.chunked_token_terms(
+          hidden(policy, model_config, micro), transformer.output_head(policy, model_config),
+          sg(hidden(teacher, distill.teacher_config, micro)),
+          sg(transformer.output_head(teacher, distill.teacher_config)),
+          micro.tokens, micro.completion_mask, distill, logprob_chunk, temperature)
+    return distillation.token_terms(
+        next_token_dists(policy, model_config, micro),
+        sg(next_token_dists(teacher, distill.teacher_config, micro)),
+        micro.tokens, micro.completion_mask, distill)
+
   def objective(params, state: TrainState, micro: Rollout, version, prox_version, teacher):
     # Under LoRA the adapters are merged inside the differentiated function, so gradients
     # reach A and B only; the frozen base is a constant here.
-    if distill is None:
-      logp = logprobs(state.policy_params(params), micro)
-    else:
-      student = next_token_dists(state.policy_params(params), model_config, micro)
-      logp = distillation.at_tokens(student, micro.tokens)
+    policy = state.policy_params(params)
+    terms = None if distill is None else distill_terms(policy, teacher, micro)
+    logp = logprobs(policy, micro) if terms is None else terms["logp"]
     loss, metrics = jnp.zeros(()), mismatch_terms(logp, micro, version, prox_version)
     if distill is None or distill.with_reward:
       prox = micro.prox_logp
@@ -349,16 +369,11 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
                                           prox_version, version)
       loss, objective_metrics = loss_fn(logp, micro, prox_logp=prox, config=loss_config)
       metrics = dict(metrics, **objective_metrics)
-    if distill is not None:
-      teacher_dists = jax.lax.stop_gradient(
-          next_token_dists(teacher, distill.teacher_config, micro))
+    if terms is not None:
       mask = micro.completion_mask
-      per_token, distill_metrics = distillation.DISTILL_OBJECTIVES.get(distill.objective)(
-          student, teacher_dists, micro.tokens, mask, distill)
-      term = losses.aggregate(per_token, mask, aggregation, resolved_norm_len)
+      term = losses.aggregate(terms["per_token"], mask, aggregation, resolved_norm_len)
       loss = loss + distill.coef * term
-      metrics = dict(metrics, **distill_metrics, distill_loss=term,
-                     **distillation.kl_metrics(student, teacher_dists, micro.tokens, mask))
+      metrics = dict(metrics, distill_loss=term, **distillation.metrics_of(terms, mask))
     return loss, metrics
 
   grad_fn = jax.value_and_grad(objective, has_aux=True)

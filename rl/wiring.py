@@ -188,10 +188,6 @@ def check_distill(config: ml_collections.ConfigDict) -> None:
   if d.teacher and config.rl.prefix_shared_forward:
     raise ValueError("config.distill needs the full per-token distributions of the batch; "
                      "turn config.rl.prefix_shared_forward off.")
-  if d.teacher and config.rl.logprob_chunk:
-    raise ValueError("config.distill materialises the student's and the teacher's full "
-                     "per-token distributions; config.rl.logprob_chunk does not apply to "
-                     "them: set it to 0.")
 
 
 def lora_config(config: ml_collections.ConfigDict) -> lora_lib.LoraConfig | None:

@@ -43,6 +43,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from models import transformer
 from models.config import ModelConfig
 from rl.registry import Registry
 
@@ -101,15 +102,62 @@ def token_estimators(student: jax.Array, teacher: jax.Array,
   return log_ratio, jnp.expm1(-log_ratio) + log_ratio
 
 
-def kl_metrics(student: jax.Array, teacher: jax.Array, tokens: jax.Array,
-               mask: jax.Array) -> dict:
-  """Per-token reverse KL to the teacher (exact, mean over completion tokens) and the
-  mean and variance over the same tokens of its two sampled estimators."""
-  exact = jax.lax.stop_gradient(exact_reverse_kl(student, teacher))
+def token_terms(student: jax.Array, teacher: jax.Array, tokens: jax.Array, mask: jax.Array,
+                config: Distill) -> dict:
+  """Every per-token quantity the train step reads from the two distributions [B, T, V]:
+  the objective's per-token term (`per_token`, with gradient), the student's log-prob of
+  each token (`logp`, with gradient) and, detached, the exact reverse KL and the k1 / k3
+  estimators (`exact`, `k1`, `k3`) that `metrics_of` summarises. All [B, T]."""
+  per_token, metrics = DISTILL_OBJECTIVES.get(config.objective)(student, teacher, tokens, mask,
+                                                                 config)
+  if metrics:
+    raise ValueError(f"Distillation objective {config.objective!r} returned batch metrics "
+                     f"{sorted(metrics)}: objectives return per-token terms only (the train "
+                     "step may compute them a chunk of positions at a time).")
   k1, k3 = token_estimators(student, teacher, tokens)
-  return dict(distill_reverse_kl=_masked_mean(exact, mask),
-              distill_k1_mean=_masked_mean(k1, mask), distill_k1_var=_masked_var(k1, mask),
-              distill_k3_mean=_masked_mean(k3, mask), distill_k3_var=_masked_var(k3, mask))
+  return dict(per_token=per_token, logp=at_tokens(student, tokens),
+              exact=jax.lax.stop_gradient(exact_reverse_kl(student, teacher)), k1=k1, k3=k3)
+
+
+def metrics_of(terms: dict, mask: jax.Array) -> dict:
+  """The distillation metrics over completion tokens (`mask`) from `token_terms`: the mean
+  exact reverse KL and the mean and variance of its two sampled estimators."""
+  return dict(distill_reverse_kl=_masked_mean(terms["exact"], mask),
+              distill_k1_mean=_masked_mean(terms["k1"], mask),
+              distill_k1_var=_masked_var(terms["k1"], mask),
+              distill_k3_mean=_masked_mean(terms["k3"], mask),
+              distill_k3_var=_masked_var(terms["k3"], mask))
+
+
+def chunked_token_terms(student_x: jax.Array, student_head: jax.Array, teacher_x: jax.Array,
+                        teacher_head: jax.Array, tokens: jax.Array, mask: jax.Array,
+                        config: Distill, chunk: int, temperature: float = 1.0) -> dict:
+  """`token_terms` of the two policies' next-token distributions without their [B, T, V]
+  buffers: x [B, T, D] are each policy's final-normed residual streams
+  (`models.transformer.hidden_states`), heads [D, V] their output projections (the
+  teacher's carry no gradient). Positions are taken `chunk` at a time under `lax.scan`; a
+  chunk's logits and log-softmaxes exist only inside its step, which `jax.checkpoint`
+  recomputes in the backward, so the largest buffers are [B, chunk, V]. The values are the
+  dense path's (column 0 predicts nothing and is 0, as `next_token_logprobs` has it)."""
+
+  def dists(x, head):
+    logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
+    if temperature not in (0.0, 1.0):
+      logits = logits / temperature
+    return jax.nn.log_softmax(logits, axis=-1)
+
+  @jax.checkpoint
+  def one(_, pieces):
+    sx, tx, tok, m = pieces
+    return None, token_terms(dists(sx, student_head), dists(tx, teacher_head), tok, m, config)
+
+  # Column t + 1 is predicted from position t (column 0 predicts nothing).
+  pieces = tuple(transformer.chunk_positions(a, chunk) for a in (
+      student_x[:, :-1], teacher_x[:, :-1], tokens[:, 1:], mask[:, 1:]))
+  _, terms = jax.lax.scan(one, None, pieces)
+  n = tokens.shape[1] - 1
+  return jax.tree.map(lambda a: jnp.pad(transformer.unchunk_positions(a, n), ((0, 0), (1, 0))),
+                      terms)
 
 
 @DISTILL_OBJECTIVES.register("reverse_kl")
