@@ -49,6 +49,8 @@ setup(
             # constraint) resolves to the local CPU wheel (2.13.0+cpu); install it first.
             "torch>=2.13,<3",
             "transformers>=5.24,<6",
+            # Chi-square tests of speculative decoding's exactness (tests/test_speculative.py).
+            "scipy>=1.17,<2",
         ],
         # Accelerators: JAX's own CUDA 12 or TPU builds of the same version (README).
         "cuda12": ["jax[cuda12]>=0.10.2,<0.11"],

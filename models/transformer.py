@@ -423,6 +423,68 @@ def forward_decode(params: Params, tokens: jax.Array, positions: jax.Array, kv_m
   return logits, tuple(new_cache)
 
 
+def _verify_block(x, layer, cos, sin, cache_k, cache_v, mask, slots, config: ModelConfig):
+  """One block of `forward_verify`: x [B, T, D], each row's T new keys and values written
+  at its own slots [slots[b], slots[b] + T); returns (x, cache_k, cache_v)."""
+  c = config
+  b, t, _ = x.shape
+  q_width, kv_width = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+  h = rms_norm(x, layer["attn_norm"], c.norm_eps)
+  qkv = h @ layer["qkv"]
+  if c.qkv_bias:
+    qkv = qkv + layer["qkv_bias"]
+  q = qkv[..., :q_width].reshape(b, t, c.n_heads, c.head_dim)
+  k = qkv[..., q_width:q_width + kv_width].reshape(b, t, c.n_kv_heads, c.head_dim)
+  v = qkv[..., q_width + kv_width:].reshape(b, t, c.n_kv_heads, c.head_dim)
+  if c.qk_norm:
+    q, k = rms_norm(q, layer["q_norm"], c.norm_eps), rms_norm(k, layer["k_norm"], c.norm_eps)
+  q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+  put = jax.vmap(lambda buf, new, start, axis: jax.lax.dynamic_update_slice_in_dim(
+      buf, new, start, axis), in_axes=(0, 0, 0, None))
+  cache_k = put(cache_k, jnp.transpose(k, (0, 2, 3, 1)).astype(cache_k.dtype), slots, 2)
+  cache_v = put(cache_v, jnp.transpose(v, (0, 2, 1, 3)).astype(cache_v.dtype), slots, 1)
+  kv_heads, e = c.n_kv_heads, c.head_dim
+  qg = q.reshape(b, t, kv_heads, c.n_heads // kv_heads, e)
+  scores = jnp.einsum("btkge,bkes->bkgts", qg, cache_k,
+                      preferred_element_type=jnp.float32) * (e ** -0.5)
+  scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(cache_v.dtype)
+  attn = jnp.einsum("bkgts,bkse->btkge", probs, cache_v, preferred_element_type=jnp.float32)
+  x = x + attn.reshape(b, t, q_width).astype(x.dtype) @ layer["o"]
+  h = rms_norm(x, layer["mlp_norm"], c.norm_eps)
+  gate, up = jnp.split(h @ layer["gate_up"], 2, axis=-1)
+  return x + (jax.nn.silu(gate) * up) @ layer["down"], cache_k, cache_v
+
+
+def forward_verify(params: Params, tokens: jax.Array, positions: jax.Array, kv_mask: jax.Array,
+                   config: ModelConfig, cache: DecodeCache,
+                   slots: jax.Array) -> tuple[jax.Array, DecodeCache]:
+  """`forward_decode` for T new tokens per row, each row at its own cache slots: the
+  forward that verifies speculative drafts (sampling/speculative.py).
+
+  tokens, positions [B, T]; slots [B]: row b's tokens go to cache slots [slots[b],
+  slots[b] + T) (the cache must have room: its slot count is >= slots + T); kv_mask
+  [B, S'] the valid slots of each row, the new ones included. Query t of row b attends to
+  the valid slots at or before slots[b] + t. Returns logits [B, T, V] (float32) and the
+  cache with the new keys and values written.
+  """
+  c = config
+  t = tokens.shape[1]
+  x = params["embed"][tokens].astype(c.compute_jnp_dtype)
+  width = cache[0][1].shape[2]
+  query_slot = slots[:, None] + jnp.arange(t)[None, :]  # [B, T]
+  mask = kv_mask[:, None, :width] & (jnp.arange(width)[None, None, :] <= query_slot[..., None])
+  cos, sin = (params[name][positions][:, :, None, :] for name in ("rope_cos", "rope_sin"))
+  new_cache = []
+  for layer, (cache_k, cache_v) in zip(params["layers"], cache):
+    x, cache_k, cache_v = _verify_block(x, layer, cos, sin, cache_k, cache_v, mask, slots, c)
+    new_cache.append((cache_k, cache_v))
+  x = rms_norm(x, params["final_norm"], c.norm_eps)
+  logits = jnp.einsum("btd,dv->btv", x, output_head(params, c),
+                      preferred_element_type=jnp.float32)
+  return logits, tuple(new_cache)
+
+
 def _shared_prefix_attention(q, k_prefix, v_prefix, k, v, prefix_mask, suffix_mask):
   """Attention of G continuations over their group's shared prefix plus their own keys.
 

@@ -1,17 +1,21 @@
-"""Sampling: one decode core (`sampler.write_token`, `sampler.make_generation`) under three
-policies: plain lockstep decoding (`sampler`), tree rollouts (`tree`) and resumable
-partial rollouts (`partial`). Every policy returns the one trajectory type, `Generation`.
+"""Sampling: one decode core (`sampler.write_token`, `sampler.make_generation`) under four
+policies: plain lockstep decoding (`sampler`), tree rollouts (`tree`), resumable partial
+rollouts (`partial`) and lossless speculative decoding with model-free drafts
+(`speculative`). Every policy returns the one trajectory type, `Generation`.
 """
 
 from sampling.partial import (RESUME_MODES, PartialConfig, RolloutPool, clear,
                               complete_groups, fill, init_pool, oldest_version, run_round, take)
 from sampling.sampler import (Generation, SamplerState, SamplingConfig, TreePaths, generate,
                               sample)
+from sampling.speculative import DraftConfig, DraftStats, speculative_generate
 from sampling.tree import EntropyFork, FixedSegments, ForkPolicy, Lookahead, tree_generate
 
 __all__ = [
     "EntropyFork",
     "FixedSegments",
+    "DraftConfig",
+    "DraftStats",
     "ForkPolicy",
     "Generation",
     "Lookahead",
@@ -29,6 +33,7 @@ __all__ = [
     "oldest_version",
     "run_round",
     "sample",
+    "speculative_generate",
     "take",
     "tree_generate",
 ]

@@ -100,15 +100,25 @@ def sample_with_uniform(uniform: jax.Array, logits: jax.Array, temperature: floa
   log-prob is the drawn token's share of their total, log(w_token / sum of kept w), the
   probability it was drawn with (see `sample_tokens`).
   """
+  weights, shifted = sampled_weights(logits, temperature, top_k, top_p)
+  tokens = inverse_cdf(weights, uniform)
+  picked = jnp.take_along_axis(shifted, tokens[:, None], axis=-1)[:, 0]
+  return tokens, picked - jnp.log(jnp.sum(weights, axis=-1))
+
+
+def sampled_weights(logits: jax.Array, temperature: float, top_k: int = 0,
+                    top_p: float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """The distribution a row of logits [..., V] is sampled from, unnormalised: (weights
+  w = exp(logits / T - max), zero outside the top-k / top-p set; the shifted logits
+  logits / T - max, whose value at a kept token minus log(sum w) is its log-prob).
+  temperature > 0."""
   scaled = logits.astype(jnp.float32) / temperature
-  peak = jnp.max(scaled, axis=-1, keepdims=True)
-  weights = jnp.exp(scaled - peak)
+  shifted = scaled - jnp.max(scaled, axis=-1, keepdims=True)
+  weights = jnp.exp(shifted)
   if top_k or top_p < 1.0:
     kept = top_p_mask(top_k_mask(scaled, top_k), top_p) > _NEG
     weights = jnp.where(kept, weights, 0.0)
-  tokens = inverse_cdf(weights, uniform)
-  picked = jnp.take_along_axis(scaled - peak, tokens[:, None], axis=-1)[:, 0]
-  return tokens, picked - jnp.log(jnp.sum(weights, axis=-1))
+  return weights, shifted
 
 
 def sample_tokens(rng: jax.Array, logits: jax.Array, temperature: float, top_k: int = 0,
