@@ -36,6 +36,7 @@ from rl.rollouts import kinds
 from rl.rollouts import producers
 from rl.rollouts import selection
 from sampling import sampler as sampler_lib
+from sampling import speculative
 from sharding import mesh as mesh_lib
 from sharding import reshard
 
@@ -190,6 +191,44 @@ def check_distill(config: ml_collections.ConfigDict) -> None:
                      "turn config.rl.prefix_shared_forward off.")
 
 
+def draft_config(config: ml_collections.ConfigDict) -> speculative.DraftConfig | None:
+  """config.rollout.speculative as the sampler's DraftConfig; None when tokens = 0."""
+  s = config.rollout.speculative
+  if not s.tokens:
+    return None
+  return speculative.DraftConfig(tokens=s.tokens, sources=tuple(s.sources), ngram=s.ngram,
+                                 group_size=config.rollout.group_size)
+
+
+def check_speculative(config: ml_collections.ConfigDict) -> None:
+  """Raises ValueError for speculative settings the launcher cannot run: other rollout
+  kinds than independent samples, a mesh, the 'history' source, or 'group' drafts with
+  adaptive selection (whose groups differ in size)."""
+  s = config.rollout.speculative
+  if s.tokens < 0 or s.ngram < 1:
+    raise ValueError(f"config.rollout.speculative.tokens = {s.tokens} must be >= 0 (0 = off) "
+                     f"and ngram = {s.ngram} >= 1.")
+  if not s.tokens:
+    return
+  if config.rollout.kind != "independent":
+    raise ValueError(f"config.rollout.speculative decodes independent samples; "
+                     f"config.rollout.kind = {config.rollout.kind!r} has its own decode loop. "
+                     "Use kind='independent' or speculative.tokens=0.")
+  if not mesh_lib.MeshConfig(data=config.mesh.data, fsdp=config.mesh.fsdp,
+                            tensor=config.mesh.tensor).is_single_device:
+    raise ValueError("config.rollout.speculative runs on one device; set the mesh to 1, 1, 1 "
+                     "or speculative.tokens=0.")
+  if "history" in s.sources:
+    raise ValueError("config.rollout.speculative.sources: 'history' (a prompt's earlier "
+                     "completion) is not kept by the launcher's producers; use "
+                     "prompt_lookup and/or group.")
+  if "group" in s.sources and config.selection.kind == "adaptive":
+    raise ValueError("config.rollout.speculative.sources 'group' needs groups of "
+                     "config.rollout.group_size rows; config.selection.kind='adaptive' sizes "
+                     "them per prompt. Use prompt_lookup or another selection kind.")
+  draft_config(config)  # bad sources or sizes fail here
+
+
 def lora_config(config: ml_collections.ConfigDict) -> lora_lib.LoraConfig | None:
   """The RL phase's LoRA settings (models/lora.py), or None when config.lora.rank = 0.
 
@@ -245,6 +284,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
   if config.model.remat not in transformer.REMAT_POLICIES:
     raise ValueError(f"config.model.remat = {config.model.remat!r}; use one of "
                      f"{', '.join(transformer.REMAT_POLICIES)}.")
+  check_speculative(config)
   if config.loss.kl_coef:
     raise ValueError(f"config.loss.kl_coef = {config.loss.kl_coef}: the launcher has no "
                      "reference policy to take a KL to (no reference forward is wired in). "
@@ -509,6 +549,7 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None, teache
                                lora=phase_lora(config, phase),
                                logprob_chunk=config.rl.logprob_chunk,
                                **(distill_settings(config, teacher) if phase == RL else {}))
+  drafts = draft_config(config) if phase == RL else None
   sharded = {} if mesh is None else dict(
       generate_fn=rollout_lib.make_generate(model_config, sampling_config, mesh),
       publish=reshard.make_publish(mesh, jax.eval_shape(
@@ -517,7 +558,10 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None, teache
       task=task, tokenizer=tokenizer, model_config=model_config,
       sampling_config=sampling_config, prompt_len=config.rollout.prompt_len,
       prompts_per_step=prompts, group_size=config.rollout.group_size,
-      train_pool=config.task.train_pool, generate_fn=sharded.get("generate_fn"))
+      train_pool=config.task.train_pool,
+      generate_fn=(rollout_lib.make_generate(model_config, sampling_config,
+                                             draft_config=drafts)
+                   if drafts is not None else sharded.get("generate_fn")))
   ctx = loop.LoopContext(
       batch=batch, train_step=step,
       batch_advantages=kinds.ROLLOUT_KINDS.get(config.rollout.kind).batch_advantages(config),

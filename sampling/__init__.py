@@ -6,9 +6,9 @@ rollouts (`partial`) and lossless speculative decoding with model-free drafts
 
 from sampling.partial import (RESUME_MODES, PartialConfig, RolloutPool, clear,
                               complete_groups, fill, init_pool, oldest_version, run_round, take)
-from sampling.sampler import (Generation, SamplerState, SamplingConfig, TreePaths, generate,
-                              sample)
-from sampling.speculative import DraftConfig, DraftStats, speculative_generate
+from sampling.sampler import (DraftStats, Generation, SamplerState, SamplingConfig, TreePaths,
+                              generate, sample)
+from sampling.speculative import DraftConfig, speculative_generate
 from sampling.tree import EntropyFork, FixedSegments, ForkPolicy, Lookahead, tree_generate
 
 __all__ = [

@@ -123,13 +123,27 @@ class TreePaths:
 
 
 @flax.struct.dataclass
+class DraftStats:
+  """What speculative decoding (sampling/speculative.py) adds to its `Generation`: per
+  draft source (`sources`, static), drafted [n] draft tokens proposed and verified and
+  accepted [n] of them accepted; forwards: target forwards run (live rows x steps);
+  emitted: tokens written."""
+  drafted: jax.Array
+  accepted: jax.Array
+  forwards: jax.Array
+  emitted: jax.Array
+  sources: tuple = flax.struct.field(pytree_node=False, default=())
+
+
+@flax.struct.dataclass
 class Generation:
   """A finished (or stopped) batch of sequences, ready to be scored.
 
   tokens [B, S]; prompt_mask / completion_mask [B, S]; behavior_logp [B, S];
   version [B, S]; completion_len [B]; stopped [B] (emitted a stop token, as opposed to
   running out of slots); decode_steps: loop iterations run (scalar); tree: the tree
-  rollout's paths (`TreePaths`), None for independent samples and partial rollouts.
+  rollout's paths (`TreePaths`), None for independent samples and partial rollouts;
+  speculative: speculative decoding's draft counters (`DraftStats`), None otherwise.
   """
   tokens: jax.Array
   prompt_mask: jax.Array
@@ -140,6 +154,7 @@ class Generation:
   stopped: jax.Array
   decode_steps: jax.Array
   tree: Optional[TreePaths] = None
+  speculative: Optional[DraftStats] = None
 
 
 def prefill(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng: jax.Array,

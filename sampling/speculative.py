@@ -46,7 +46,7 @@ from models import transformer
 from models.config import ModelConfig
 from sampling import sampler
 from sampling.logits import greedy_tokens, inverse_cdf, sampled_weights
-from sampling.sampler import SamplerState, SamplingConfig
+from sampling.sampler import DraftStats, Generation, SamplerState, SamplingConfig
 
 SOURCES = ("prompt_lookup", "group", "history")
 
@@ -78,17 +78,6 @@ class DraftConfig:
       raise ValueError(f"DraftConfig.sources = {self.sources}: use one or more of {SOURCES}.")
     if "group" in self.sources and self.group_size < 2:
       raise ValueError("The 'group' draft source needs group_size >= 2 rows per prompt.")
-
-
-@flax.struct.dataclass
-class DraftStats:
-  """Counters of one speculative decode, per source (in DraftConfig.sources order):
-  drafted [n] draft tokens proposed and verified, accepted [n] of them accepted; forwards:
-  target forwards run (rows x steps, live rows only), emitted: tokens written."""
-  drafted: jax.Array
-  accepted: jax.Array
-  forwards: jax.Array
-  emitted: jax.Array
 
 
 def _source_arrays(tokens, valid, config: DraftConfig, history, history_mask):
@@ -261,7 +250,8 @@ def speculative_decode(params, state: SamplerState, version: jax.Array,
   loop = _Loop(state=state, last=jnp.full((batch,), slot, jnp.int32),
                position=state.next_position, cache=transformer.to_decode_cache(state.cache),
                stats=DraftStats(drafted=zeros, accepted=zeros, forwards=jnp.zeros((), jnp.int32),
-                                emitted=jnp.sum(live).astype(jnp.int32)))
+                                emitted=jnp.sum(live).astype(jnp.int32),
+                                sources=draft_config.sources))
 
   def body(lp: _Loop) -> _Loop:
     s = lp.state
@@ -309,7 +299,8 @@ def speculative_decode(params, state: SamplerState, version: jax.Array,
     stats = DraftStats(drafted=lp.stats.drafted + by_source(length),
                        accepted=lp.stats.accepted + by_source(kept),
                        forwards=lp.stats.forwards + jnp.sum(live).astype(jnp.int32),
-                       emitted=lp.stats.emitted + jnp.sum(count).astype(jnp.int32))
+                       emitted=lp.stats.emitted + jnp.sum(count).astype(jnp.int32),
+                       sources=draft_config.sources)
     new_state = s.replace(tokens=tokens, token_mask=token_mask, behavior_logp=behav,
                           version=versions, done=done, step=s.step + 1, rng=rng)
     return _Loop(state=new_state, last=last, position=lp.position + count, cache=cache,
@@ -323,14 +314,14 @@ def speculative_sample(params, prompt_tokens: jax.Array, prompt_mask: jax.Array,
                        model_config: ModelConfig, sampling_config: SamplingConfig,
                        draft_config: DraftConfig, version: jax.Array | int = 0,
                        history: jax.Array | None = None,
-                       history_mask: jax.Array | None = None):
-  """`sampler.sample` with speculative decoding: (Generation, DraftStats)."""
+                       history_mask: jax.Array | None = None) -> Generation:
+  """`sampler.sample` with speculative decoding; the Generation carries its `DraftStats`."""
   state = sampler.prefill(params, prompt_tokens, prompt_mask, rng, model_config,
                           sampling_config, scratch_slots=draft_config.tokens)
   state, stats = speculative_decode(params, state, jnp.asarray(version, jnp.int32),
                                     model_config, sampling_config, draft_config, history,
                                     history_mask)
-  return sampler.to_generation(state), stats
+  return sampler.to_generation(state).replace(speculative=stats)
 
 
 speculative_generate = jax.jit(speculative_sample,

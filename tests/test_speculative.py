@@ -89,9 +89,10 @@ def test_greedy_speculative_decoding_is_plain_greedy_decoding(name):
   config = SamplingConfig(max_new_tokens=new_tokens, temperature=0.0, stop_tokens=(2,))
   plain = sampler.generate(PARAMS, prompts, mask, jax.random.PRNGKey(1), CONFIG, config)
   history, history_mask = _history(plain)  # the same policy's output: all accepted
-  spec, counts = speculative.speculative_generate(
+  spec = speculative.speculative_generate(
       PARAMS, prompts, mask, jax.random.PRNGKey(1), CONFIG, config, _draft_config(name),
       history=history, history_mask=history_mask)
+  counts = spec.speculative
   np.testing.assert_array_equal(spec.tokens, plain.tokens)
   np.testing.assert_array_equal(spec.completion_mask, plain.completion_mask)
   np.testing.assert_array_equal(spec.version, plain.version)
@@ -144,9 +145,10 @@ def test_sampled_completions_have_the_policys_distribution(name, temperature, to
                           compact_min_rows=0)
   earlier = sampler.generate(PARAMS, prompts, mask, jax.random.PRNGKey(3), CONFIG, config)
   history, history_mask = _history(earlier)  # another draw of the same prompts
-  spec, counts = speculative.speculative_generate(
+  spec = speculative.speculative_generate(
       PARAMS, prompts, mask, jax.random.PRNGKey(7), CONFIG, config, _draft_config(name, 2),
       history=history, history_mask=history_mask)
+  counts = spec.speculative
   drafted, accepted = int(counts.drafted.sum()), int(counts.accepted.sum())
   assert 0.05 * drafted < accepted < 0.95 * drafted
   seqs, probs = _exact_prefix_distribution(temperature, top_k)
@@ -170,3 +172,38 @@ def test_sampled_completions_have_the_policys_distribution(name, temperature, to
   completion = np.asarray(spec.completion_mask)[:, 1:]
   np.testing.assert_allclose(np.asarray(spec.behavior_logp)[:, 1:][completion],
                              picked[completion], atol=2e-4)
+
+
+def test_speculative_rollouts_through_the_launcher(tmp_path):
+  """--config.rollout.speculative.tokens=3 with prompt-lookup and group drafts: the RL steps
+  log the draft counters, fewer target forwards than tokens, and behaviour log-probs that
+  the train step's own forward reproduces (rollout_train_mismatch_kl at float32 rounding)."""
+  import json  # pylint: disable=import-outside-toplevel
+  from experiments import train as launcher  # pylint: disable=import-outside-toplevel
+  from tests.launcher_config import tiny_run_config  # pylint: disable=import-outside-toplevel
+  launcher.run(tiny_run_config(tmp_path, {"rollout.speculative.tokens": 3,
+                                          "rollout.speculative.sources": ("prompt_lookup",
+                                                                          "group")}))
+  records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  steps = [r for r in records if r.get("phase") == "rl" and "loss" in r]
+  assert len(steps) == 2
+  for r in steps:
+    assert r["spec_drafted"] == r["spec_drafted_prompt_lookup"] + r["spec_drafted_group"] > 0
+    assert 0 < r["spec_forwards_per_token"] < 1
+    assert r["rollout_train_mismatch_kl"] < 1e-6
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"rollout.kind": "tree"}, "has its own decode loop"),
+    ({"mesh.data": 2, "mesh.fsdp": 4}, "runs on one device"),
+    ({"rollout.speculative.sources": ("history",)}, "'history'"),
+    ({"rollout.speculative.sources": ("group",), "selection.kind": "adaptive"},
+     "sizes them per prompt"),
+    ({"rollout.speculative.sources": ("lookup",)}, "use one or more of"),
+])
+def test_speculative_settings_the_launcher_cannot_run_are_refused(tmp_path, overrides, message):
+  from rl import wiring  # pylint: disable=import-outside-toplevel
+  from tests.launcher_config import tiny_run_config  # pylint: disable=import-outside-toplevel
+  config = tiny_run_config(tmp_path, {"rollout.speculative.tokens": 3, **overrides})
+  with pytest.raises(ValueError, match=message):
+    wiring.validate(config)

@@ -83,6 +83,13 @@ def get_config() -> ml_collections.ConfigDict:
   c.rollout.train_length_buckets = (24, 48)  # completion slots the train step may cut a
                                       # batch to (its longest row's bucket; () = always
                                       # max_new_tokens)
+  # Speculative decoding (sampling/speculative.py): draft tokens by n-gram lookup, verify
+  # them several per forward, accept exactly (the same distribution as plain decoding).
+  c.rollout.speculative = ml_collections.ConfigDict()
+  c.rollout.speculative.tokens = 0    # draft tokens per forward (k; 0 = plain decoding)
+  c.rollout.speculative.sources = ("prompt_lookup",)  # prompt_lookup (the row's own prompt
+                                      # and text) | group (its siblings' text); earlier wins
+  c.rollout.speculative.ngram = 3     # longest suffix matched (shorter ones tried after)
 
   c.warm_start = ml_collections.ConfigDict()
   c.warm_start.steps = 900            # supervised steps on reference answers (0 = skip)

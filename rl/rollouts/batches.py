@@ -19,7 +19,8 @@ from rl import timing
 from rl.tasks import Example, Task
 from rl.types import Rollout, TreeRows
 from sampling import sampler
-from sampling.sampler import Generation, SamplingConfig, generate
+from sampling.sampler import DraftStats, Generation, SamplingConfig, generate
+from sampling.speculative import DraftConfig, speculative_generate
 from sampling.tree import ForkPolicy, tree_generate
 from sharding import multihost
 from sharding import reshard
@@ -81,7 +82,8 @@ def supervised_batch(tokenizer: Tokenizer, examples: Sequence[Example], prompt_l
 @functools.lru_cache(maxsize=32)
 def make_generate(model_config: ModelConfig, sampling_config: SamplingConfig,
                   mesh: jax.sharding.Mesh | None = None,
-                  rules: sharding_rules.Rules = sharding_rules.SAMPLER_RULES) -> GenerateFn:
+                  rules: sharding_rules.Rules = sharding_rules.SAMPLER_RULES,
+                  draft_config: DraftConfig | None = None) -> GenerateFn:
   """The sampler as `generate_fn(params, prompt_tokens, prompt_mask, rng, version)`, with
   `generate_fn.lower(...)` (the same arguments) lowering its compiled program.
 
@@ -96,7 +98,22 @@ def make_generate(model_config: ModelConfig, sampling_config: SamplingConfig,
   so repeated calls skip that. In a multi-process run host prompts are placed row-wise.
   A batch whose rows do not split over data x fsdp (a selection refill, say) is padded
   with copies of its last row, and the padding rows are dropped from the result.
+
+  draft_config: decode speculatively with these model-free drafts
+  (`sampling.speculative`; the same distribution, fewer forwards; the Generation carries
+  its draft counters). Single-device only.
   """
+  if draft_config is not None:
+    if mesh is not None:
+      raise ValueError("Speculative decoding runs on one device; drop the mesh or the drafts.")
+
+    def speculative(params, prompt_tokens, prompt_mask, rng, version=0):
+      return speculative_generate(params, prompt_tokens, prompt_mask, rng, model_config,
+                                  sampling_config, draft_config, version)
+    speculative.lower = lambda params, prompt_tokens, prompt_mask, rng, version=0: (
+        speculative_generate.lower(params, prompt_tokens, prompt_mask, rng, model_config,
+                                   sampling_config, draft_config, version))
+    return speculative
   if mesh is None:
     def unsharded(params, prompt_tokens, prompt_mask, rng, version=0):
       return generate(params, prompt_tokens, prompt_mask, rng, model_config, sampling_config,
@@ -164,6 +181,7 @@ class ScoredSamples:
   decode_steps: int
   reward_timeouts: int = 0
   reward_errors: int = 0
+  draft_stats: DraftStats | None = None
 
 
 def decode_completions(tokenizer: Tokenizer, tokens: np.ndarray, completion_mask: np.ndarray) -> list[str]:
@@ -215,7 +233,8 @@ def score_generation(generation: Generation, examples: Sequence[Example], group_
                     group=group, reward=jnp.asarray(scores.rewards))
   return ScoredSamples(rollout=rollout, completions=completions, exact=scores.exact,
                        decode_steps=int(generation.decode_steps),
-                       reward_timeouts=scores.timeouts, reward_errors=scores.errors)
+                       reward_timeouts=scores.timeouts, reward_errors=scores.errors,
+                       draft_stats=jax.device_get(generation.speculative))
 
 
 @dataclasses.dataclass

@@ -82,3 +82,26 @@ def batch_stats(group_rewards: Sequence[np.ndarray], exact: np.ndarray,
       completion_length_counts=np.bincount(np.asarray(trained_lengths, np.int64)),
       reward_timeouts=sum(s.reward_timeouts for s in scored),
       reward_errors=sum(s.reward_errors for s in scored), counters=counters)
+
+
+def draft_counters(scored: Sequence) -> dict:
+  """Speculative decoding's counters over the scoring results `scored` (their
+  `draft_stats`; {} when none decoded speculatively): spec_drafted / spec_accepted draft
+  tokens, spec_acceptance (accepted / drafted), spec_forwards_per_token (target forwards
+  per generated token: 1 for plain decoding) and, per draft source,
+  spec_acceptance_<source> and spec_drafted_<source>."""
+  stats = [s.draft_stats for s in scored if getattr(s, "draft_stats", None) is not None]
+  if not stats:
+    return {}
+  sources = stats[0].sources
+  drafted = np.sum([np.asarray(s.drafted) for s in stats], axis=0)
+  accepted = np.sum([np.asarray(s.accepted) for s in stats], axis=0)
+  forwards = sum(int(s.forwards) for s in stats)
+  emitted = sum(int(s.emitted) for s in stats)
+  counters = dict(spec_drafted=int(drafted.sum()), spec_accepted=int(accepted.sum()),
+                  spec_acceptance=float(accepted.sum() / max(drafted.sum(), 1)),
+                  spec_forwards_per_token=forwards / max(emitted, 1))
+  for name, d, a in zip(sources, drafted, accepted):
+    counters[f"spec_drafted_{name}"] = int(d)
+    counters[f"spec_acceptance_{name}"] = float(a / max(d, 1))
+  return counters
