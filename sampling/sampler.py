@@ -288,7 +288,7 @@ def compaction_widths(batch: int, min_rows: int) -> list[int]:
 _SHARED_FIELDS = ("step", "rng")
 
 
-def _take_rows(state: SamplerState, index: jax.Array) -> SamplerState:
+def take_rows(state: SamplerState, index: jax.Array) -> SamplerState:
   """The state restricted to rows `index` [W] (step and rng are shared by all rows)."""
   take = lambda a: a[index]
   return state.replace(**{f.name: jax.tree.map(take, getattr(state, f.name))
@@ -296,7 +296,7 @@ def _take_rows(state: SamplerState, index: jax.Array) -> SamplerState:
                           if f.name not in _SHARED_FIELDS and f.name != "prompt_len"})
 
 
-def _put_rows(state: SamplerState, index: jax.Array, part: SamplerState) -> SamplerState:
+def put_rows(state: SamplerState, index: jax.Array, part: SamplerState) -> SamplerState:
   """`state` with rows `index` replaced by the rows of `part` (which also brings step/rng)."""
   fields = {}
   for f in dataclasses.fields(state):
@@ -363,8 +363,8 @@ def decode(params, state: SamplerState, version: jax.Array, model_config: ModelC
     if width == batch:
       return run_phase(end, s, rows, budget)
     index = jnp.argsort(s.done, stable=True)[:width]
-    part = run_phase(end, _take_rows(s, index), rows[index], budget[index])
-    return _put_rows(s, index, part)
+    part = run_phase(end, take_rows(s, index), rows[index], budget[index])
+    return put_rows(s, index, part)
 
   rows = jnp.arange(batch)
   full_cache = transformer.to_decode_cache(state.cache)

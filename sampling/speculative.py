@@ -37,6 +37,7 @@ tree rollouts do not use it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.struct
 import jax
@@ -80,18 +81,34 @@ class DraftConfig:
       raise ValueError("The 'group' draft source needs group_size >= 2 rows per prompt.")
 
 
-def _source_arrays(tokens, valid, config: DraftConfig, history, history_mask):
+def sibling_rows(batch: int, group_size: int) -> jax.Array:
+  """[B, G - 1]: the other rows of each row's contiguous block of `group_size`."""
+  rows = jnp.arange(batch)
+  return rows[:, None] // group_size * group_size + (
+      jnp.arange(1, group_size)[None, :] + rows[:, None] % group_size) % group_size
+
+
+def siblings_of(tokens: jax.Array, valid: jax.Array, config: DraftConfig):
+  """The 'group' source of rows [B, S] in contiguous groups: ([B, G - 1, S] tokens, their
+  validity), or None when the config does not draft from the group."""
+  if "group" not in config.sources:
+    return None
+  if tokens.shape[0] % config.group_size:
+    raise ValueError(f"{tokens.shape[0]} rows do not split into groups of "
+                     f"{config.group_size} (DraftConfig.group_size) for the 'group' source.")
+  others = sibling_rows(tokens.shape[0], config.group_size)
+  return tokens[others], valid[others]
+
+
+def _source_arrays(tokens, valid, config: DraftConfig, siblings, history, history_mask):
   """[B, M, L] source tokens and validity, highest priority last (see `draft`)."""
-  batch, slots = tokens.shape
+  slots = tokens.shape[1]
   arrays = []
   for name in reversed(config.sources):
     if name == "prompt_lookup":
       src, ok = tokens[:, None], valid[:, None]
     elif name == "group":
-      g = config.group_size
-      block = jnp.arange(batch) // g * g
-      others = block[:, None] + (jnp.arange(1, g)[None, :] + jnp.arange(batch)[:, None] % g) % g
-      src, ok = tokens[others], valid[others]
+      src, ok = siblings if siblings is not None else siblings_of(tokens, valid, config)
     else:
       length = history.shape[1]
       pad = ((0, 0), (0, max(slots - length, 0)))
@@ -104,12 +121,15 @@ def _source_arrays(tokens, valid, config: DraftConfig, history, history_mask):
 
 
 def draft(tokens: jax.Array, valid: jax.Array, last: jax.Array, config: DraftConfig,
-          history: jax.Array | None = None, history_mask: jax.Array | None = None):
+          siblings=None, history: jax.Array | None = None,
+          history_mask: jax.Array | None = None):
   """Each row's draft: the k tokens after the latest occurrence of its last n tokens.
 
   tokens, valid [B, S]: the rows and their written slots; last [B]: each row's newest slot
-  (its n-gram ends there; the row's own matches must end before it). history,
-  history_mask [B, H] (H <= S): the 'history' source. Returns (draft [B, k], length [B]:
+  (its n-gram ends there; the row's own matches must end before it). siblings: the
+  'group' source as ([B, M, S] tokens, validity); default `siblings_of(tokens, valid)`
+  (rows in contiguous groups). history, history_mask [B, H] (H <= S): the 'history'
+  source. Returns (draft [B, k], length [B]:
   how many leading draft tokens are real, source [B]: index into config.sources of the
   match, -1 for none). The longest n <= config.ngram with a match is used.
   """
@@ -117,7 +137,7 @@ def draft(tokens: jax.Array, valid: jax.Array, last: jax.Array, config: DraftCon
   batch, slots = tokens.shape
   positions = jnp.arange(slots)
   rows = jnp.arange(batch)
-  arrays = _source_arrays(tokens, valid, config, history, history_mask)
+  arrays = _source_arrays(tokens, valid, config, siblings, history, history_mask)
   best_draft = jnp.zeros((batch, k), jnp.int32)
   best_len = jnp.zeros((batch,), jnp.int32)
   best_source = jnp.full((batch,), -1, jnp.int32)
@@ -205,16 +225,80 @@ def _accept(logits: jax.Array, drafts: jax.Array, length: jax.Array, uniforms: j
 
 @flax.struct.dataclass
 class _Loop:
+  """The speculative loop's carry: the sampler state (its cache in the decode layout,
+  `transformer.to_decode_cache`), each row's pending slot and RoPE position, the counters."""
   state: SamplerState
   last: jax.Array  # [B] slot of each row's newest (pending) token
   position: jax.Array  # [B] RoPE position of the pending token
-  cache: tuple
   stats: DraftStats
 
 
 def _active(lp: _Loop) -> jax.Array:
   """Rows still decoding: no stop token yet, and a slot after the pending token."""
   return ~lp.state.done & (lp.last < lp.state.tokens.shape[1] - 1)
+
+
+def _take(lp: _Loop, index: jax.Array) -> _Loop:
+  return lp.replace(state=sampler.take_rows(lp.state, index), last=lp.last[index],
+                    position=lp.position[index])
+
+
+def _put(lp: _Loop, index: jax.Array, part: _Loop) -> _Loop:
+  return _Loop(state=sampler.put_rows(lp.state, index, part.state),
+               last=lp.last.at[index].set(part.last),
+               position=lp.position.at[index].set(part.position), stats=part.stats)
+
+
+def _verify_step(lp: _Loop, rows: jax.Array, layers, siblings, history, version: jax.Array,
+                 model_config: ModelConfig, sampling_config: SamplingConfig,
+                 draft_config: DraftConfig) -> _Loop:
+  """One speculative step of every active row of `lp` (rows [W]: their indices in the
+  whole batch, which key their random draws): draft, one verify forward over the pending
+  token and the draft, accept, write the emitted tokens."""
+  c, k = sampling_config, draft_config.tokens
+  s = lp.state
+  width, slots = s.tokens.shape
+  live = _active(lp)
+  room = slots - 1 - lp.last  # slots after the pending token
+  drafts, length, source = draft(s.tokens, s.token_mask, lp.last, draft_config, siblings,
+                                 *(history or (None, None)))
+  length = jnp.where(live, jnp.minimum(length, room - 1), 0)
+  pending = jnp.take_along_axis(s.tokens, lp.last[:, None], 1)
+  fed = jnp.concatenate([pending, drafts], axis=1)  # [W, k + 1]
+  window = jnp.arange(slots + k)[None, :] - lp.last[:, None]
+  kv_mask = jnp.pad(s.token_mask, ((0, 0), (0, k))) | ((window >= 0) & (window <= k))
+  logits, cache = transformer.forward_verify(
+      layers, fed, lp.position[:, None] + jnp.arange(k + 1)[None, :], kv_mask, model_config,
+      s.cache, lp.last)
+  rng, key = jax.random.split(s.rng)
+  uniforms = jax.vmap(lambda r: jax.random.uniform(jax.random.fold_in(key, r), (k + 1,)))(rows)
+  accepted, final, draft_logp, final_logp = _accept(logits, drafts, length, uniforms, c)
+  # Emitted tokens: the accepted drafts, then the final token; cut after a stop token.
+  at_final = jnp.arange(k + 1)[None, :] == accepted[:, None]
+  emitted = jnp.where(at_final, final[:, None], jnp.pad(drafts, ((0, 0), (0, 1))))
+  emitted_logp = jnp.where(at_final, final_logp[:, None], jnp.pad(draft_logp, ((0, 0), (0, 1))))
+  count = accepted + 1
+  is_stop = sampler.stop_mask(emitted, jnp.arange(k + 1)[None, :] < count[:, None], c)
+  stopped = jnp.any(is_stop, axis=1)
+  count = jnp.where(live, jnp.where(stopped, jnp.argmax(is_stop, axis=1) + 1, count), 0)
+  tokens, token_mask, behav, versions = s.tokens, s.token_mask, s.behavior_logp, s.version
+  for j in range(k + 1):
+    slot = jnp.where(j < count, lp.last + 1 + j, slots)  # a slot past the row: no write
+    tokens = sampler.write_at(tokens, emitted[:, j], slot)
+    token_mask = sampler.write_at(token_mask, jnp.ones((width,), bool), slot)
+    behav = sampler.write_at(behav, emitted_logp[:, j], slot)
+    versions = sampler.write_at(versions, jnp.full((width,), version, jnp.int32), slot)
+  sources = len(draft_config.sources)
+  by_source = lambda x: jnp.zeros((sources,), jnp.int32).at[jnp.maximum(source, 0)].add(
+      jnp.where(live & (source >= 0), x, 0))
+  stats = lp.stats.replace(
+      drafted=lp.stats.drafted + by_source(length),
+      accepted=lp.stats.accepted + by_source(jnp.minimum(accepted, count)),  # written ones
+      forwards=lp.stats.forwards + jnp.sum(live).astype(jnp.int32),
+      emitted=lp.stats.emitted + jnp.sum(count).astype(jnp.int32))
+  state = s.replace(tokens=tokens, token_mask=token_mask, behavior_logp=behav, version=versions,
+                    done=s.done | (live & stopped), step=s.step + 1, rng=rng, cache=cache)
+  return _Loop(state=state, last=lp.last + count, position=lp.position + count, stats=stats)
 
 
 def speculative_decode(params, state: SamplerState, version: jax.Array,
@@ -224,13 +308,18 @@ def speculative_decode(params, state: SamplerState, version: jax.Array,
   """Decodes `state` (fresh from `sampler.prefill` with `scratch_slots=draft_config.tokens`)
   until every row is done, speculatively (module docstring). Returns the final state
   (tokens, masks, behaviour log-probs, versions and done flags as plain decoding would
-  have them; its cache and next_logits are not resumable) and the draft counters."""
+  have them; its cache and next_logits are not resumable) and the draft counters.
+
+  Rows that have stopped stop costing, as in `sampler.decode`: the loop runs in rounds of
+  phase_tokens / (k + 1) steps (`SamplingConfig.phase_tokens`), and each round runs only
+  the narrowest of batch, batch/2, batch/4 rows (`compact_min_rows`) that holds the rows
+  still decoding. The 'group' source reads the siblings' text as of the round's start.
+  """
   c, k = sampling_config, draft_config.tokens
   batch, slots = state.tokens.shape
+  if "history" in draft_config.sources and history is None:
+    raise ValueError("The 'history' draft source needs history and history_mask.")
   layers = transformer.unstack_layers(params, model_config, slots + k)
-  if "group" in draft_config.sources and batch % draft_config.group_size:
-    raise ValueError(f"{batch} rows do not split into groups of {draft_config.group_size} "
-                     "(DraftConfig.group_size) for the 'group' draft source.")
   rows = jnp.arange(batch)
   # The first completion token: a plain draw from the prefill's logits, written, pending.
   rng, key = jax.random.split(state.rng)
@@ -244,70 +333,43 @@ def speculative_decode(params, state: SamplerState, version: jax.Array,
       version=sampler.write_at(state.version, jnp.where(live, version, -1).astype(jnp.int32),
                                slot),
       done=state.done | sampler.stop_mask(token, live, c),
-      rng=rng, step=state.step + 1)
-  sources = len(draft_config.sources)
-  zeros = jnp.zeros((sources,), jnp.int32)
+      rng=rng, step=state.step + 1, cache=transformer.to_decode_cache(state.cache))
+  zeros = jnp.zeros((len(draft_config.sources),), jnp.int32)
   loop = _Loop(state=state, last=jnp.full((batch,), slot, jnp.int32),
-               position=state.next_position, cache=transformer.to_decode_cache(state.cache),
+               position=state.next_position,
                stats=DraftStats(drafted=zeros, accepted=zeros, forwards=jnp.zeros((), jnp.int32),
                                 emitted=jnp.sum(live).astype(jnp.int32),
                                 sources=draft_config.sources))
+  history_rows = None if history is None else (history, history_mask)
+  widths = sampler.compaction_widths(batch, c.compact_min_rows)
+  round_steps = max(1, c.phase_tokens // (k + 1)) if c.phase_tokens else slots
 
-  def body(lp: _Loop) -> _Loop:
-    s = lp.state
-    live = _active(lp)
-    room = slots - 1 - lp.last  # slots after the pending token
-    drafts, length, source = draft(s.tokens, s.token_mask, lp.last, draft_config, history,
-                                   history_mask)
-    length = jnp.where(live, jnp.minimum(length, room - 1), 0)
-    pending = jnp.take_along_axis(s.tokens, lp.last[:, None], 1)
-    fed = jnp.concatenate([pending, drafts], axis=1)  # [B, k + 1]
-    kv_mask = jnp.pad(s.token_mask, ((0, 0), (0, k))) | (
-        (jnp.arange(slots + k)[None, :] >= lp.last[:, None])
-        & (jnp.arange(slots + k)[None, :] <= lp.last[:, None] + k))
-    logits, cache = transformer.forward_verify(
-        layers, fed, lp.position[:, None] + jnp.arange(k + 1)[None, :], kv_mask, model_config,
-        lp.cache, lp.last)
-    rng, key = jax.random.split(s.rng)
-    uniforms = jax.vmap(lambda r: jax.random.uniform(jax.random.fold_in(key, r), (k + 1,)))(rows)
-    accepted, final, draft_logp, final_logp = _accept(logits, drafts, length, uniforms, c)
-    # Emitted tokens: the accepted drafts, then the final token; cut after a stop token.
-    emitted = jnp.concatenate([drafts, jnp.zeros((batch, 1), jnp.int32)], axis=1)
-    emitted = jnp.where(jnp.arange(k + 1)[None, :] == accepted[:, None], final[:, None], emitted)
-    emitted_logp = jnp.concatenate([draft_logp, jnp.zeros((batch, 1))], axis=1)
-    emitted_logp = jnp.where(jnp.arange(k + 1)[None, :] == accepted[:, None],
-                             final_logp[:, None], emitted_logp)
-    count = accepted + 1
-    is_stop = sampler.stop_mask(emitted, jnp.arange(k + 1)[None, :] < count[:, None], c)
-    first_stop = jnp.argmax(is_stop, axis=1)
-    stopped = jnp.any(is_stop, axis=1)
-    count = jnp.where(stopped, first_stop + 1, count)
-    count = jnp.where(live, count, 0)
-    tokens, token_mask, behav, versions = s.tokens, s.token_mask, s.behavior_logp, s.version
-    for j in range(k + 1):
-      write = j < count
-      slot = jnp.where(write, lp.last + 1 + j, slots)  # slot past the row: nothing written
-      tokens = sampler.write_at(tokens, emitted[:, j], slot)
-      token_mask = sampler.write_at(token_mask, jnp.ones((batch,), bool), slot)
-      behav = sampler.write_at(behav, emitted_logp[:, j], slot)
-      versions = sampler.write_at(versions, jnp.full((batch,), version, jnp.int32), slot)
-    last = lp.last + count
-    done = s.done | (live & stopped)
-    by_source = lambda x: jnp.zeros((sources,), jnp.int32).at[jnp.maximum(source, 0)].add(
-        jnp.where(live & (source >= 0), x, 0))
-    kept = jnp.minimum(accepted, count)  # accepted drafts actually written
-    stats = DraftStats(drafted=lp.stats.drafted + by_source(length),
-                       accepted=lp.stats.accepted + by_source(kept),
-                       forwards=lp.stats.forwards + jnp.sum(live).astype(jnp.int32),
-                       emitted=lp.stats.emitted + jnp.sum(count).astype(jnp.int32),
-                       sources=draft_config.sources)
-    new_state = s.replace(tokens=tokens, token_mask=token_mask, behavior_logp=behav,
-                          version=versions, done=done, step=s.step + 1, rng=rng)
-    return _Loop(state=new_state, last=last, position=lp.position + count, cache=cache,
-                 stats=stats)
+  def run(lp, rows, siblings, history):
+    def cond(carry):
+      return jnp.any(_active(carry[0])) & (carry[1] < round_steps)
 
-  loop = jax.lax.while_loop(lambda lp: jnp.any(_active(lp)), body, loop)
-  return loop.state, loop.stats
+    def body(carry):
+      return (_verify_step(carry[0], rows, layers, siblings, history, version, model_config,
+                           c, draft_config), carry[1] + 1)
+    return jax.lax.while_loop(cond, body, (lp, 0))[0]
+
+  def narrow(width, lp):
+    siblings = siblings_of(lp.state.tokens, lp.state.token_mask, draft_config)
+    if width == batch:
+      return run(lp, rows, siblings, history_rows)
+    index = jnp.argsort(~_active(lp), stable=True)[:width]  # active rows first
+    pick = lambda tree: None if tree is None else jax.tree.map(lambda a: a[index], tree)
+    return _put(lp, index, run(_take(lp, index), index, pick(siblings), pick(history_rows)))
+
+  def one_round(lp):
+    if len(widths) == 1:
+      return narrow(batch, lp)
+    live = jnp.sum(_active(lp))
+    choice = sum((live <= w).astype(jnp.int32) for w in widths[1:])
+    return jax.lax.switch(choice, [functools.partial(narrow, w) for w in widths], lp)
+
+  loop = jax.lax.while_loop(lambda lp: jnp.any(_active(lp)), one_round, loop)
+  return loop.state.replace(cache=transformer.from_decode_cache(loop.state.cache)), loop.stats
 
 
 def speculative_sample(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng: jax.Array,

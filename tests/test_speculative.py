@@ -82,11 +82,18 @@ def test_group_and_history_sources_and_their_priority():
   assert drafts[0].tolist() == [2, 3] and source.tolist() == [0, -1] and int(length[1]) == 0
 
 
-@pytest.mark.parametrize("name", list(SOURCES))
-def test_greedy_speculative_decoding_is_plain_greedy_decoding(name):
-  rows, new_tokens = 8, 16
+@pytest.mark.parametrize("name, compact", [(name, False) for name in SOURCES]
+                         + [("all", True)])
+def test_greedy_speculative_decoding_is_plain_greedy_decoding(name, compact):
+  """compact: 32 rows in rounds of 2 steps, live rows gathered into 16 or 8 (stop tokens 2
+  and 5 end 19 of them at lengths 1 to 14)."""
+  rows, new_tokens = (32, 24) if compact else (8, 16)
   prompts, mask = _prompts(rows)
-  config = SamplingConfig(max_new_tokens=new_tokens, temperature=0.0, stop_tokens=(2,))
+  if compact:  # different prompts, so rows stop at different steps
+    prompts = jnp.asarray(np.random.default_rng(4).integers(3, 8, (rows, len(PROMPT))), jnp.int32)
+  config = SamplingConfig(max_new_tokens=new_tokens, temperature=0.0,
+                          stop_tokens=(2, 5) if compact else (2,),
+                          phase_tokens=8 if compact else 64, compact_min_rows=8)
   plain = sampler.generate(PARAMS, prompts, mask, jax.random.PRNGKey(1), CONFIG, config)
   history, history_mask = _history(plain)  # the same policy's output: all accepted
   spec = speculative.speculative_generate(
