@@ -348,8 +348,26 @@ def test_b6_page_measures_tokens_to_half_of_uniforms_gain(tmp_path):
   assert (tmp_path / "b6_zero_variance.png").exists()
 
 
+def test_speculative_page_compares_sampling_seconds_with_plain_decoding(tmp_path):
+  spec = runpy.run_path(os.path.join(_REPO, "experiments", "grids", "speculative.py"))
+  assert len(spec["SPEC"]["cells"]) == 12
+  results = [
+      _cell_result("plain", 0, [0.3, 0.8], [0, 1], [0.0, 50.0], {"completion_len": 40.0}),
+      _cell_result("lookup_k4", 0, [0.3, 0.82], [0, 1], [0.0, 40.0],
+                   {"completion_len": 40.0, "spec_acceptance": 0.5,
+                    "spec_forwards_per_token": 0.4})]
+  results[0]["summary"]["rl_sample_s_median"] = 0.30
+  results[1]["summary"]["rl_sample_s_median"] = 0.20
+  page = spec["render_page"](results, str(tmp_path / "spec.md"))
+  plain, lookup = _row(page, "plain"), _row(page, "lookup_k4")
+  assert plain[4] == "0.300" and lookup[4] == "0.200" and lookup[5] == "1.50"
+  assert lookup[6] == "0.500" and lookup[7] == "0.400" and plain[7] == "1.000"
+  assert lookup[3] == "0.020 (1 up, 0 down)"
+  assert (tmp_path / "spec.png").exists()
+
+
 @pytest.mark.parametrize("spec", ["b3_tree", "b4_partial_async", "b5_staleness", "b6_selection",
-                                  "opd", "warm_starts"])
+                                  "opd", "speculative", "warm_starts"])
 def test_every_benchmark_cell_is_a_valid_launcher_config(spec):
   """Each cell's flags name real fields with accepted values on the default config (the
   shared warm start's folder aside: it exists only once warm_starts.py has run)."""
