@@ -202,8 +202,8 @@ def draft_config(config: ml_collections.ConfigDict) -> speculative.DraftConfig |
 
 def check_speculative(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError for speculative settings the launcher cannot run: other rollout
-  kinds than independent samples, a mesh, the 'history' source, or 'group' drafts with
-  adaptive selection (whose groups differ in size)."""
+  kinds than independent samples, a mesh, the 'history' source without a finite prompt
+  pool, or 'group' drafts with adaptive selection (whose groups differ in size)."""
   s = config.rollout.speculative
   if s.tokens < 0 or s.ngram < 1:
     raise ValueError(f"config.rollout.speculative.tokens = {s.tokens} must be >= 0 (0 = off) "
@@ -218,10 +218,10 @@ def check_speculative(config: ml_collections.ConfigDict) -> None:
                             tensor=config.mesh.tensor).is_single_device:
     raise ValueError("config.rollout.speculative runs on one device; set the mesh to 1, 1, 1 "
                      "or speculative.tokens=0.")
-  if "history" in s.sources:
-    raise ValueError("config.rollout.speculative.sources: 'history' (a prompt's earlier "
-                     "completion) is not kept by the launcher's producers; use "
-                     "prompt_lookup and/or group.")
+  if "history" in s.sources and not config.task.train_pool:
+    raise ValueError("config.rollout.speculative.sources 'history' drafts from a prompt's "
+                     "completion at its previous visit: it needs prompts that come back, "
+                     "config.task.train_pool > 0.")
   if "group" in s.sources and config.selection.kind == "adaptive":
     raise ValueError("config.rollout.speculative.sources 'group' needs groups of "
                      "config.rollout.group_size rows; config.selection.kind='adaptive' sizes "
@@ -559,6 +559,7 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None, teache
       sampling_config=sampling_config, prompt_len=config.rollout.prompt_len,
       prompts_per_step=prompts, group_size=config.rollout.group_size,
       train_pool=config.task.train_pool,
+      keep_completions=drafts is not None and "history" in drafts.sources,
       generate_fn=(rollout_lib.make_generate(model_config, sampling_config,
                                              draft_config=drafts)
                    if drafts is not None else sharded.get("generate_fn")))

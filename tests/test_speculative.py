@@ -203,7 +203,7 @@ def test_speculative_rollouts_through_the_launcher(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     ({"rollout.kind": "tree"}, "has its own decode loop"),
     ({"mesh.data": 2, "mesh.fsdp": 4}, "runs on one device"),
-    ({"rollout.speculative.sources": ("history",)}, "'history'"),
+    ({"rollout.speculative.sources": ("history",)}, "config.task.train_pool > 0"),
     ({"rollout.speculative.sources": ("group",), "selection.kind": "adaptive"},
      "sizes them per prompt"),
     ({"rollout.speculative.sources": ("lookup",)}, "use one or more of"),
@@ -214,3 +214,25 @@ def test_speculative_settings_the_launcher_cannot_run_are_refused(tmp_path, over
   config = tiny_run_config(tmp_path, {"rollout.speculative.tokens": 3, **overrides})
   with pytest.raises(ValueError, match=message):
     wiring.validate(config)
+
+
+def test_history_drafts_from_the_previous_visit_and_resumes(tmp_path):
+  """sources=('history',) with a pool of 2 prompts: step 1 visits both (nothing to draft
+  from yet), step 2 drafts from step 1's completions; the kept completions are part of
+  the checkpoint, so a run resumed after step 2 logs what the uninterrupted run logs."""
+  import json  # pylint: disable=import-outside-toplevel
+  from experiments import train as launcher  # pylint: disable=import-outside-toplevel
+  from tests.launcher_config import tiny_run_config  # pylint: disable=import-outside-toplevel
+  flags = {"rollout.speculative.tokens": 3, "rollout.speculative.sources": ("history",),
+           "task.train_pool": 2}
+  steps = lambda workdir: [json.loads(line) for line in open(workdir / "metrics.jsonl")
+                           if '"spec_drafted"' in line]
+  launcher.run(tiny_run_config(tmp_path / "whole", {**flags, "rl.steps": 4}))
+  whole = steps(tmp_path / "whole")
+  assert len(whole) == 4 and whole[0]["spec_drafted"] == 0 and whole[1]["spec_drafted_history"] > 0
+  launcher.run(tiny_run_config(tmp_path / "resumed", {**flags, "rl.steps": 2}))
+  launcher.run(tiny_run_config(tmp_path / "resumed", {**flags, "rl.steps": 4}))
+  resumed = steps(tmp_path / "resumed")
+  assert [r["spec_drafted"] for r in resumed] == [r["spec_drafted"] for r in whole]
+  np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in whole],
+                             rtol=1e-6)

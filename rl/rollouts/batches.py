@@ -26,7 +26,8 @@ from sharding import multihost
 from sharding import reshard
 from sharding import rules as sharding_rules
 
-# generate_fn(params, prompt_tokens [B, P], prompt_mask [B, P], rng, version) -> Generation
+# generate_fn(params, prompt_tokens [B, P], prompt_mask [B, P], rng, version) -> Generation;
+# a speculative one (make_generate(draft_config=...)) also takes history=(tokens, mask).
 GenerateFn = Callable[[Any, jax.Array, jax.Array, jax.Array, Any], Generation]
 
 
@@ -107,9 +108,10 @@ def make_generate(model_config: ModelConfig, sampling_config: SamplingConfig,
     if mesh is not None:
       raise ValueError("Speculative decoding runs on one device; drop the mesh or the drafts.")
 
-    def speculative(params, prompt_tokens, prompt_mask, rng, version=0):
+    def speculative(params, prompt_tokens, prompt_mask, rng, version=0, history=None):
+      tokens, mask = (None, None) if history is None else history
       return speculative_generate(params, prompt_tokens, prompt_mask, rng, model_config,
-                                  sampling_config, draft_config, version)
+                                  sampling_config, draft_config, version, tokens, mask)
     speculative.lower = lambda params, prompt_tokens, prompt_mask, rng, version=0: (
         speculative_generate.lower(params, prompt_tokens, prompt_mask, rng, model_config,
                                    sampling_config, draft_config, version))
@@ -201,19 +203,24 @@ def score(task: Task, examples: Sequence[Example], completions: Sequence[str]) -
 def sample_and_score(params, examples: Sequence[Example], *, task: Task, tokenizer: Tokenizer,
                      rng: jax.Array, group_size: int, prompt_len: int,
                      model_config: ModelConfig, sampling_config: SamplingConfig,
-                     version: int = 0, generate_fn: GenerateFn | None = None) -> ScoredSamples:
+                     version: int = 0, generate_fn: GenerateFn | None = None,
+                     history=None) -> ScoredSamples:
   """Samples `group_size` completions per example and scores them.
 
   Rows are grouped contiguously: rows [i*G, (i+1)*G) answer examples[i] (group id i).
   `generate_fn` (default: unsharded `generate`) is the sampler; see `make_generate`.
+  history: (tokens, mask) [rows, N], each row's reference completion for a speculative
+  sampler's 'history' draft source.
   """
   if generate_fn is None:
     generate_fn = make_generate(model_config, sampling_config)
   prompt_tokens, prompt_mask = encode_prompts(tokenizer, [e.prompt for e in examples], prompt_len)
   prompt_tokens = np.repeat(prompt_tokens, group_size, axis=0)
   prompt_mask = np.repeat(prompt_mask, group_size, axis=0)
+  extra = {} if history is None else {"history": tuple(
+      jnp.asarray(np.repeat(np.asarray(h), group_size, axis=0)) for h in history)}
   generation = generate_fn(params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), rng,
-                           version)
+                           version, **extra)
   return score_generation(generation, examples, group_size, task=task, tokenizer=tokenizer)
 
 

@@ -27,6 +27,7 @@ import dataclasses
 from typing import Any, Callable, NamedTuple, Optional
 
 import flax.struct
+import jax
 import ml_collections
 import numpy as np
 
@@ -47,7 +48,9 @@ class BatchContext:
 
   generate_fn: the sampler (`rl.rollouts.batches.make_generate`; None = unsharded
   `generate`). train_pool: finite prompt pool the data cursor cycles over (0 = the
-  unbounded train split).
+  unbounded train split). keep_completions: keep each pool prompt's latest completion and
+  hand it to the sampler as its 'history' draft source (speculative decoding, SPEC-RL);
+  needs a finite train_pool.
   """
   task: Task
   tokenizer: batches.Tokenizer
@@ -58,6 +61,7 @@ class BatchContext:
   group_size: int
   train_pool: int = 0
   generate_fn: batches.GenerateFn | None = None
+  keep_completions: bool = False
 
   def example(self, cursor: int):
     """The train example at data cursor `cursor` (cycling over a finite pool)."""
@@ -90,11 +94,21 @@ class CursorState:
 
 
 @flax.struct.dataclass
+class PreviousCompletions:
+  """Each pool prompt's latest completion (tokens, mask [pool, N]; an empty mask until the
+  prompt is first sampled): the 'history' draft source of speculative decoding."""
+  tokens: np.ndarray
+  mask: np.ndarray
+
+
+@flax.struct.dataclass
 class SelectionProducerState:
-  """The independent producer's state: the next data cursor and the per-prompt selection
-  history (`rl.rollouts.selection.SelectionState`; None without a finite train pool)."""
+  """The independent producer's state: the next data cursor, the per-prompt selection
+  history (`rl.rollouts.selection.SelectionState`; None without a finite train pool) and
+  the prompts' previous completions (None unless BatchContext.keep_completions)."""
   cursor: np.ndarray
   history: Optional[selection_lib.SelectionState] = None
+  previous: Optional[PreviousCompletions] = None
 
 
 _UNIFORM = ml_collections.FrozenConfigDict(dict(kind="uniform", max_attempts=1))
@@ -107,29 +121,49 @@ def independent(ctx: BatchContext, selection_config=None) -> Producer:
   and rollout counts from rewards."""
   config = selection_config or _UNIFORM
 
+  if ctx.keep_completions and not ctx.train_pool:
+    raise ValueError("Keeping previous completions (the 'history' draft source) needs a "
+                     "finite prompt pool: set config.task.train_pool.")
+  new_tokens = ctx.sampling_config.max_new_tokens
+
   def init(start: int) -> SelectionProducerState:
+    previous = None if not ctx.keep_completions else PreviousCompletions(
+        tokens=np.zeros((ctx.train_pool, new_tokens), np.int32),
+        mask=np.zeros((ctx.train_pool, new_tokens), bool))
     return SelectionProducerState(cursor=cursor_array(start),
-                                  history=selection_lib.init_state(ctx.train_pool, config))
+                                  history=selection_lib.init_state(ctx.train_pool, config),
+                                  previous=previous)
 
   def produce(state: SelectionProducerState, params, version, rng, trains_at=None):
     del trains_at
     examples = {}
+    previous = state.previous
+    if previous is not None:  # this batch's completions replace the ones it drafts from
+      previous = PreviousCompletions(tokens=np.array(previous.tokens),
+                                     mask=np.array(previous.mask))
 
     def sample(row_positions, key):
       for p in set(row_positions.tolist()) - set(examples):
         examples[p] = ctx.task.examples("train", 1, p)[0]
-      return batches.sample_and_score(
+      history = None if previous is None else (previous.tokens[row_positions],
+                                                previous.mask[row_positions])
+      samples = batches.sample_and_score(
           params, [examples[p] for p in row_positions.tolist()], task=ctx.task,
           tokenizer=ctx.tokenizer, rng=key, group_size=1, prompt_len=ctx.prompt_len,
           model_config=ctx.model_config, sampling_config=ctx.sampling_config,
-          version=version, generate_fn=ctx.generate_fn)
+          version=version, generate_fn=ctx.generate_fn, history=history)
+      if previous is not None:  # a prompt's later rows overwrite its earlier ones
+        tokens, mask = jax.device_get((samples.rollout.tokens, samples.rollout.completion_mask))
+        previous.tokens[row_positions] = tokens[:, ctx.prompt_len:]
+        previous.mask[row_positions] = mask[:, ctx.prompt_len:]
+      return samples
 
     collected = selection_lib.collect(
         state.history, int(state.cursor), rng, sample, config=config,
         prompts_per_step=ctx.prompts_per_step, group_size=ctx.group_size,
         pool_size=ctx.train_pool)
     return collected.rollout, collected.stats, SelectionProducerState(
-        cursor=cursor_array(collected.cursor), history=collected.selection)
+        cursor=cursor_array(collected.cursor), history=collected.selection, previous=previous)
 
   return Producer(init, produce)
 
