@@ -47,7 +47,7 @@ def new_meta() -> dict:
           "time_s": dict.fromkeys(TIME_PARTS + ROLLOUT_PARTS, 0.0),
           "prompts_skipped": 0, "tokens": dict.fromkeys(TOKEN_COUNTS, 0),
           "rl_metric_sums": {}, "rl_steps_recorded": 0, "time_rl_s": 0.0,
-          "time_rl_at_evals_s": [], "eval_step_sums": [], "rl_sample_s": []}
+          "time_rl_at_evals_s": [], "eval_step_sums": [], "time_rl_sample_s": []}
 
 
 def upgrade_meta(meta: dict) -> dict:
@@ -56,7 +56,7 @@ def upgrade_meta(meta: dict) -> dict:
   meta.setdefault("rl_metric_sums", {})
   meta.setdefault("rl_steps_recorded", 0)
   meta.setdefault("time_rl_s", 0.0)
-  meta.setdefault("rl_sample_s", [])
+  meta.setdefault("time_rl_sample_s", [])
   # Evaluations restored from a checkpoint written before their RL clock and step sums were
   # kept: a warm-start evaluation's are known (no RL yet); an RL one's are unknown (None).
   for name, before_rl in (("time_rl_at_evals_s", 0.0),
@@ -75,7 +75,7 @@ def upgrade_meta(meta: dict) -> dict:
 def add_step_metrics(meta: dict, step_metrics: dict) -> None:
   """Adds one RL step's clock-free metrics to meta's running sums (`rl_step_means`), and
   its sampling seconds to the list behind `rl_sample_s_median`."""
-  meta["rl_sample_s"].append(float(step_metrics.get("time_sample_s", 0.0)))
+  meta["time_rl_sample_s"].append(float(step_metrics.get("time_sample_s", 0.0)))
   sums = meta["rl_metric_sums"]
   for name, value in step_metrics.items():
     if not (name.startswith("time_") or name.endswith("_per_s")):
@@ -95,7 +95,7 @@ def rl_step_means(meta: dict) -> dict[str, float]:
 def rl_sample_s_median(meta: dict) -> float | None:
   """The median RL step's sampling seconds (its compiling first steps do not move it, unlike
   the total); None before any RL step."""
-  times = meta.get("rl_sample_s") or []
+  times = meta.get("time_rl_sample_s") or []
   return float(np.median(times)) if times else None
 
 
