@@ -88,7 +88,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.rollout.speculative = ml_collections.ConfigDict()
   c.rollout.speculative.tokens = 0    # draft tokens per forward (k; 0 = plain decoding)
   c.rollout.speculative.sources = ("prompt_lookup",)  # prompt_lookup (the row's own prompt
-                                      # and text) | group (its siblings' text); earlier wins
+                                      # and text) | group (its siblings' text) | history (the
+                                      # prompt's previous completion; needs task.train_pool);
+                                      # an earlier-listed source's match wins
   c.rollout.speculative.ngram = 3     # longest suffix matched (shorter ones tried after)
 
   c.warm_start = ml_collections.ConfigDict()
