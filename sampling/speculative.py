@@ -28,10 +28,10 @@ residual draw on a rejection and is biased.)
 
 A step writes between 1 and k + 1 tokens per row; rows advance by their own counts, each
 at its own cache slot. The row's newest token is written but not yet run through the model
-("pending"); the next step's forward runs it together with the next draft. The loop runs
-every row until all are done (no live-row compaction or decode phases, unlike
-`sampling.sampler.decode`), and does not leave a resumable state: partial rollouts and
-tree rollouts do not use it.
+("pending"); the next step's forward runs it together with the next draft. Rows that have
+stopped stop costing, as in `sampling.sampler.decode` (rounds of live-row compaction). The
+loop does not leave a resumable state (the last pending token never runs through the
+model): partial rollouts and tree rollouts do not use it.
 """
 
 from __future__ import annotations
@@ -129,9 +129,10 @@ def draft(tokens: jax.Array, valid: jax.Array, last: jax.Array, config: DraftCon
   (its n-gram ends there; the row's own matches must end before it). siblings: the
   'group' source as ([B, M, S] tokens, validity); default `siblings_of(tokens, valid)`
   (rows in contiguous groups). history, history_mask [B, H] (H <= S): the 'history'
-  source. Returns (draft [B, k], length [B]:
-  how many leading draft tokens are real, source [B]: index into config.sources of the
-  match, -1 for none). The longest n <= config.ngram with a match is used.
+  source. Returns (draft [B, k]; length [B]: how many leading draft tokens are real;
+  source [B]: index into config.sources of the match, -1 for none). The longest
+  n <= config.ngram with a match is used; a match counts only if a written token follows
+  it.
   """
   k = config.tokens
   batch, slots = tokens.shape
