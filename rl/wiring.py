@@ -453,7 +453,7 @@ def _vocabulary(tokenizer) -> tuple:
           tuple(tokenizer.decode([i]) for i in range(tokenizer.vocab_size)))
 
 
-def _run_policy(workdir: str):
+def run_policy(workdir: str):
   """(tokenizer, model_config, params) of the newest checkpoint of the Arbor run in
   `workdir` (its config.json says how its policy was built; LoRA adapters are merged)."""
   with open(os.path.join(workdir, "config.json")) as f:
@@ -477,7 +477,7 @@ def load_teacher(config, tokenizer):
   rollout (prompt_len + max_new_tokens)."""
   spec = config.distill.teacher
   if os.path.isdir(os.path.join(spec, "checkpoints")):
-    teacher_tokenizer, teacher_config, params = _run_policy(spec)
+    teacher_tokenizer, teacher_config, params = run_policy(spec)
   else:
     teacher_config, params, teacher_tokenizer = pretrained.load_pretrained(
         spec, config.model.dtype, chat=config.model.get("chat_template", False),

@@ -3,7 +3,7 @@ exactly the policy's distribution.
 
 Each decode step of a row proposes up to k draft tokens (`DraftConfig.tokens`) by n-gram
 lookup (prompt lookup decoding, Saxena 2023): the row's last n tokens are searched for in
-the draft sources, and the k tokens that followed the latest match are the draft. Sources,
+the draft sources, and the (up to) k tokens that followed a match are the draft. Sources,
 composable (`DraftConfig.sources`):
 
   prompt_lookup  the row's own prompt and completion so far;
@@ -131,8 +131,10 @@ def draft(tokens: jax.Array, valid: jax.Array, last: jax.Array, config: DraftCon
   (rows in contiguous groups). history, history_mask [B, H] (H <= S): the 'history'
   source. Returns (draft [B, k]; length [B]: how many leading draft tokens are real;
   source [B]: index into config.sources of the match, -1 for none). The longest
-  n <= config.ngram with a match is used; a match counts only if a written token follows
-  it.
+  n <= config.ngram with a match is used, and its latest match; a match counts only if a
+  written token follows it. In the row's own text the continuation may reach its newest
+  token: the draft then repeats the text from the match on (period last - match end), as
+  text that has repeated once tends to.
   """
   k = config.tokens
   batch, slots = tokens.shape
@@ -161,15 +163,22 @@ def draft(tokens: jax.Array, valid: jax.Array, last: jax.Array, config: DraftCon
       match &= jnp.pad(ok[..., 1:], ((0, 0), (0, 0), (0, 1)))  # a written continuation
       if name == "prompt_lookup":
         match &= positions[None, None, :] < last[:, None, None]
-      # The latest match of each source row, then the latest over the source's rows.
-      end = jnp.max(jnp.where(match, positions, -1), axis=2)  # [B, M]
-      row = jnp.argmax(end, axis=1)
-      end = end[rows, row]
-      cont = end[:, None] + 1 + jnp.arange(k)[None, :]  # [B, k]
+      # The latest match over the source's rows and slots.
+      score = jnp.where(match, positions, -1).reshape(batch, -1)
+      best = jnp.argmax(score, axis=1)
+      hit = jnp.max(score, axis=1) >= 0
+      row, end = best // slots, best % slots
       src_row, ok_row = src[rows, row], ok[rows, row]
+      steps = jnp.arange(k)[None, :]
+      if name == "prompt_lookup":
+        # The row's own text after the match runs into its newest token: the text repeats
+        # with period last - end, so the draft continues that cycle (k tokens).
+        cont = end[:, None] + 1 + steps % jnp.maximum(last - end, 1)[:, None]
+      else:
+        cont = end[:, None] + 1 + steps
       cont_ok = (cont < slots) & jnp.take_along_axis(ok_row, jnp.minimum(cont, slots - 1), 1)
       length = jnp.sum(jnp.cumprod(cont_ok, axis=1), axis=1).astype(jnp.int32)
-      hit = (end >= 0) & (length > 0)
+      hit &= length > 0
       n_draft = jnp.where(hit[:, None], jnp.take_along_axis(src_row, jnp.minimum(
           cont, slots - 1), 1), n_draft)
       n_len = jnp.where(hit, length, n_len)

@@ -55,8 +55,15 @@ def test_draft_is_the_continuation_of_the_latest_match():
   valid = jnp.asarray([[1, 1, 1, 1, 1, 0]], bool)
   drafts, length, _ = speculative.draft(tokens, valid, jnp.asarray([4]), config)
   assert drafts[0, :3].tolist() == [3, 1, 2] and int(length[0]) == 3
+  # Repeating text: the match's continuation reaches the newest token, the draft repeats
+  # the cycle ("5 6 5 6" -> "5 6 5").
+  tokens = jnp.asarray([[7, 5, 6, 5, 6, 0, 0, 0]])
+  valid = jnp.asarray([[1, 1, 1, 1, 1, 0, 0, 0]], bool)
+  drafts, length, _ = speculative.draft(tokens, valid, jnp.asarray([4]), config)
+  assert drafts[0].tolist() == [5, 6, 5] and int(length[0]) == 3
   # No match at all: no draft.
   tokens = jnp.asarray([[1, 2, 3, 4, 5, 0]])
+  valid = tokens > 0
   _, length, source = speculative.draft(tokens, valid, jnp.asarray([4]), config)
   assert int(length[0]) == 0 and int(source[0]) == -1
 
