@@ -122,17 +122,19 @@ def _source_arrays(tokens, valid, config: DraftConfig, siblings, history, histor
 
 def draft(tokens: jax.Array, valid: jax.Array, last: jax.Array, config: DraftConfig,
           siblings=None, history: jax.Array | None = None,
-          history_mask: jax.Array | None = None):
+          history_mask: jax.Array | None = None, prompt_len: int = 0):
   """Each row's draft: the k tokens after the latest occurrence of its last n tokens.
 
   tokens, valid [B, S]: the rows and their written slots; last [B]: each row's newest slot
   (its n-gram ends there; the row's own matches must end before it). siblings: the
   'group' source as ([B, M, S] tokens, validity); default `siblings_of(tokens, valid)`
   (rows in contiguous groups). history, history_mask [B, H] (H <= S): the 'history'
-  source. Returns (draft [B, k]; length [B]: how many leading draft tokens are real;
+  source, a completion (slot 0 = the first completion token); prompt_len: where the rows'
+  completions start, so that a history match nearest the row's own position wins. Returns (draft [B, k]; length [B]: how many leading draft tokens are real;
   source [B]: index into config.sources of the match, -1 for none). The longest
-  n <= config.ngram with a match is used, and its latest match; a match counts only if a
-  written token follows it. In the row's own text the continuation may reach its newest
+  n <= config.ngram with a match is used, and its latest match (in a history: the match
+  nearest the row's position); a match counts only if a written token follows it. In the
+  row's own text the continuation may reach its newest
   token: the draft then repeats the text from the match on (period last - match end), as
   text that has repeated once tends to.
   """
@@ -163,8 +165,13 @@ def draft(tokens: jax.Array, valid: jax.Array, last: jax.Array, config: DraftCon
       match &= jnp.pad(ok[..., 1:], ((0, 0), (0, 0), (0, 1)))  # a written continuation
       if name == "prompt_lookup":
         match &= positions[None, None, :] < last[:, None, None]
-      # The latest match over the source's rows and slots.
-      score = jnp.where(match, positions, -1).reshape(batch, -1)
+      # The latest match over the source's rows and slots; in a history, the one nearest
+      # the row's own position (its completion so far is as long as the history's prefix).
+      rank = positions[None, None, :]
+      if name == "history":
+        aligned = (last - prompt_len)[:, None, None]
+        rank = 2 * slots - jnp.abs(rank - aligned)
+      score = jnp.where(match, rank, -1).reshape(batch, -1)
       best = jnp.argmax(score, axis=1)
       hit = jnp.max(score, axis=1) >= 0
       row, end = best // slots, best % slots
@@ -271,7 +278,7 @@ def _verify_step(lp: _Loop, rows: jax.Array, layers, siblings, history, version:
   live = _active(lp)
   room = slots - 1 - lp.last  # slots after the pending token
   drafts, length, source = draft(s.tokens, s.token_mask, lp.last, draft_config, siblings,
-                                 *(history or (None, None)))
+                                 *(history or (None, None)), prompt_len=s.prompt_len)
   length = jnp.where(live, jnp.minimum(length, room - 1), 0)
   pending = jnp.take_along_axis(s.tokens, lp.last[:, None], 1)
   fed = jnp.concatenate([pending, drafts], axis=1)  # [W, k + 1]

@@ -243,3 +243,26 @@ def test_history_drafts_from_the_previous_visit_and_resumes(tmp_path):
   assert [r["spec_drafted"] for r in resumed] == [r["spec_drafted"] for r in whole]
   np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in whole],
                              rtol=1e-6)
+
+
+def test_speculative_benchmark_smoke_run_compares_with_plain(tmp_path):
+  """experiments.bench_speculative --smoke: every case times plain and speculative decoding
+  of the same prompts; with the plain run's own output as history every draft is right."""
+  import json  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  import pathlib  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  repo = pathlib.Path(__file__).resolve().parent.parent
+  subprocess.run([sys.executable, "-m", "experiments.bench_speculative", "--smoke",
+                  f"--out={tmp_path}"], cwd=repo, env=dict(os.environ, PYTHONPATH=str(repo)),
+                 check=True, timeout=600)
+  rows = json.loads((tmp_path / "bench_speculative.json").read_text())["rows"]
+  assert {(r["temperature"], tuple(r["results"])) for r in rows} == {
+      (0.0, ("plain", "prompt_lookup", "history_all_right")), (1.0, ("plain", "prompt_lookup"))}
+  greedy = next(r["results"] for r in rows if r["temperature"] == 0.0)
+  assert greedy["history_all_right"]["acceptance"] == 1.0
+  assert greedy["history_all_right"]["forwards_per_token"] < 0.5
+  assert greedy["history_all_right"]["tokens"] == greedy["plain"]["tokens"]
+  assert all(r["results"][name]["tokens_per_s"] > 0 for r in rows for name in r["results"])
+  assert (tmp_path / "bench_speculative.md").stat().st_size > 0
