@@ -443,13 +443,16 @@ def _verify_block(x, layer, cos, sin, cache_k, cache_v, mask, slots, config: Mod
       buf, new, start, axis), in_axes=(0, 0, 0, None))
   cache_k = put(cache_k, jnp.transpose(k, (0, 2, 3, 1)).astype(cache_k.dtype), slots, 2)
   cache_v = put(cache_v, jnp.transpose(v, (0, 2, 1, 3)).astype(cache_v.dtype), slots, 1)
+  # As in `_decode_block`: broadcast-multiply-and-sum, one streaming pass over the cache
+  # (as dot_generals these become B * K tiny matmuls, ~4x slower at 64 rows on CPU).
   kv_heads, e = c.n_kv_heads, c.head_dim
-  qg = q.reshape(b, t, kv_heads, c.n_heads // kv_heads, e)
-  scores = jnp.einsum("btkge,bkes->bkgts", qg, cache_k,
-                      preferred_element_type=jnp.float32) * (e ** -0.5)
-  scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(cache_v.dtype)
-  attn = jnp.einsum("bkgts,bkse->btkge", probs, cache_v, preferred_element_type=jnp.float32)
+  qg = jnp.transpose(q.reshape(b, t, kv_heads, c.n_heads // kv_heads, e),
+                     (0, 2, 3, 1, 4)).astype(jnp.float32)  # [B, K, G, T, E]
+  scores = jnp.sum(qg[..., None] * cache_k[:, :, None, None], axis=4) * (e ** -0.5)
+  scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)  # [B,K,G,T,S]
+  probs = jax.nn.softmax(scores, axis=-1)
+  attn = jnp.sum(probs[..., None] * cache_v[:, :, None, None].astype(jnp.float32), axis=4)
+  attn = jnp.transpose(attn, (0, 3, 1, 2, 4))  # [B, T, K, G, E]
   x = x + attn.reshape(b, t, q_width).astype(x.dtype) @ layer["o"]
   h = rms_norm(x, layer["mlp_norm"], c.norm_eps)
   gate, up = jnp.split(h @ layer["gate_up"], 2, axis=-1)
