@@ -81,6 +81,8 @@ _CHECKPOINT = flags.DEFINE_string("checkpoint", "", "B8: time the GRPO step alon
                                   "weights (HF folder, .gguf or 'smollm2'), Arbor vs TRL.")
 _PEER_WEIGHTS = flags.DEFINE_string("peer_weights", "runs/peer_weights",
                                     "Where --checkpoint's weights are written for the peers.")
+_ROUNDS = flags.DEFINE_integer("rounds", 1, "--checkpoint: rounds of (Arbor, peers), order "
+                               "alternating; each side's best round is reported.")
 
 GRPO_LABELS = dict(PEER_LABELS, torch="TRL")  # the torch peer's GRPO step is TRL's trainer
 GRPO = ml_collections.FrozenConfigDict(dict(
@@ -389,23 +391,34 @@ def b8_grpo(checkpoint: str, repeats: int, smoke: bool) -> dict:
   if peer_names:  # written before Arbor's steps, whose train state donates the parameters
     folder = peers.export_weights(peers.weights_folder(_PEER_WEIGHTS.value, checkpoint), params,
                                   config, tokenizer, checkpoint)
-  grpo_step = dict(g)
-  arbor_load = load()
-  grpo_step["arbor"] = dict(bench_grpo_step(config, g, repeats, params=params,
-                                            task=TextPromptsTask(texts), tokenizer=tokenizer),
-                            load_before=arbor_load, load_after=load())
-  print(f"Arbor GRPO step: {grpo_step['arbor']['best_step_s']:.3f} s", flush=True)
-  versions = {}
-  for name in peer_names:
-    peer_load = load()
-    spec = dict(shape=peer_shape(config), weights=folder,
-                grpo=dict(g, repeats=repeats, prompt_texts=texts, prompt_ids=ids))
-    out = peers.run_peer(name, spec, _PEER_ENVS.value)
-    grpo_step[name] = dict(out.pop("grpo"), load_before=peer_load, load_after=load())
-    versions[name] = out
-    print(f"{GRPO_LABELS[name]} GRPO step: {grpo_step[name]['best_step_s']:.3f} s", flush=True)
-  result.update(peer_versions=versions, grpo_step=grpo_step, load_after=load(),
-                peer_weights=folder)
+  grpo_step, versions, rounds = dict(g), {}, {}
+  host_params = jax.device_get(params)  # each round's train state donates its own copy
+
+  def run(name: str) -> dict:
+    before = load()
+    if name == "arbor":
+      fresh = jax.tree.map(lambda x: jnp.array(x, copy=True), host_params)
+      row = bench_grpo_step(config, g, repeats, params=fresh,
+                            task=TextPromptsTask(texts), tokenizer=tokenizer)
+    else:
+      spec = dict(shape=peer_shape(config), weights=folder,
+                  grpo=dict(g, repeats=repeats, prompt_texts=texts, prompt_ids=ids))
+      out = peers.run_peer(name, spec, _PEER_ENVS.value)
+      row = out.pop("grpo")
+      versions[name] = out
+    print(f"{GRPO_LABELS[name]} GRPO step: {row['best_step_s']:.3f} s", flush=True)
+    return dict(row, load_before=before, load_after=load())
+
+  # Rounds alternate the order (Arbor first, then last); each side keeps its best round.
+  order = ["arbor"] + peer_names
+  for index in range(_ROUNDS.value):
+    for name in order if index % 2 == 0 else order[::-1]:
+      row = run(name)
+      rounds.setdefault(name, []).append(row["best_step_s"])
+      if name not in grpo_step or row["best_step_s"] < grpo_step[name]["best_step_s"]:
+        grpo_step[name] = row
+  result.update(peer_versions=versions, grpo_step=grpo_step, round_best_s=rounds,
+                rounds=_ROUNDS.value, load_after=load(), peer_weights=folder)
   return result
 
 
@@ -423,7 +436,9 @@ def b8_markdown(result: dict) -> str:
     lines.append(f"| {GRPO_LABELS[name]} | {r['best_step_s']:.2f} | {sampling:.2f} | "
                  f"{r['first_step_s']:.2f} | {', '.join(f'{t:.2f}' for t in r['step_s'])} | "
                  f"{r['best_step_s'] / g['arbor']['best_step_s']:.2f}x |")
-  lines += ["", f"Load before: {result['load_before']}"]
+  lines += ["", "Best step per round (s): " + "; ".join(
+      f"{GRPO_LABELS[n]} {', '.join(f'{t:.2f}' for t in result['round_best_s'][n])}"
+      for n in result["frameworks"]), "", f"Load before: {result['load_before']}"]
   for name in result["frameworks"]:
     lines.append(f"{GRPO_LABELS[name]}: before {g[name]['load_before']}; after "
                  f"{g[name]['load_after']}")

@@ -143,6 +143,22 @@ def test_b8_grpo_step_smoke_run_on_a_checkpoint(tmp_path):
   assert (tmp_path / "out" / "bench_train_b8.md").stat().st_size > 0
 
 
+def test_decode_profile_smoke_run_attributes_the_step(tmp_path):
+  # B8's profile: the traced call's ops land in the decode step's pieces (layers' matmuls,
+  # attention, LM head, sampling), and each piece is also timed apart.
+  env = dict(os.environ, PYTHONPATH=str(_REPO))
+  subprocess.run([sys.executable, "-m", "experiments.profile_decode", "--smoke",
+                  f"--out={tmp_path}"], cwd=_REPO, env=env, check=True, timeout=300)
+  row, = json.loads((tmp_path / "profile_decode.json").read_text())["batches"]
+  pieces = " ".join(row["in_place"]["decode_ms_per_step"])
+  for piece in ("q|k|v matmul", "gate|up matmul", "LM head", "sampling", "attention"):
+    assert piece in pieces, (piece, pieces)
+  assert row["in_place"]["decode_total_ms_per_step"] > 0 and row["in_place"]["prefill_ms"] > 0
+  assert all(row["apart_s"][k] > 0 for k in ("blocks", "head_as_in_decode", "sampling",
+                                             "generate_call", "prefill_call"))
+  assert (tmp_path / "profile_decode.md").stat().st_size > 0
+
+
 def test_token_choice_benchmark_smoke_run_times_both_sides(tmp_path):
   env = dict(os.environ, PYTHONPATH=str(_REPO))
   subprocess.run([sys.executable, "-m", "experiments.bench_logits", "--smoke", f"--out={tmp_path}"],
