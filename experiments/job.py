@@ -356,7 +356,7 @@ class Job:
     summary["time_rl_s"] = meta["time_rl_s"]
     summary["time_rl_at_evals_s"] = list(meta["time_rl_at_evals_s"])
     summary["rl_step_means"] = run_records.rl_step_means(meta)
-    summary["rl_sample_s_median"] = run_records.rl_sample_s_median(meta)
+    summary["time_sample_median_s"] = run_records.time_sample_median_s(meta)
     summary["rl_step_means_between_evals"] = run_records.step_means_between_evals(meta)
     if "warm_start_from" in meta:
       summary["warm_start_from"] = meta["warm_start_from"]

@@ -74,7 +74,7 @@ def upgrade_meta(meta: dict) -> dict:
 
 def add_step_metrics(meta: dict, step_metrics: dict) -> None:
   """Adds one RL step's clock-free metrics to meta's running sums (`rl_step_means`), and
-  its sampling seconds to the list behind `rl_sample_s_median`."""
+  its sampling seconds to the list behind `time_sample_median_s`."""
   meta["time_rl_sample_s"].append(float(step_metrics.get("time_sample_s", 0.0)))
   sums = meta["rl_metric_sums"]
   for name, value in step_metrics.items():
@@ -92,7 +92,7 @@ def rl_step_means(meta: dict) -> dict[str, float]:
           } if count else {}
 
 
-def rl_sample_s_median(meta: dict) -> float | None:
+def time_sample_median_s(meta: dict) -> float | None:
   """The median RL step's sampling seconds (its compiling first steps do not move it, unlike
   the total); None before any RL step."""
   times = meta.get("time_rl_sample_s") or []

@@ -12,10 +12,10 @@ from sampling.speculative import DraftConfig, speculative_generate
 from sampling.tree import EntropyFork, FixedSegments, ForkPolicy, Lookahead, tree_generate
 
 __all__ = [
-    "EntropyFork",
-    "FixedSegments",
     "DraftConfig",
     "DraftStats",
+    "EntropyFork",
+    "FixedSegments",
     "ForkPolicy",
     "Generation",
     "Lookahead",

@@ -356,8 +356,8 @@ def test_speculative_page_compares_sampling_seconds_with_plain_decoding(tmp_path
       _cell_result("lookup_k4", 0, [0.3, 0.82], [0, 1], [0.0, 40.0],
                    {"completion_len": 40.0, "spec_acceptance": 0.5,
                     "spec_forwards_per_token": 0.4})]
-  results[0]["summary"]["rl_sample_s_median"] = 0.30
-  results[1]["summary"]["rl_sample_s_median"] = 0.20
+  results[0]["summary"]["time_sample_median_s"] = 0.30
+  results[1]["summary"]["time_sample_median_s"] = 0.20
   page = spec["render_page"](results, str(tmp_path / "spec.md"))
   plain, lookup = _row(page, "plain"), _row(page, "lookup_k4")
   assert plain[4] == "0.300" and lookup[4] == "0.200" and lookup[5] == "1.50"

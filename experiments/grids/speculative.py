@@ -43,7 +43,7 @@ SPEC = {"cells": [{"name": f"{name}_s{seed}", "module": "experiments.train", "se
 # --- The page ---
 
 def _sample_s(result: dict) -> float:
-  return result["summary"]["rl_sample_s_median"]
+  return result["summary"]["time_sample_median_s"]
 
 
 def _final(result: dict) -> float:
