@@ -360,9 +360,9 @@ def unstack_layers(params: Params, config: ModelConfig, num_positions: int) -> P
               layers=tuple(jax.tree.map(lambda a, i=i: a[i], fused) for i in range(count)))
 
 
-def _decode_block(x, layer, cos, sin, cache_k, cache_v, mask, cache_index, config: ModelConfig):
-  """One block of `forward_decode`: x [B, 1, D]; returns (x, cache_k, cache_v)."""
-  c = config
+def _fused_qkv(x, layer, cos, sin, c: ModelConfig):
+  """Pre-norm q [B,T,H,E] and k, v [B,T,K,E] from the decode layout's fused `qkv`, RoPE
+  applied (the cached decode and verify steps)."""
   b, t, _ = x.shape
   q_width, kv_width = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
   h = rms_norm(x, layer["attn_norm"], c.norm_eps)
@@ -375,6 +375,23 @@ def _decode_block(x, layer, cos, sin, cache_k, cache_v, mask, cache_index, confi
   if c.qk_norm:
     q, k = rms_norm(q, layer["q_norm"], c.norm_eps), rms_norm(k, layer["k_norm"], c.norm_eps)
   q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+  return q, k, v
+
+
+def _fused_finish(x, attn, layer, c: ModelConfig):
+  """Adds the attention output [B,T,H*E] (projected) and the fused-`gate_up` SwiGLU MLP."""
+  x = x + attn.astype(x.dtype) @ layer["o"]
+  h = rms_norm(x, layer["mlp_norm"], c.norm_eps)
+  gate, up = jnp.split(h @ layer["gate_up"], 2, axis=-1)
+  return x + (jax.nn.silu(gate) * up) @ layer["down"]
+
+
+def _decode_block(x, layer, cos, sin, cache_k, cache_v, mask, cache_index, config: ModelConfig):
+  """One block of `forward_decode`: x [B, 1, D]; returns (x, cache_k, cache_v)."""
+  c = config
+  b, t, _ = x.shape
+  q_width = c.n_heads * c.head_dim
+  q, k, v = _fused_qkv(x, layer, cos, sin, c)
   cache_k = jax.lax.dynamic_update_slice(
       cache_k, jnp.transpose(k, (0, 2, 3, 1)).astype(cache_k.dtype), (0, 0, 0, cache_index))
   cache_v = jax.lax.dynamic_update_slice(
@@ -388,10 +405,7 @@ def _decode_block(x, layer, cos, sin, cache_k, cache_v, mask, cache_index, confi
   scores = jnp.where(mask[:, None, None, 0], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1)
   attn = jnp.sum(probs[..., None] * cache_v[:, :, None].astype(jnp.float32), axis=3)  # [B,K,G,E]
-  x = x + attn.reshape(b, t, q_width).astype(x.dtype) @ layer["o"]
-  h = rms_norm(x, layer["mlp_norm"], c.norm_eps)
-  gate, up = jnp.split(h @ layer["gate_up"], 2, axis=-1)
-  return x + (jax.nn.silu(gate) * up) @ layer["down"], cache_k, cache_v
+  return _fused_finish(x, attn.reshape(b, t, q_width), layer, c), cache_k, cache_v
 
 
 def forward_decode(params: Params, tokens: jax.Array, positions: jax.Array, kv_mask: jax.Array,
@@ -428,17 +442,8 @@ def _verify_block(x, layer, cos, sin, cache_k, cache_v, mask, slots, config: Mod
   at its own slots [slots[b], slots[b] + T); returns (x, cache_k, cache_v)."""
   c = config
   b, t, _ = x.shape
-  q_width, kv_width = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
-  h = rms_norm(x, layer["attn_norm"], c.norm_eps)
-  qkv = h @ layer["qkv"]
-  if c.qkv_bias:
-    qkv = qkv + layer["qkv_bias"]
-  q = qkv[..., :q_width].reshape(b, t, c.n_heads, c.head_dim)
-  k = qkv[..., q_width:q_width + kv_width].reshape(b, t, c.n_kv_heads, c.head_dim)
-  v = qkv[..., q_width + kv_width:].reshape(b, t, c.n_kv_heads, c.head_dim)
-  if c.qk_norm:
-    q, k = rms_norm(q, layer["q_norm"], c.norm_eps), rms_norm(k, layer["k_norm"], c.norm_eps)
-  q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+  q_width = c.n_heads * c.head_dim
+  q, k, v = _fused_qkv(x, layer, cos, sin, c)
   put = jax.vmap(lambda buf, new, start, axis: jax.lax.dynamic_update_slice_in_dim(
       buf, new, start, axis), in_axes=(0, 0, 0, None))
   cache_k = put(cache_k, jnp.transpose(k, (0, 2, 3, 1)).astype(cache_k.dtype), slots, 2)
@@ -453,10 +458,7 @@ def _verify_block(x, layer, cos, sin, cache_k, cache_v, mask, slots, config: Mod
   probs = jax.nn.softmax(scores, axis=-1)
   attn = jnp.sum(probs[..., None] * cache_v[:, :, None, None].astype(jnp.float32), axis=4)
   attn = jnp.transpose(attn, (0, 3, 1, 2, 4))  # [B, T, K, G, E]
-  x = x + attn.reshape(b, t, q_width).astype(x.dtype) @ layer["o"]
-  h = rms_norm(x, layer["mlp_norm"], c.norm_eps)
-  gate, up = jnp.split(h @ layer["gate_up"], 2, axis=-1)
-  return x + (jax.nn.silu(gate) * up) @ layer["down"], cache_k, cache_v
+  return _fused_finish(x, attn.reshape(b, t, q_width), layer, c), cache_k, cache_v
 
 
 def forward_verify(params: Params, tokens: jax.Array, positions: jax.Array, kv_mask: jax.Array,
