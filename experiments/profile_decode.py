@@ -356,6 +356,10 @@ def markdown(result: dict) -> str:
 
 def main(argv):
   del argv
+  # The attribution reads source lines from the compiled HLO's metadata, which the
+  # persistent cache's key leaves out: an executable cached by an earlier version of the
+  # code would carry that version's line numbers. Compile afresh.
+  jax.config.update("jax_enable_compilation_cache", False)
   if _SMOKE.value:
     config = get_preset("b1").replace(n_layers=2, d_model=32, n_heads=2, n_kv_heads=1,
                                       head_dim=16, mlp_dim=64, vocab_size=256, max_seq_len=64,
