@@ -245,18 +245,23 @@ class Job:
     self.bar.set_postfix({k: f"{record[k]:.3f}" for k in ("loss", "reward_mean") if k in record})
 
   def evaluate(self, label: str) -> None:
-    """Greedy held-out evaluation of the current parameters, logged and kept in meta."""
+    """Greedy held-out evaluation of the current parameters, logged and kept in meta; with
+    an environment (config.tools), once with it and once without it."""
     eval_started = time.perf_counter()
     config = self.config
-    result = evaluation.evaluate(
+    turns = self.contexts[RL][0].batch.turns
+    run = lambda turns: evaluation.evaluate(
         self.state.train.policy_params(), self.eval_examples, task=self.task,
         tokenizer=self.tokenizer, prompt_len=config.rollout.prompt_len,
         max_new_tokens=config.rollout.max_new_tokens, model_config=self.model_config,
-        batch_size=config.eval.batch_size, mesh=self.mesh)
+        batch_size=config.eval.batch_size, mesh=self.mesh, turns=turns)
+    result = run(turns)
+    record = run_records.eval_record(result, self.done, self.meta["phase"], label,
+                                     self.meta["tokens"]["sampled"])
+    if turns is not None:
+      record.update(run_records.no_tools_record(run(None), result))
     eval_s = time.perf_counter() - eval_started
     self.meta["time_s"]["eval"] += eval_s
-    record = run_records.eval_record(result, self.done, self.meta["phase"], label,
-                          self.meta["tokens"]["sampled"])
     self.meta["evals"].append(record)
     self.meta["time_rl_at_evals_s"].append(self.meta["time_rl_s"])
     self.meta["eval_step_sums"].append({"steps": self.meta["rl_steps_recorded"],
@@ -330,8 +335,8 @@ class Job:
     return summary
 
   def summary(self) -> dict:
-    """Held-out accuracies (warm start and final, with standard errors and by size), steps,
-    wall time and its split, rollout lengths, the selection / partial counts, and the
+    """Held-out accuracies (warm start and final, with standard errors and by size; with an
+    environment, also without it and its calls), steps, wall time and its split, rollout lengths, the selection / partial counts, and the
     tokens sampled and trained with their rates (`throughput_summary`)."""
     meta = self.meta
     warm = next(e for e in meta["evals"] if e["event"] == "warm_start_end")
@@ -350,6 +355,8 @@ class Job:
                **run_records.throughput_summary(meta)}
     if "eval_accuracy_by_size" in final:
       summary["accuracy_by_size"] = run_records.accuracy_by_size_table(warm, final)
+    if "eval_accuracy_no_tools" in final:
+      summary["tools"] = run_records.tools_summary(warm, final)
     if isinstance(self.state.producer, partial_rollout.PartialState):
       summary["partial_ledger"] = self.state.producer.ledger.as_dict()
     summary["accuracy_curve"] = run_records.accuracy_curve(meta)

@@ -138,6 +138,32 @@ def throughput_summary(meta: dict) -> dict:
           "trained_tokens_per_s": per_second(tokens["trained"], time_s["train"])}
 
 
+def no_tools_record(without, with_tools) -> dict:
+  """What an evaluation with an environment adds to its record: environment answers per
+  answer (eval_tool_calls) and the same evaluation without the environment (a call is
+  then answered by nobody: the policy writes on)."""
+  record = {"eval_tool_calls": with_tools.tool_calls, "eval_accuracy_no_tools": without.accuracy,
+            "eval_reward_no_tools": without.mean_reward}
+  if without.accuracy_by_size:
+    record["eval_accuracy_by_size_no_tools"] = {str(k): acc for k, (_, acc) in
+                                                without.accuracy_by_size.items()}
+  return record
+
+
+def tools_summary(warm: dict, final: dict) -> dict:
+  """With an environment: held-out calls per answer and accuracy without the environment,
+  at the warm start's end and at the end, and the accuracy by size without it."""
+  by_size = final.get("eval_accuracy_by_size_no_tools", {})
+  return {"warm_start_tool_calls": warm["eval_tool_calls"],
+          "final_tool_calls": final["eval_tool_calls"],
+          "warm_start_accuracy_no_tools": warm["eval_accuracy_no_tools"],
+          "final_accuracy_no_tools": final["eval_accuracy_no_tools"],
+          "accuracy_by_size_no_tools": {
+              size: {"warm_start": warm.get("eval_accuracy_by_size_no_tools", {}).get(size),
+                     "final": acc}
+              for size, acc in sorted(by_size.items(), key=lambda x: int(x[0]))}}
+
+
 def eval_record(result, step: int, phase: str, label: str, sampled_tokens: int) -> dict:
   """The metrics.jsonl record of one held-out evaluation (with the RL tokens sampled so far)."""
   record = {"step": step, "phase": phase, "event": label, "sampled_tokens": sampled_tokens,

@@ -18,6 +18,7 @@ import tqdm
 
 from models.config import ModelConfig
 from rl.rollouts import batches as rollout_lib
+from rl.rollouts import partial as partial_rollout
 from rl.tasks import Example, Task
 from sampling.sampler import SamplingConfig, generate
 from sharding import multihost
@@ -36,6 +37,7 @@ class EvalResult:
   reward_errors: int = 0    # answers whose scorer raised or crashed (reward 0)
   accuracy_stderr: float = 0.0
   accuracy_by_size: dict[int, tuple[int, float]] = dataclasses.field(default_factory=dict)
+  tool_calls: float = 0.0   # environment answers per answer (with turns; 0 without)
 
 
 def accuracy_stderr(exact: np.ndarray) -> float:
@@ -92,43 +94,54 @@ def pass_at_k(num_samples: int, num_correct, k: int) -> np.ndarray:
 def _decode_and_score(generate_fn: Callable, params, chunk: Sequence[Example], repeats: int,
                       rows: int, rng: jax.Array, *, task: Task, tokenizer, prompt_len: int):
   """Decodes `repeats` completions of each example in one batch of `rows` (padded with
-  copies of the last example); (scores, lengths [len(chunk) * repeats])."""
+  copies of the last example); (scores, lengths [len(chunk) * repeats], environment
+  answers per row or None without turns). A row whose environment failed scores 0."""
   prompts = [e.prompt for e in chunk for _ in range(repeats)]
   used = len(prompts)
   prompts += [prompts[-1]] * (rows - used)
   tokens, mask = rollout_lib.encode_prompts(tokenizer, prompts, prompt_len)
   gen = generate_fn(params, jnp.asarray(tokens), jnp.asarray(mask), rng)
-  out_tokens, completion_mask = multihost.fetch((gen.tokens, gen.completion_mask))
-  completions = rollout_lib.decode_completions(tokenizer, out_tokens, completion_mask)[:used]
-  scores = rollout_lib.score(task, [e for e in chunk for _ in range(repeats)], completions)
-  return scores, completion_mask.sum(axis=1)[:used]
+  completions = rollout_lib.completion_texts(tokenizer, gen)
+  scores = rollout_lib.without_failed_turns(
+      rollout_lib.score(task, [e for e in chunk for _ in range(repeats)], completions[:used]),
+      jax.tree.map(lambda x: x[:used] if jnp.ndim(x) else x, gen))
+  calls = None if gen.tools is None else np.asarray(jax.device_get(gen.tools.calls))[:used]
+  completion_mask = multihost.fetch(gen.completion_mask)
+  return scores, completion_mask.sum(axis=1)[:used], calls
 
 
 def evaluate(params, examples: Sequence[Example], *, task: Task, tokenizer, prompt_len: int,
              max_new_tokens: int, model_config: ModelConfig, batch_size: int = 256,
-             progress: bool = False, mesh: jax.sharding.Mesh | None = None) -> EvalResult:
+             progress: bool = False, mesh: jax.sharding.Mesh | None = None,
+             turns=None) -> EvalResult:
   """Greedy-decodes every example (fixed batch shape, last batch padded) and scores it.
 
   With `mesh`, decoding runs on the sharded sampler (`rl.rollouts.batches.make_generate`);
-  batch_size must then be a multiple of data x fsdp.
+  batch_size must then be a multiple of data x fsdp. With `turns` (rl.rollouts.turns.Turns)
+  an environment answers the policy's tool calls (one device).
   """
   sampling_config = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0,
                                    stop_tokens=(tokenizer.eos_id,), pad_id=tokenizer.pad_id)
-  generate_fn = rollout_lib.make_generate(model_config, sampling_config, mesh)
-  scores, lengths = [], []
+  if turns is not None:
+    generate_fn = partial_rollout.make_turns_generate(model_config, sampling_config, turns)
+  else:
+    generate_fn = rollout_lib.make_generate(model_config, sampling_config, mesh)
+  scores, lengths, calls = [], [], []
   starts = range(0, len(examples), batch_size)
   for start in tqdm.tqdm(starts, desc="greedy eval", disable=not progress, leave=False):
-    s, n = _decode_and_score(generate_fn, params, examples[start:start + batch_size], 1,
-                             batch_size, jax.random.PRNGKey(0), task=task,
-                             tokenizer=tokenizer, prompt_len=prompt_len)
+    s, n, c = _decode_and_score(generate_fn, params, examples[start:start + batch_size], 1,
+                                batch_size, jax.random.PRNGKey(0), task=task,
+                                tokenizer=tokenizer, prompt_len=prompt_len)
     scores.append(s)
     lengths.append(n)
+    calls.append(np.zeros_like(n) if c is None else c)
   rewards, exact, lengths = _joined(scores, lengths)
   sizes = np.array([e.size for e in examples])
   return EvalResult(accuracy=float(exact.mean()), mean_reward=float(rewards.mean()),
                     mean_length=float(lengths.mean()), num_examples=len(examples),
                     accuracy_stderr=accuracy_stderr(exact),
-                    accuracy_by_size=accuracy_by_size(sizes, exact), **_failures(scores))
+                    accuracy_by_size=accuracy_by_size(sizes, exact),
+                    tool_calls=float(np.concatenate(calls).mean()), **_failures(scores))
 
 
 def evaluate_sampled(params, examples: Sequence[Example], *, task: Task, tokenizer,
@@ -155,9 +168,9 @@ def evaluate_sampled(params, examples: Sequence[Example], *, task: Task, tokeniz
   starts = range(0, len(examples), per_batch)
   for b, start in enumerate(tqdm.tqdm(starts, desc=f"sampled eval (n={num_samples})",
                                       disable=not progress, leave=False)):
-    s, n = _decode_and_score(generate_fn, params, examples[start:start + per_batch],
-                             num_samples, rows, jax.random.fold_in(rng, b), task=task,
-                             tokenizer=tokenizer, prompt_len=prompt_len)
+    s, n, _ = _decode_and_score(generate_fn, params, examples[start:start + per_batch],
+                                num_samples, rows, jax.random.fold_in(rng, b), task=task,
+                                tokenizer=tokenizer, prompt_len=prompt_len)
     scores.append(s)
     lengths.append(n)
   rewards, exact, lengths = _joined(scores, lengths)

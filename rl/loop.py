@@ -145,8 +145,9 @@ def sft_iteration(state: LoopState, ctx: LoopContext,
     examples = length_grouped_examples(b.task, cursor, b.prompts_per_step, length_window)
   else:
     examples = b.task.examples("train", b.prompts_per_step, cursor)
-  batch = rollout_lib.supervised_batch(b.tokenizer, examples, b.prompt_len,
-                                       b.sampling_config.max_new_tokens)
+  batch = rollout_lib.supervised_batch(
+      b.tokenizer, examples, b.prompt_len, b.sampling_config.max_new_tokens,
+      environment=None if b.turns is None else b.turns.environment)
   train_started = time.perf_counter()
   train, metrics = ctx.train_step(state.train, batch)
   metrics = jax.device_get(metrics)

@@ -39,6 +39,14 @@ importable (defined at module level in a module, or in a `python -m` main module
 main script or a notebook, not as a lambda); a task that does not pickle is a ValueError
 saying so. (Pickles go only from the trainer to the worker, which trusts the trainer.)
 
+Environments (rl.environments, docs/tools.md) run in the same worker on the same terms:
+`observe(environment, texts)` runs one `step` per row text under the environment's
+`timeout_s` (else DEFAULT_TIMEOUT_S) and its `limits`. A step that hangs, raises, crashes
+or answers with something that is neither text nor None is failed (`Observations.failed`,
+counted as a timeout or an error); an answer longer than MAX_OBSERVATION_BYTES is cut
+there (`Observations.cut`). The answer comes back as a fixed record plus UTF-8 bytes,
+never a pickle.
+
 Cost. One persistent worker per trainer process, started on first use as a fresh Python
 interpreter (`python -c`, not multiprocessing's fork or spawn: it inherits no JAX threads
 or locks, and it does not re-run the trainer's main script); starting it costs an
@@ -88,8 +96,14 @@ _HEADER = struct.Struct("!Q")   # every message: its length in bytes, then the b
 # completion; b"l", task token, then a load error's traceback as UTF-8 (none: loaded).
 _RESULT = struct.Struct("!cqd?B")
 _LOADED = struct.Struct("!cq")
+# An environment's answer (rl.environments): b"o", index, status, what (_NONE: the row
+# ends, _TEXT, _CUT: text cut at MAX_OBSERVATION_BYTES), then the text as UTF-8.
+_OBSERVED = struct.Struct("!cqBB")
+_NONE, _TEXT, _CUT = 0, 1, 2
+MAX_OBSERVATION_BYTES = 2**14   # the most of an observation the worker sends back
 _MAX_TRACEBACK = 2**16          # bytes of a load error's traceback sent back
-_MAX_REPLY_BYTES = _LOADED.size + _MAX_TRACEBACK  # a longer reply is malformed
+_MAX_REPLY_BYTES = max(_LOADED.size + _MAX_TRACEBACK,  # a longer reply is malformed
+                       _OBSERVED.size + MAX_OBSERVATION_BYTES)
 _WORKER_CODE = "import sys; sys.path[:0] = {path!r}; from rl import scoring; scoring.serve({fd}, {page})"
 
 
@@ -114,6 +128,19 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
+
+
+@dataclasses.dataclass(frozen=True)
+class Observations:
+  """An environment's answers to N rows: texts[i] the observation (None: the row ends, or
+  its step failed), cut [N] bool (the observation was longer than MAX_OBSERVATION_BYTES and
+  is cut there), failed [N] bool (the step timed out or errored: the row ends with reward
+  0), and how many steps timed out or errored."""
+  texts: list
+  cut: np.ndarray
+  failed: np.ndarray
+  timeouts: int = 0
+  errors: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,13 +172,37 @@ def score_one(task, completion: str, example) -> tuple[float, bool, int]:
   return reward, exact, _OK
 
 
+def observe_one(environment, text: str) -> tuple[int, int, bytes]:
+  """(status, what, UTF-8 bytes) of one environment step, in the calling process: the
+  worker's unit of work for environments. An answer that is neither text nor None is
+  status _ERROR; a longer one than MAX_OBSERVATION_BYTES is cut there (what = _CUT)."""
+  try:
+    observation = environment.step(text)
+    if observation is None:
+      return _OK, _NONE, b""
+    if not isinstance(observation, str):
+      return _ERROR, _NONE, b""
+    data = observation[:MAX_OBSERVATION_BYTES].encode("utf-8", "replace")
+  except TimeoutError:
+    return _TIMEOUT, _NONE, b""
+  except MemoryError:
+    return _MEMORY, _NONE, b""
+  except (Exception, SystemExit):  # pylint: disable=broad-except  (any failure ends the row)
+    return _ERROR, _NONE, b""
+  if len(data) > MAX_OBSERVATION_BYTES or len(observation) > MAX_OBSERVATION_BYTES:
+    data = data[:MAX_OBSERVATION_BYTES].decode("utf-8", "ignore").encode("utf-8")
+    return _OK, _CUT, data
+  return _OK, _TEXT, data
+
+
 def serve(fd: int, page_fd: int) -> None:
   """The worker process's main loop: loads tasks and scores batches until its socket closes.
 
   Messages in (pickles, from the trainer): ("load", token, sys.path, limits, pickled task)
-  and ("score", token, limits, [(index, completion, example)]), where limits is (address
-  space bytes, file bytes, CPU seconds per completion). Out: a `_LOADED` record per load
-  and a `_RESULT` record per completion, sent before the next completion starts, so that a
+  ("score", token, limits, [(index, completion, example)]) and ("observe", token, limits,
+  [(index, text, None)]) (an environment's steps), where limits is (address space bytes,
+  file bytes, CPU seconds per item). Out: a `_LOADED` record per load and a `_RESULT`
+  (`_OBSERVED`) record per completion (step), sent before the next one starts, so that a
   reply a scorer forges in the socket comes before its own result and after every earlier
   one: the trainer then knows whose it is.
   """
@@ -180,13 +231,18 @@ def serve(fd: int, page_fd: int) -> None:
         error = traceback.format_exc().encode("utf-8", "replace")[-_MAX_TRACEBACK:]
       channel.sendall(_frame(_LOADED.pack(b"l", token) + error))
       continue
-    _, token, limits, items = message
+    kind, token, limits, items = message
     _apply_limits(limits, base)
     task = tasks[token]
     for index, completion, example in items:
       _PROGRESS.pack_into(page, 0, index)
       cpu.allow(limits[2])
-      channel.sendall(_frame(_RESULT.pack(b"r", index, *score_one(task, completion, example))))
+      if kind == "observe":
+        status, what, data = observe_one(task, completion)
+        reply = _OBSERVED.pack(b"o", index, status, what) + data
+      else:
+        reply = _RESULT.pack(b"r", index, *score_one(task, completion, example))
+      channel.sendall(_frame(reply))
 
 
 def _read_message(stream):
@@ -315,6 +371,30 @@ def _result(frame: bytes, pending: set[int]) -> tuple[int, float, bool, int] | N
   return index, reward, exact, status
 
 
+def _observation(frame: bytes, pending: set[int]) -> tuple[int, tuple] | None:
+  """(index, (text or None, cut, status)) from an observation record, or None unless the
+  frame is one (`_OBSERVED`) for an unanswered index, with a known status and kind and
+  valid UTF-8 of at most MAX_OBSERVATION_BYTES."""
+  if not _OBSERVED.size <= len(frame) <= _OBSERVED.size + MAX_OBSERVATION_BYTES:
+    return None
+  tag, index, status, what = _OBSERVED.unpack_from(frame)
+  data = frame[_OBSERVED.size:]
+  if (tag != b"o" or index not in pending or status not in (_OK, _ERROR, _TIMEOUT, _MEMORY)
+      or what not in (_NONE, _TEXT, _CUT) or (what == _NONE and data)):
+    return None
+  try:
+    text = data.decode("utf-8")
+  except UnicodeDecodeError:
+    return None
+  return index, (None if what == _NONE else text, what == _CUT, status)
+
+
+def _scored(frame: bytes, pending: set[int]) -> tuple[int, tuple] | None:
+  """`_result` as (index, (reward, exact, status))."""
+  result = _result(frame, pending)
+  return None if result is None else (result[0], result[1:])
+
+
 def _load_error(frame: bytes | None, token: int) -> tuple[bool, str | None]:
   """(well formed, traceback or None) of the worker's answer to loading task `token`."""
   if frame is None or len(frame) < _LOADED.size:
@@ -403,20 +483,46 @@ class Scorer:
     if not timeout_s > 0:
       raise ValueError(f"Task {getattr(task, 'name', task)!r}: reward_timeout_s={timeout_s} "
                        "must be > 0.")
+    results = self._serve("score", task, completions, examples, timeout_s, limits,
+                          _scored, lambda status: (0.0, False, status))
+    status = np.array([r[2] for r in results], np.int32)
+    return Scores(rewards=np.array([r[0] for r in results], np.float32),
+                  exact=np.array([r[1] for r in results], bool),
+                  timeouts=int(np.sum(status == _TIMEOUT)), errors=int(np.sum(status == _ERROR)))
+
+  def observe(self, environment, texts: Sequence[str], timeout_s: float | None = None,
+              limits: Limits | None = None) -> Observations:
+    """One step of `environment` (rl.environments) for each of `texts`, in the worker, on
+    the same terms as scoring: a step that hangs past the time limit (the environment's
+    `timeout_s`, else DEFAULT_TIMEOUT_S), raises, crashes or answers with something that is
+    not text is failed (and counted), and a fresh worker answers the rest."""
+    if timeout_s is None:
+      timeout_s = float(getattr(environment, "timeout_s", DEFAULT_TIMEOUT_S))
+    if not timeout_s > 0:
+      raise ValueError(f"Environment {getattr(environment, 'name', environment)!r}: "
+                       f"timeout_s={timeout_s} must be > 0.")
+    results = self._serve("observe", environment, texts, [None] * len(texts), timeout_s,
+                          limits, _observation, lambda status: (None, False, status))
+    status = np.array([r[2] for r in results], np.int32)
+    return Observations(texts=[r[0] for r in results], cut=np.array([r[1] for r in results], bool),
+                        failed=status != _OK, timeouts=int(np.sum(status == _TIMEOUT)),
+                        errors=int(np.sum(status == _ERROR)))
+
+  def _serve(self, kind: str, task, texts, examples, timeout_s: float, limits, parse, failure):
+    """The results of one batch of `kind` ('score' or 'observe'), restarting the worker
+    after each item that fails it; parse(frame, pending) reads a reply, failure(status) is
+    a failed item's result."""
     limits = _worker_limits(task, limits, timeout_s)
-    results: list[tuple[float, bool, int] | None] = [None] * len(completions)
+    results: list[tuple | None] = [None] * len(texts)
     with self._lock:
       token, blob = self._pickled(task)
       while any(r is None for r in results):
         self._start()
         self._load(task, token, blob, limits)
-        self._run(token, completions, examples, results, timeout_s, limits)
+        self._run(kind, token, texts, examples, results, timeout_s, limits, parse, failure)
       if self._exhausted:
         self._stop()
-    status = np.array([r[2] for r in results], np.int32)
-    return Scores(rewards=np.array([r[0] for r in results], np.float32),
-                  exact=np.array([r[1] for r in results], bool),
-                  timeouts=int(np.sum(status == _TIMEOUT)), errors=int(np.sum(status == _ERROR)))
+    return results
 
   def close(self) -> None:
     """Stops the worker (a later `score` starts a new one)."""
@@ -497,8 +603,8 @@ class Scorer:
                        f"process (docs/add_task.md):\n{error}")
     self._loaded.add(token)
 
-  def _run(self, token: int, completions, examples, results, timeout_s: float,
-           limits: tuple[int, int, float]) -> None:
+  def _run(self, kind: str, token: int, completions, examples, results, timeout_s: float,
+           limits: tuple[int, int, float], parse, failure) -> None:
     """Sends the unscored items to the worker and collects results until all are in, or
     until one times out, the worker dies or a reply is malformed (then the worker is
     stopped, the first unscored item, whose result is the one missing, gets the failure,
@@ -509,27 +615,27 @@ class Scorer:
     pending = {i for i, r in enumerate(results) if r is None}
     _PROGRESS.pack_into(self._page, 0, -1)
     try:
-      self._channel.send(("score", token, limits,
+      self._channel.send((kind, token, limits,
                           [(i, completions[i], examples[i]) for i in sorted(pending)]))
     except OSError:  # the worker is gone already
-      self._fail(min(pending), _ERROR, completions, examples, results)
+      self._fail(min(pending), failure(_ERROR), completions, examples, results)
       return
     seen, since = set(), time.monotonic()
     while pending:
       try:
         frame = self._channel.receive(_POLL_S)
       except EOFError:  # the worker died on the completion it was scoring
-        self._fail(min(pending), self._exit_status(), completions, examples, results)
+        self._fail(min(pending), failure(self._exit_status()), completions, examples, results)
         return
       except ValueError:
         frame = b""  # an oversized reply: malformed
       if frame is not None:
-        result = _result(frame, pending)
+        result = parse(frame, pending)
         if result is None:  # not what `serve` writes: a scorer wrote into the socket
-          self._fail(min(pending), _ERROR, completions, examples, results)
+          self._fail(min(pending), failure(_ERROR), completions, examples, results)
           return
-        index, reward, exact, status = result
-        results[index] = (reward, exact, _ERROR if status == _MEMORY else status)
+        index, (*value, status) = result
+        results[index] = (*value, _ERROR if status == _MEMORY else status)
         self._exhausted |= status == _MEMORY
         pending.discard(index)
         continue
@@ -538,7 +644,7 @@ class Scorer:
         seen.add(current)
         since = now
       elif current >= 0 and now - since > timeout_s:
-        self._fail(min(pending), _TIMEOUT, completions, examples, results)
+        self._fail(min(pending), failure(_TIMEOUT), completions, examples, results)
         return
       elif current < 0 and now - since > LOAD_TIMEOUT_S:
         self._stop()
@@ -557,14 +663,14 @@ class Scorer:
       return _ERROR
     return _TIMEOUT if code == -signal.SIGXCPU else _ERROR
 
-  def _fail(self, index: int, status: int, completions, examples, results) -> None:
-    """Stops the worker and gives reward 0 with `status` to `index` and to every unscored
-    row with the same completion of the same example."""
+  def _fail(self, index: int, failed: tuple, completions, examples, results) -> None:
+    """Stops the worker and gives the failed result (reward 0, or no observation, with its
+    status) to `index` and to every unanswered row with the same text of the same example."""
     self._stop()
     for i, result in enumerate(results):
       if result is None and (i == index or (completions[i] == completions[index]
                                             and examples[i] is examples[index])):
-        results[i] = (0.0, False, status)
+        results[i] = failed
 
 
 def _worker_limits(task, limits: Limits | None, timeout_s: float) -> tuple[int, int, float]:
@@ -590,3 +696,9 @@ def score(task, completions: Sequence[str], examples: Sequence,
           timeout_s: float | None = None, limits: Limits | None = None) -> Scores:
   """Scores completions[i] against examples[i] with the process-wide worker (`Scorer`)."""
   return _DEFAULT.score(task, completions, examples, timeout_s, limits)
+
+
+def observe(environment, texts: Sequence[str], timeout_s: float | None = None,
+            limits: Limits | None = None) -> Observations:
+  """One step of `environment` per text with the process-wide worker (`Scorer.observe`)."""
+  return _DEFAULT.observe(environment, texts, timeout_s, limits)

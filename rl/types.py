@@ -36,6 +36,9 @@ class Rollout:
   tree batch (sampling/tree.py) is a root-to-leaf path whose prefix shared with its parent
   is in prompt_mask (context), not completion_mask: every tree token is trained once, in
   the row that decoded it (rl.rollouts.batches.tree_rollout).
+  env_mask [B, T]: with turns (rl.rollouts.turns), the tokens an environment wrote; they are
+  context, in prompt_mask and never in completion_mask, so nothing trains on them (None
+  without an environment).
   """
   tokens: jax.Array
   prompt_mask: jax.Array
@@ -48,6 +51,7 @@ class Rollout:
   prox_logp: Optional[jax.Array] = None
   ref_logp: Optional[jax.Array] = None
   tree: Optional[TreeRows] = None
+  env_mask: Optional[jax.Array] = None
 
   @property
   def token_mask(self) -> jax.Array:

@@ -25,6 +25,7 @@ from models import pretrained
 from models import tokenizer as tokenizers
 from models import transformer
 from rl import checkpoint
+from rl import environments
 from rl import loop
 from rl import tasks
 from rl import train
@@ -33,8 +34,10 @@ from rl.objectives import distillation
 from rl.objectives import losses
 from rl.rollouts import batches as rollout_lib
 from rl.rollouts import kinds
+from rl.rollouts import partial as partial_rollout
 from rl.rollouts import producers
 from rl.rollouts import selection
+from rl.rollouts import turns as turns_lib
 from sampling import sampler as sampler_lib
 from sampling import speculative
 from sharding import mesh as mesh_lib
@@ -176,6 +179,72 @@ def check_composition(config: ml_collections.ConfigDict) -> None:
                      "mesh.fsdp = mesh.tensor = 1.")
 
 
+_TOOL_DEFAULTS = dict(max_turns=16, max_observation_tokens=32, timeout_s=0.0)
+
+
+def tool_config(config: ml_collections.ConfigDict) -> turns_lib.ToolConfig | None:
+  """config.tools as the rollouts' ToolConfig; None when config.tools.name is empty (then
+  a budget changed from its default is refused: it would be ignored)."""
+  t = config.get("tools")  # a config.json from before tools has none
+  if t is None:
+    return None
+  if not t.name:
+    changed = [k for k, v in _TOOL_DEFAULTS.items() if t[k] != v]
+    if changed:
+      raise ValueError(f"config.tools.{changed[0]} = {t[changed[0]]!r} has no effect without "
+                       "an environment: set config.tools.name (e.g. 'adder'), or leave it at "
+                       f"its default {_TOOL_DEFAULTS[changed[0]]!r}.")
+    return None
+  return turns_lib.ToolConfig(max_turns=t.max_turns, max_observation_tokens=t.max_observation_tokens,
+                              timeout_s=float(t.timeout_s))
+
+
+def check_tools(config: ml_collections.ConfigDict) -> None:
+  """Refuses an unknown environment, demonstrations of a tool the run does not have, and
+  what rollouts with turns do not compose with."""
+  tools = tool_config(config)
+  share = config.task.difficulty.get("tool_share", 0.0)
+  if tools is None and share:
+    raise ValueError(f"config.task.difficulty.tool_share = {share} demonstrates the adder, "
+                     "but the run has no environment to answer it (the policy would be "
+                     "trained to write the tool's answers itself): set "
+                     "config.tools.name='adder', or tool_share=0.")
+  if tools is None:
+    return
+  environments.ENVIRONMENTS.get(config.tools.name)
+  r = config.rollout
+  if r.kind == "tree":
+    raise ValueError("config.tools.name with config.rollout.kind='tree': a tree forks rows "
+                     "that share a prefix, and an environment's answer would have to be "
+                     "copied into every branch of it; use rollout.kind='independent' or "
+                     "'partial' with tools.")
+  if r.kind == "partial" and r.resume != "reprefill":
+    raise ValueError(f"config.tools.name with config.rollout.resume = {r.resume!r}: a row "
+                     "the environment answered must re-encode its prefix, which 'kept_kv' "
+                     "does not; set config.rollout.resume='reprefill'.")
+  if r.speculative.tokens:
+    raise ValueError("config.tools.name with config.rollout.speculative.tokens > 0: "
+                     "speculative decoding does not pause rows at tool calls; set "
+                     "rollout.speculative.tokens=0.")
+  if config.rl.prefix_shared_forward:
+    raise ValueError("config.tools.name with config.rl.prefix_shared_forward: environment "
+                     "answers are context after the prompt, which the prefix-shared forward "
+                     "does not allow; turn config.rl.prefix_shared_forward off.")
+  m = config.mesh
+  if not mesh_lib.MeshConfig(data=m.data, fsdp=m.fsdp, tensor=m.tensor).is_single_device:
+    raise ValueError("config.tools.name runs turns on one device; set mesh.data = mesh.fsdp "
+                     "= mesh.tensor = 1.")
+
+
+def make_turns(config, tokenizer) -> turns_lib.Turns | None:
+  """The environment config.tools names with its budgets, for the run's tokenizer (None
+  when config.tools.name is empty)."""
+  tools = tool_config(config)
+  if tools is None:
+    return None
+  return turns_lib.Turns(environments.make_environment(config.tools.name), tokenizer, tools)
+
+
 def check_distill(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError for a distillation setting that would be ignored or cannot run."""
   d = config.distill
@@ -308,6 +377,7 @@ def validate(config: ml_collections.ConfigDict) -> None:
     raise ValueError(f"config.rollout.train_length_buckets = {r.train_length_buckets}: every "
                      "bucket must be a positive number of completion slots.")
   check_composition(config)
+  check_tools(config)
   check_distill(config)
   lora_config(config)
   selection.check_config(config.selection, prompts_per_step=r.prompts_per_step,
@@ -323,10 +393,11 @@ def validate(config: ml_collections.ConfigDict) -> None:
 # model.remat too: it trades memory for compute and trains the same policy).
 WARM_START_FIELDS = ("seed", "task", "model", "warm_start", "rollout.prompt_len",
                      "rollout.max_new_tokens", "rollout.train_length_buckets",
-                     "rl.max_grad_norm", "rl.num_microbatches")
+                     "rl.max_grad_norm", "rl.num_microbatches", "tools.name")
 # Fields of WARM_START_FIELDS added after runs were made: a config.json without one was
 # trained with its default.
-_ADDED_WARM_START_DEFAULTS = {"model.compute_dtype": ""}
+_ADDED_WARM_START_DEFAULTS = {"model.compute_dtype": "", "tools.name": "",
+                              "task.difficulty.tool_share": 0.0}
 
 
 def _flat(value, prefix: str) -> dict:
@@ -550,6 +621,7 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None, teache
                                logprob_chunk=config.rl.logprob_chunk,
                                **(distill_settings(config, teacher) if phase == RL else {}))
   drafts = draft_config(config) if phase == RL else None
+  turns = make_turns(config, tokenizer)
   sharded = {} if mesh is None else dict(
       generate_fn=rollout_lib.make_generate(model_config, sampling_config, mesh),
       publish=reshard.make_publish(mesh, jax.eval_shape(
@@ -559,10 +631,11 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None, teache
       sampling_config=sampling_config, prompt_len=config.rollout.prompt_len,
       prompts_per_step=prompts, group_size=config.rollout.group_size,
       train_pool=config.task.train_pool,
-      keep_completions=drafts is not None and "history" in drafts.sources,
+      keep_completions=drafts is not None and "history" in drafts.sources, turns=turns,
       generate_fn=(rollout_lib.make_generate(model_config, sampling_config,
-                                             draft_config=drafts)
-                   if drafts is not None else sharded.get("generate_fn")))
+                                             draft_config=drafts) if drafts is not None else
+                   partial_rollout.make_turns_generate(model_config, sampling_config, turns)
+                   if turns is not None else sharded.get("generate_fn")))
   ctx = loop.LoopContext(
       batch=batch, train_step=step,
       batch_advantages=kinds.ROLLOUT_KINDS.get(config.rollout.kind).batch_advantages(config),

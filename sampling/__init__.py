@@ -1,13 +1,16 @@
 """Sampling: one decode core (`sampler.write_token`, `sampler.make_generation`) under four
 policies: plain lockstep decoding (`sampler`), tree rollouts (`tree`), resumable partial
 rollouts (`partial`) and lossless speculative decoding with model-free drafts
-(`speculative`). Every policy returns the one trajectory type, `Generation`.
+(`speculative`). Every policy returns the one trajectory type, `Generation`. A partial
+pool's rows can also take tokens the policy did not write between rounds
+(`append_observations`: the turns of rl.rollouts.turns).
 """
 
-from sampling.partial import (RESUME_MODES, PartialConfig, RolloutPool, clear,
-                              complete_groups, fill, init_pool, oldest_version, run_round, take)
-from sampling.sampler import (DraftStats, Generation, SamplerState, SamplingConfig, TreePaths,
-                              generate, sample)
+from sampling.partial import (RESUME_MODES, PartialConfig, RolloutPool, append_observations,
+                              clear, complete_groups, fill, init_pool, oldest_version, run_round,
+                              take)
+from sampling.sampler import (DraftStats, Generation, SamplerState, SamplingConfig, ToolRows,
+                              TreePaths, generate, sample)
 from sampling.speculative import DraftConfig, speculative_generate
 from sampling.tree import EntropyFork, FixedSegments, ForkPolicy, Lookahead, tree_generate
 
@@ -24,7 +27,9 @@ __all__ = [
     "RolloutPool",
     "SamplerState",
     "SamplingConfig",
+    "ToolRows",
     "TreePaths",
+    "append_observations",
     "clear",
     "complete_groups",
     "fill",

@@ -31,6 +31,13 @@ In both modes each token's recorded behaviour log-prob is exactly the probabilit
 sampler drew it with, so IS ratios against the concatenated per-segment log-probs (CoPRIS
 cross-stage IS) stay exact; the version recorded is the round's parameter version. A pool
 restored from a checkpoint has no KV: run its first round with `full_refresh=True`.
+
+Turns (tool calls, rl.rollouts.turns). Between rounds a caller may append tokens the
+policy did not write to rows that stopped (`append_observations`): the row is shifted left
+so that it still ends at C, the tokens are written before C with version -1 and log-prob 0,
+and the row is live again (a row may also be resumed with nothing appended). Its next round must re-encode the whole prefix ('reprefill').
+Appended tokens count against the row's N-token budget. `RolloutPool.env_status` keeps
+what the environment said about each row across rounds (and checkpoints).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from sampling.sampler import (Generation, SamplerState, SamplingConfig, decode, 
                               stop_mask)
 
 RESUME_MODES = ("reprefill", "kept_kv")
+ENV_RUNNING, ENV_ENDED, ENV_FAILED = 0, 1, 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,12 +102,15 @@ class RolloutPool:
   start [R] int32: first slot of each row's P-slot prompt region.
   group_id [R / G] int32: caller's id of the group in each group slot (-1: empty).
   prompt_slots: P; max_new_tokens: N (static).
+  env_status [R] int32: with turns, ENV_RUNNING, ENV_ENDED (the environment ended the row)
+    or ENV_FAILED (its step failed: the row ends with reward 0); None without turns.
   """
   sampler: SamplerState
   start: jax.Array
   group_id: jax.Array
   prompt_slots: int = flax.struct.field(pytree_node=False)
   max_new_tokens: int = flax.struct.field(pytree_node=False)
+  env_status: jax.Array | None = None
 
   @property
   def resume_slot(self) -> int:
@@ -107,8 +118,10 @@ class RolloutPool:
 
 
 def init_pool(partial_config: PartialConfig, model_config: ModelConfig,
-              sampling_config: SamplingConfig, prompt_slots: int, rng: jax.Array) -> RolloutPool:
-  """An empty pool: every group slot free, every row done, an all-zero KV cache."""
+              sampling_config: SamplingConfig, prompt_slots: int, rng: jax.Array,
+              turns: bool = False) -> RolloutPool:
+  """An empty pool: every group slot free, every row done, an all-zero KV cache
+  (`turns`: with an `env_status` per row, for `append_observations`)."""
   rows, n = partial_config.num_slots, sampling_config.max_new_tokens
   window = partial_config.decode_window
   if window > n:
@@ -128,7 +141,8 @@ def init_pool(partial_config: PartialConfig, model_config: ModelConfig,
   start = jnp.full((rows,), resume_slot - prompt_slots, jnp.int32)
   return RolloutPool(sampler=sampler, start=start,
                      group_id=jnp.full((partial_config.num_groups,), -1, jnp.int32),
-                     prompt_slots=prompt_slots, max_new_tokens=n)
+                     prompt_slots=prompt_slots, max_new_tokens=n,
+                     env_status=jnp.zeros((rows,), jnp.int32) if turns else None)
 
 
 def _rows(group_mask: jax.Array, group_size: int) -> jax.Array:
@@ -146,8 +160,11 @@ def clear(pool: RolloutPool, group_mask: jax.Array, pad_id: int = 0) -> RolloutP
                       behavior_logp=jnp.where(rows, 0.0, s.behavior_logp),
                       version=jnp.where(rows, -1, s.version),
                       done=s.done | rows[:, 0])
+  env_status = (None if pool.env_status is None
+                else jnp.where(rows[:, 0], ENV_RUNNING, pool.env_status))
   return pool.replace(sampler=sampler, group_id=jnp.where(group_mask, -1, pool.group_id),
-                      start=jnp.where(rows[:, 0], pool.resume_slot - pool.prompt_slots, pool.start))
+                      start=jnp.where(rows[:, 0], pool.resume_slot - pool.prompt_slots, pool.start),
+                      env_status=env_status)
 
 
 @jax.jit
@@ -172,6 +189,38 @@ def fill(pool: RolloutPool, group_mask: jax.Array, prompt_tokens: jax.Array,
   sampler = s.replace(tokens=tokens, token_mask=token_mask, done=s.done & ~rows)
   return pool.replace(sampler=sampler, start=jnp.where(rows, c - p, pool.start),
                       group_id=jnp.where(group_mask, group_id, pool.group_id))
+
+
+@jax.jit
+def append_observations(pool: RolloutPool, tokens: jax.Array, lengths: jax.Array,
+                        live: jax.Array, env_status: jax.Array) -> RolloutPool:
+  """Appends tokens [R, L] the policy did not write (their first lengths[r] of row r) to
+  the rows, which end at C (between rounds): each row with lengths > 0 is shifted left by
+  its length and the tokens take slots [C - length, C) with version -1 and log-prob 0.
+  Rows with live [R] (every row with lengths > 0, and any other to resume as it is) decode
+  again; env_status [R] replaces the pool's. The caller keeps every row's generated +
+  appended tokens within N and resumes with a whole-prefix refresh."""
+  s, c = pool.sampler, pool.resume_slot
+  rows, slots = s.tokens.shape
+  index = jnp.arange(slots)[None, :]
+  length = lengths.astype(jnp.int32)[:, None]
+  kept = index < c - length                               # the row, moved left
+  appended = (index >= c - length) & (index < c)          # the new tokens
+  source = jnp.minimum(index + length, slots - 1)
+  at = jnp.clip(index - (c - length), 0, tokens.shape[1] - 1)
+  moved = lambda buf: jnp.take_along_axis(buf, source, axis=1)
+  new = lambda buf, fill, other: jnp.where(kept, moved(buf), jnp.where(appended, other, fill))
+  changed = (length > 0)
+  pick = lambda before, after: jnp.where(changed, after, before)
+  sampler = s.replace(
+      tokens=pick(s.tokens, new(s.tokens, 0, jnp.take_along_axis(tokens.astype(jnp.int32), at,
+                                                                axis=1))),
+      token_mask=pick(s.token_mask, new(s.token_mask, False, True)),
+      behavior_logp=pick(s.behavior_logp, new(s.behavior_logp, 0.0, 0.0)),
+      version=pick(s.version, new(s.version, -1, -1)),
+      done=s.done & ~(live | changed[:, 0]))
+  return pool.replace(sampler=sampler, start=pool.start - lengths.astype(jnp.int32),
+                      env_status=env_status.astype(jnp.int32))
 
 
 def _complete_groups(done: jax.Array, group_id: jax.Array) -> jax.Array:

@@ -136,6 +136,24 @@ class DraftStats:
 
 
 @flax.struct.dataclass
+class ToolRows:
+  """What rollouts with turns (rl.rollouts.turns) add to their `Generation`: env_mask
+  [B, S] tokens an environment wrote (context: in prompt_mask, never in completion_mask);
+  calls [B] tool calls the environment answered; failed [B] rows whose environment step
+  timed out or failed (they score 0); and the batch's step counts: steps (environment
+  steps run), errors, timeouts, cut (observations cut to their token cap) and env_time_s
+  (wall time spent in environment steps)."""
+  env_mask: jax.Array
+  calls: jax.Array
+  failed: jax.Array
+  steps: jax.Array
+  errors: jax.Array
+  timeouts: jax.Array
+  cut: jax.Array
+  env_time_s: jax.Array
+
+
+@flax.struct.dataclass
 class Generation:
   """A finished (or stopped) batch of sequences, ready to be scored.
 
@@ -143,7 +161,8 @@ class Generation:
   version [B, S]; completion_len [B]; stopped [B] (emitted a stop token, as opposed to
   running out of slots); decode_steps: loop iterations run (scalar); tree: the tree
   rollout's paths (`TreePaths`), None for independent samples and partial rollouts;
-  speculative: speculative decoding's draft counters (`DraftStats`), None otherwise.
+  speculative: speculative decoding's draft counters (`DraftStats`), None otherwise;
+  tools: rollouts with turns' environment tokens and counters (`ToolRows`), None otherwise.
   """
   tokens: jax.Array
   prompt_mask: jax.Array
@@ -155,6 +174,7 @@ class Generation:
   decode_steps: jax.Array
   tree: Optional[TreePaths] = None
   speculative: Optional[DraftStats] = None
+  tools: Optional[ToolRows] = None
 
 
 def prefill(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng: jax.Array,

@@ -1,5 +1,5 @@
 """docs/ stays true: the configuration reference is current and complete, and the recipes of
-add_objective.md and add_task.md work when their code blocks are run exactly as written.
+add_objective.md, add_task.md, concepts.md, math.md and tools.md work when their code blocks are run exactly as written.
 
 Each ```python block of a recipe starts with a `# <file name>` comment; the test writes the
 blocks to those files in a temporary folder and uses them as the page says.
@@ -179,3 +179,18 @@ def test_add_task_recipe(recipe_folder):
       runpy.run_path(str(files["my_tasks.py"]))
   finally:
     tasks.TASKS.unregister("gcd")
+
+
+def test_write_an_environment_recipe(recipe_folder):
+  files = write_blocks("tools.md", recipe_folder)
+  assert list(files) == ["my_environments.py", "check_my_environments.py", "subtractor_config.py"]
+  from models.tokenizer import CharTokenizer  # pylint: disable=import-outside-toplevel
+  from rl import environments  # pylint: disable=import-outside-toplevel
+  try:
+    runpy.run_path(str(files["check_my_environments.py"]))  # its asserts are the check
+    config = load_config_file(files["subtractor_config.py"])
+    wiring.validate(config)
+    turns = wiring.make_turns(config, CharTokenizer())
+    assert turns.environment.name == "subtractor" and turns.config.max_turns == 9
+  finally:
+    environments.ENVIRONMENTS.unregister("subtractor")

@@ -366,8 +366,36 @@ def test_speculative_page_compares_sampling_seconds_with_plain_decoding(tmp_path
   assert (tmp_path / "spec.png").exists()
 
 
+def test_tools_page_reports_long_problems_paired_and_tool_use(tmp_path):
+  spec = runpy.run_path(os.path.join(_REPO, "experiments", "grids", "tools.py"))
+  assert [c["name"] for c in spec["SPEC"]["cells"]][:2] == ["grpo_s0", "tools_s0"]
+  by_size = lambda warm, final: {"1": {"examples": 300, "warm_start": 0.5, "final": 0.9},
+                                 "5": {"examples": 10, "warm_start": warm, "final": final},
+                                 "9": {"examples": 30, "warm_start": warm / 2, "final": final / 2}}
+  grpo = _cell_result("grpo", 0, [0.3, 0.8], [0, 1], [0.0, 50.0], {},
+                      accuracy_by_size=by_size(0.2, 0.4))
+  tools = _cell_result("tools", 0, [0.3, 0.9], [0, 1], [0.0, 80.0], {},
+                       [{}, {"tool_calls_per_rollout": 1.5}, {"tool_calls_per_rollout": 4.0}],
+                       accuracy_by_size=by_size(0.2, 0.8),
+                       tools={"warm_start_tool_calls": 0.1, "final_tool_calls": 3.0,
+                              "warm_start_accuracy_no_tools": 0.3,
+                              "final_accuracy_no_tools": 0.5,
+                              "accuracy_by_size_no_tools": by_size(0.0, 0.0)})
+  tools["summary"]["accuracy_curve"].append(dict(tools["summary"]["accuracy_curve"][-1]))
+  # k >= 5: (10 * 0.4 + 30 * 0.2) / 40 = 0.25 for GRPO, 0.5 with the tool.
+  assert spec["long_accuracy"](by_size(0.2, 0.4), {"5": 10, "9": 30}) == pytest.approx(0.25)
+  page = spec["render_page"]([grpo, tools], str(tmp_path / "tools.md"))
+  row, base = _row(page, "tools"), _row(page, "grpo")
+  # warm start k >= 5 with the tool: (10 * 0.2 + 30 * 0.1) / 40 = 0.125
+  assert base[5] == "0.250" and row[5] == "0.500" and row[4] == "0.125"
+  assert row[7] == "0.250 (1 up, 0 down)" and base[7] == "-"
+  assert row[8] == "0.000" and row[9] == "0.10" and row[10] == "3.00"
+  assert row[11] == "1.50" and row[12] == "4.00" and base[9] == "-"
+  assert (tmp_path / "tools.png").exists()
+
+
 @pytest.mark.parametrize("spec", ["b3_tree", "b4_partial_async", "b5_staleness", "b6_selection",
-                                  "opd", "speculative", "warm_starts"])
+                                  "opd", "speculative", "tools", "warm_starts"])
 def test_every_benchmark_cell_is_a_valid_launcher_config(spec):
   """Each cell's flags name real fields with accepted values on the default config (the
   shared warm start's folder aside: it exists only once warm_starts.py has run)."""

@@ -30,7 +30,7 @@ def get_config() -> ml_collections.ConfigDict:
   # rl/tasks/gsm.py Options, with format_reward; a reasoning-gym dataset: its config's fields).
   c.task.difficulty = ml_collections.ConfigDict(dict(
       min_steps=1, max_steps=9, length_tail=1.9, digits=7, step=5,
-      teacher_carry_slip=(0.55, 0.9), state_credit=0.0))
+      teacher_carry_slip=(0.55, 0.9), state_credit=0.0, tool_share=0.0))
   c.task.train_pool = 0               # GRPO cycles over train positions [0, pool) (0 = unbounded)
 
   c.model = ml_collections.ConfigDict()
@@ -196,6 +196,18 @@ def get_config() -> ml_collections.ConfigDict:
   c.selection.adaptive.max_rollouts = 0  # cap per prompt (0 = 2 * group_size)
   c.selection.adaptive.score = "variance"  # variance (pilot reward std) | beta (posterior std)
   c.selection.adaptive.history_decay = 0.5  # weight of a prompt's past rollouts per epoch (pool)
+
+  # Tools and multi-turn environments (docs/tools.md): a row pauses when it writes the
+  # environment's call (e.g. "?1234567+5="), the environment's answer ("1234572") is
+  # appended as context that nothing trains on, and decoding resumes. Evaluation reports
+  # held-out accuracy with the environment and without it (eval_accuracy_no_tools).
+  c.tools = ml_collections.ConfigDict()
+  c.tools.name = ""                   # "" = off; adder (running_sum's "?a+b=") | calculator
+                                      # (GSM8K's "<<48/2=" -> "24>>"); rl/environments.py
+  c.tools.max_turns = 16              # environment answers per rollout (a later call ends it)
+  c.tools.max_observation_tokens = 32  # an answer is cut to this many tokens
+  c.tools.timeout_s = 0.0             # time limit of one environment step in the scoring
+                                      # worker (0 = the environment's own, 1 s for built-ins)
 
   c.eval = ml_collections.ConfigDict()
   c.eval.every = 30                   # GRPO steps between held-out evaluations

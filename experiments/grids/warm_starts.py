@@ -8,8 +8,12 @@ minutes on two CPU cores) and stops at the start of the RL phase; the benchmark 
 `--config.warm_start.init_from=runs/warm/runs/warm_s<seed>`, so a grid cell costs the RL
 phase alone and every cell of a seed starts from the same parameters. The `teacher` cell
 is the on-policy distillation teacher: the seed-0 warm start trained on demonstrations
-without carry slips (held-out accuracy 0.96 against the students' 0.27-0.33).
+without carry slips (held-out accuracy 0.96 against the students' 0.27-0.33). The
+`warm_tools` cells are the tool grid's (experiments/grids/tools.py): the same warm start
+with running_sum's adder, demonstrated at a share of the additions.
 """
+
+from experiments.grids import tools
 
 SEEDS = (0, 1, 2)
 
@@ -19,4 +23,6 @@ SPEC = {"cells": [{"name": "warm", "module": "experiments.train", "seeds": list(
                   # on a demonstrator that never slips, for seed 0.
                   {"name": "teacher", "module": "experiments.train", "seed": 0,
                    "flags": {"config.rl.steps": 0,
-                             "config.task.difficulty.teacher_carry_slip": "(0.0, 0.0)"}}]}
+                             "config.task.difficulty.teacher_carry_slip": "(0.0, 0.0)"}},
+                  {"name": "warm_tools", "module": "experiments.train", "seeds": list(SEEDS),
+                   "flags": {"config.rl.steps": 0, **tools.TOOL_FLAGS}}]}

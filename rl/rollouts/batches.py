@@ -14,12 +14,13 @@ import numpy as np
 
 from models import transformer
 from models.config import ModelConfig
+from rl import environments
 from rl import scoring
 from rl import timing
 from rl.tasks import Example, Task
 from rl.types import Rollout, TreeRows
 from sampling import sampler
-from sampling.sampler import DraftStats, Generation, SamplingConfig, generate
+from sampling.sampler import DraftStats, Generation, SamplingConfig, ToolRows, generate
 from sampling.speculative import DraftConfig, speculative_generate
 from sampling.tree import ForkPolicy, tree_generate
 from sharding import multihost
@@ -55,28 +56,51 @@ def encode_prompts(tokenizer: Tokenizer, texts: Sequence[str], prompt_len: int) 
   return tokens, mask
 
 
+def answer_segments(tokenizer: Tokenizer, example: Example, environment=None
+                    ) -> tuple[list[int], list[bool]]:
+  """(ids, written by the environment) of a reference answer + EOS: with an environment
+  (rl.environments), the answer's tool answers are found by running it on the answer
+  (`rl.environments.split_demonstration`) and flagged, so the warm start keeps them as
+  context and trains only what the policy would write."""
+  segments = ([(example.answer, False)] if environment is None else
+              environments.split_demonstration(example.prompt, example.answer, environment))
+  ids, by_environment = [], []
+  for text, written in segments:
+    piece = tokenizer.encode(text)
+    ids += piece
+    by_environment += [written] * len(piece)
+  return ids + [tokenizer.eos_id], by_environment + [False]
+
+
 def supervised_batch(tokenizer: Tokenizer, examples: Sequence[Example], prompt_len: int,
-                     completion_len: int) -> Rollout:
-  """A batch of (prompt, reference answer + EOS) in the sampler's layout, for the warm start."""
+                     completion_len: int, environment=None) -> Rollout:
+  """A batch of (prompt, reference answer + EOS) in the sampler's layout, for the warm
+  start; with an environment, its answers inside the reference answer are context
+  (prompt_mask, env_mask), not trained (`answer_segments`)."""
   prompt_tokens, prompt_mask = encode_prompts(tokenizer, [e.prompt for e in examples], prompt_len)
   completion = np.full((len(examples), completion_len), tokenizer.pad_id, np.int32)
   completion_mask = np.zeros((len(examples), completion_len), bool)
+  env_mask = np.zeros((len(examples), completion_len), bool)
   for row, example in enumerate(examples):
-    ids = tokenizer.encode(example.answer) + [tokenizer.eos_id]
+    ids, by_environment = answer_segments(tokenizer, example, environment)
     if len(ids) > completion_len:
       raise ValueError(f"Answer {example.answer!r} needs {len(ids)} tokens with EOS but "
                        f"max_new_tokens is {completion_len}; raise config.rollout.max_new_tokens.")
     completion[row, :len(ids)] = ids
-    completion_mask[row, :len(ids)] = True
+    env_mask[row, :len(ids)] = by_environment
+    completion_mask[row, :len(ids)] = ~np.asarray(by_environment, bool)
   n = len(examples)
   zeros = np.zeros((n, prompt_len + completion_len), np.float32)
+  no_prompt = np.zeros_like(prompt_mask)
   return Rollout(
       tokens=jnp.asarray(np.concatenate([prompt_tokens, completion], axis=1)),
-      prompt_mask=jnp.asarray(np.concatenate([prompt_mask, np.zeros_like(completion_mask)], axis=1)),
-      completion_mask=jnp.asarray(np.concatenate([np.zeros_like(prompt_mask), completion_mask], axis=1)),
+      prompt_mask=jnp.asarray(np.concatenate([prompt_mask, env_mask], axis=1)),
+      completion_mask=jnp.asarray(np.concatenate([no_prompt, completion_mask], axis=1)),
       behavior_logp=jnp.asarray(zeros), version=jnp.full(zeros.shape, -1, jnp.int32),
       group=jnp.arange(n, dtype=jnp.int32), reward=jnp.ones((n,), jnp.float32),
-      advantages=jnp.asarray(zeros))
+      advantages=jnp.asarray(zeros),
+      env_mask=None if environment is None else jnp.asarray(
+          np.concatenate([no_prompt, env_mask], axis=1)))
 
 
 # One compiled sampler per (model, sampling, mesh, rules); rules must be a tuple (hashable).
@@ -176,7 +200,9 @@ def _pad_rows(x, count: int):
 @dataclasses.dataclass
 class ScoredSamples:
   """A sampled, scored batch: the Rollout plus host-side texts and exact-match flags, and
-  how many rows got reward 0 because their scorer timed out or failed (rl.scoring)."""
+  how many rows got reward 0 because their scorer timed out or failed (rl.scoring);
+  draft_stats / tools: speculative decoding's and the environment's counters (None when
+  not used)."""
   rollout: Rollout
   completions: list[str]
   exact: np.ndarray
@@ -184,11 +210,32 @@ class ScoredSamples:
   reward_timeouts: int = 0
   reward_errors: int = 0
   draft_stats: DraftStats | None = None
+  tools: ToolRows | None = None
 
 
 def decode_completions(tokenizer: Tokenizer, tokens: np.ndarray, completion_mask: np.ndarray) -> list[str]:
   """Text of each row's completion slots (up to EOS)."""
   return [tokenizer.decode(row[m]) for row, m in zip(tokens, completion_mask)]
+
+
+def completion_texts(tokenizer: Tokenizer, generation: Generation) -> list[str]:
+  """What each row's scorer reads: its completion, environment answers included (with
+  turns, `Generation.tools`), up to EOS."""
+  mask = generation.completion_mask
+  if generation.tools is not None:
+    mask = mask | generation.tools.env_mask
+  tokens, mask = multihost.fetch((generation.tokens, mask))
+  return decode_completions(tokenizer, tokens, mask)
+
+
+def without_failed_turns(scores: scoring.Scores, generation: Generation) -> scoring.Scores:
+  """`scores` with reward 0 (and no exact match) for rows whose environment failed
+  (`ToolRows.failed`); the same scores without turns."""
+  if generation.tools is None:
+    return scores
+  failed = np.asarray(jax.device_get(generation.tools.failed))
+  return dataclasses.replace(scores, rewards=np.where(failed, 0.0, scores.rewards).astype(np.float32),
+                             exact=scores.exact & ~failed)
 
 
 def score(task: Task, examples: Sequence[Example], completions: Sequence[str]) -> scoring.Scores:
@@ -229,19 +276,20 @@ def score_generation(generation: Generation, examples: Sequence[Example], group_
   """Scores a generation whose rows [i*G, (i+1)*G) answer examples[i] (group id i)."""
   if jax.process_count() > 1:  # every process scores every row; the train step re-splits rows
     generation = multihost.fetch(generation)
-  tokens, completion_mask = jax.device_get((generation.tokens, generation.completion_mask))
-  completions = decode_completions(tokenizer, tokens, completion_mask)
+  completions = completion_texts(tokenizer, generation)
   repeated = [e for e in examples for _ in range(group_size)]
-  scores = score(task, repeated, completions)
+  scores = without_failed_turns(score(task, repeated, completions), generation)
   group = jnp.repeat(jnp.arange(len(examples), dtype=jnp.int32), group_size)
+  tools = jax.device_get(generation.tools)
   rollout = Rollout(tokens=generation.tokens, prompt_mask=generation.prompt_mask,
                     completion_mask=generation.completion_mask,
                     behavior_logp=generation.behavior_logp, version=generation.version,
-                    group=group, reward=jnp.asarray(scores.rewards))
+                    group=group, reward=jnp.asarray(scores.rewards),
+                    env_mask=None if tools is None else generation.tools.env_mask)
   return ScoredSamples(rollout=rollout, completions=completions, exact=scores.exact,
                        decode_steps=int(generation.decode_steps),
                        reward_timeouts=scores.timeouts, reward_errors=scores.errors,
-                       draft_stats=jax.device_get(generation.speculative))
+                       draft_stats=jax.device_get(generation.speculative), tools=tools)
 
 
 @dataclasses.dataclass

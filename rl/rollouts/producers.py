@@ -50,7 +50,9 @@ class BatchContext:
   `generate`). train_pool: finite prompt pool the data cursor cycles over (0 = the
   unbounded train split). keep_completions: keep each pool prompt's latest completion and
   hand it to the sampler as its 'history' draft source (speculative decoding, SPEC-RL);
-  needs a finite train_pool.
+  needs a finite train_pool. turns: the environment that answers tool calls mid-rollout
+  (`rl.rollouts.turns.Turns`; generate_fn then runs turns; the warm start keeps its answers
+  in demonstrations as context); None: no environment.
   """
   task: Task
   tokenizer: batches.Tokenizer
@@ -62,6 +64,7 @@ class BatchContext:
   train_pool: int = 0
   generate_fn: batches.GenerateFn | None = None
   keep_completions: bool = False
+  turns: Any = None
 
   def example(self, cursor: int):
     """The train example at data cursor `cursor` (cycling over a finite pool)."""

@@ -354,7 +354,8 @@ def _collect_rounds(state, cursor, rng, sample, *, config, prompts_per_step, gro
   stats = statistics.batch_stats(
       list(all_rewards.reshape(-1, group_size)), exact_all,
       _lengths([s.rollout for s in rounds]), _lengths([rollout]), decoded_tokens=tokens,
-      scored=rounds, **counters, **statistics.draft_counters(rounds))
+      scored=rounds, **counters, **statistics.draft_counters(rounds),
+      **statistics.tool_counters(rounds))
   return Collected(rollout=rollout, exact=exact_all[index], selection=state, cursor=cursor,
                    stats=stats)
 
@@ -394,7 +395,7 @@ def _collect_adaptive(state, cursor, rng, sample, *, config, prompts_per_step, g
       prompts_skipped=0, rollouts=budget, decode_steps=sum(s.decode_steps for s in rounds),
       batch_informative_groups=float(informative.mean()),
       informative_rows=int(np.sum(informative[group])), max_group_size=int(counts.max()),
-      **statistics.draft_counters(rounds))
+      **statistics.draft_counters(rounds), **statistics.tool_counters(rounds))
   return Collected(rollout=rollout, exact=exact, selection=state, cursor=cursor + n,
                    stats=stats)
 

@@ -84,6 +84,24 @@ def batch_stats(group_rewards: Sequence[np.ndarray], exact: np.ndarray,
       reward_errors=sum(s.reward_errors for s in scored), counters=counters)
 
 
+def tool_counters(scored: Sequence) -> dict:
+  """Rollouts with turns' counters over the scoring results `scored` (their `tools`, a
+  `sampling.sampler.ToolRows`; {} without an environment): tool_calls_per_rollout (answered
+  calls), env_tokens_per_rollout, tool_failed_rollouts (rows whose environment step failed:
+  reward 0), tool_steps, tool_errors, tool_timeouts, tool_observations_cut and time_env_s
+  (wall time in environment steps)."""
+  stats = [s.tools for s in scored if getattr(s, "tools", None) is not None]
+  if not stats:
+    return {}
+  rows = sum(np.size(s.calls) for s in stats)
+  total = lambda name: sum(float(np.sum(getattr(s, name))) for s in stats)
+  return dict(tool_calls_per_rollout=total("calls") / max(rows, 1),
+              env_tokens_per_rollout=total("env_mask") / max(rows, 1),
+              tool_failed_rollouts=int(total("failed")), tool_steps=int(total("steps")),
+              tool_errors=int(total("errors")), tool_timeouts=int(total("timeouts")),
+              tool_observations_cut=int(total("cut")), time_env_s=total("env_time_s"))
+
+
 def draft_counters(scored: Sequence) -> dict:
   """Speculative decoding's counters over the scoring results `scored` (their
   `draft_stats`; {} when none decoded speculatively): spec_drafted / spec_accepted draft

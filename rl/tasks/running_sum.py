@@ -51,10 +51,12 @@ from rl.tasks.base import TASKS, Example
 NAME = "running_sum"
 PROMPT_STYLES = ("compact", "full")
 
-_EVAL_STREAM, _TRAIN_STREAM, _TEACHER_STREAM = 1, 2, 3
+_EVAL_STREAM, _TRAIN_STREAM, _TEACHER_STREAM, _TOOL_STREAM = 1, 2, 3, 4
 _MAX_TRAIN_DRAWS = 64
 _SIZE_DRAW = _MAX_TRAIN_DRAWS  # the draw index whose generator picks k
 _FINAL_TOTAL = re.compile(r"[0-9]{1,12}")
+# A state written with the adder (rl.environments.Adder): "?previous+step=" and its answer.
+_TOOL_STATE = re.compile(r"\?[0-9]{1,12}\+[0-9]{1,12}=([0-9]{1,12})")
 # The text of a completion that is scored: up to the first newline or end-of-sequence
 # marker left in text decoded by a subword tokenizer.
 _STOP_STRINGS = ("\n", "<|endoftext|>", "<|im_end|>", "</s>")
@@ -95,6 +97,11 @@ class Difficulty:
     that goes wrong later scores more than one that goes wrong sooner (a process reward
     that only the true states earn; `correct_leading_states`). A correct final total
     always scores 1.0. 0 = exact match only.
+  tool_share: probability that the teacher does an addition with the adder tool
+    (config.tools.name='adder', rl.environments.Adder) instead of by hand: it writes the
+    state ",2:?1234567+5=" and the tool answers "1234572" (so ",2:?1234567+5=1234572"),
+    never slipping; the rest by hand, with the slips above. 0 = no tool calls (the default;
+    the demonstrations are then exactly those of earlier versions).
   """
   min_steps: int = 1
   max_steps: int = 9
@@ -103,6 +110,7 @@ class Difficulty:
   step: int = 5
   teacher_carry_slip: tuple[float, float] = (0.55, 0.9)
   state_credit: float = 0.0
+  tool_share: float = 0.0
 
   def __post_init__(self):
     slip = self.teacher_carry_slip
@@ -121,6 +129,9 @@ class Difficulty:
     if not 0.0 <= self.state_credit < 1.0:
       raise ValueError(f"running_sum: state_credit={self.state_credit} must be in [0, 1) (a "
                        "wrong answer scores less than a right one).")
+    if not 0.0 <= self.tool_share <= 1.0:
+      raise ValueError(f"running_sum: tool_share={self.tool_share} must be a probability in "
+                       "[0, 1].")
     if self.length_tail <= 1:
       raise ValueError(f"running_sum: length_tail={self.length_tail} must be > 1 (a Zipf "
                        "law with a finite tail).")
@@ -163,7 +174,7 @@ def question(problem: Problem) -> str:
   return f"+{problem.step},{problem.steps}:{problem.start}"
 
 
-def worked_solution(problem: Problem, slips=None) -> str:
+def worked_solution(problem: Problem, slips=None, tools=None) -> str:
   """The initial state, then the state after each step, e.g. Problem(1234567, 5, 3) ->
   ",3:1234567,2:1234572,1:1234577,0:1234582": the count of steps left, then the running
   total; the solution ends at count 0.
@@ -174,12 +185,20 @@ def worked_solution(problem: Problem, slips=None) -> str:
 
   slips[j] (bool, one per step): at a step whose units digit wraps, forget the carry (write
   total - 10) and continue from the written total. None = no slips.
+  tools[j] (bool, one per step): do step j with the adder, ",2:?1234567+5=1234572" (the
+  previous written total, the step, and the tool's exact answer); it never slips. None =
+  every step by hand.
   """
   total, parts = problem.start, [f",{problem.steps}:{problem.start}"]
   for j in range(problem.steps):
+    left = problem.steps - 1 - j
+    if tools is not None and tools[j]:
+      parts.append(f",{left}:?{total}+{problem.step}={total + problem.step}")
+      total += problem.step
+      continue
     carries = total % 10 + problem.step >= 10
     total += problem.step - (10 if carries and slips is not None and slips[j] else 0)
-    parts.append(f",{problem.steps - 1 - j}:{total}")
+    parts.append(f",{left}:{total}")
   return "".join(parts)
 
 
@@ -194,9 +213,13 @@ def scored_text(completion: str) -> str:
 
 def parse_final_answer(completion: str) -> int | None:
   """The total of the last state: the integer after the last colon of the scored text
-  (`scored_text`; all of it when there is no colon), or None when that is not 1-12 decimal
-  digits. Linear in the text's length; never evaluates the text."""
+  (`scored_text`; all of it when there is no colon), or the adder's answer when the last
+  state is a tool call "?a+b=total"; None when that is not 1-12 decimal digits. Linear in
+  the text's length; never evaluates the text."""
   final = scored_text(completion).rsplit(":", 1)[-1].strip()
+  tool = _TOOL_STATE.fullmatch(final)
+  if tool:
+    final = tool.group(1)
   return int(final) if _FINAL_TOTAL.fullmatch(final) else None
 
 
@@ -209,9 +232,14 @@ def correct_leading_states(completion: str, problem: Problem) -> int:
   text, position = scored_text(completion), 0
   totals = [problem.start + problem.step * j for j in range(problem.steps + 1)]
   for matched, (left, total) in enumerate(zip(range(problem.steps, -1, -1), totals)):
-    state = f",{left}:{total}"
-    end = position + len(state)
-    if not text.startswith(state, position) or (end < len(text) and text[end] != ","):
+    states = [f",{left}:{total}"]
+    if matched:  # an addition may be written as an adder call on the previous true total
+      states.append(f",{left}:?{totals[matched - 1]}+{problem.step}={total}")
+    for state in states:
+      end = position + len(state)
+      if text.startswith(state, position) and (end == len(text) or text[end] == ","):
+        break
+    else:
       return max(matched - 1, 0)
     position = end
   return problem.steps
@@ -276,13 +304,16 @@ class RunningSumTask:
     # A slip keeps the units digit, so step j adds to units digit (start + j * step) % 10.
     units = (problem.start + problem.step * np.arange(problem.steps)) % 10
     slips = draws < [self._difficulty.carry_slip(int(u)) for u in units]
+    share = self._difficulty.tool_share
+    tools = (self._rng(_TOOL_STREAM, index, stream).random(problem.steps) < share
+             if share else None)
     prompt = (question(problem) if self.prompt_style == "compact" else
               f"Add {problem.step} to {problem.start}, {problem.steps} times. Write a "
               f"comma, the number of additions left, a colon and the running total: first "
               f"for the start, then after each addition; stop when none are left. Start: "
               f"{question(problem)}\n")
     entry = {"problem": problem, "total": problem.total, "solution": worked_solution(problem)}
-    return Example(prompt=prompt, answer=worked_solution(problem, slips), entry=entry,
+    return Example(prompt=prompt, answer=worked_solution(problem, slips, tools), entry=entry,
                    size=problem.steps)
 
   def _eval_items(self) -> tuple[list[Example], frozenset]:

@@ -1,0 +1,212 @@
+"""Environments: what answers the policy in the middle of a rollout (tool calls, turns).
+
+An environment is host-side Python, like a task's scorer. A row decodes until it writes
+the environment's `call_end` text (the end of a tool call, e.g. "=" after "?1234567+5");
+the environment then sees the row's text so far (prompt and completion, environment
+answers included) and returns the observation to append — tokens the policy did not
+write, which the row conditions on and the loss never trains —, "" when the text was not
+a call after all (the row resumes with nothing appended), or None, which ends the row. `rl.rollouts.turns` drives the turns; every `step` runs in `rl.scoring`'s
+worker process under a time limit, so an environment that hangs, raises, crashes or
+answers with something that is not text ends that row with reward 0 and a counter, never
+the run.
+
+    class Environment(Protocol):
+      name: str
+      call_end: str                      # the text that ends a tool call
+      def step(self, text: str) -> str | None: ...
+      # optional: timeout_s (seconds per step), limits (rl.scoring.Limits)
+
+The built-in environments (`ENVIRONMENTS`, config.tools.name):
+
+  adder       "?a+b=" -> "a+b" (running_sum's tool: `?1234567+5=` is answered `1234572`;
+              a malformed call "?..." is answered "?"; a "=" after no "?" is not a call).
+  calculator  GSM8K's calculator annotations: "<<48/2=" -> "24>>" (+, -, *, /, parentheses
+              and decimals, parsed by hand and computed with exact fractions: policy text
+              is never evaluated as Python; a "=" outside an open "<<" is not a call).
+
+docs/tools.md walks through writing one.
+"""
+
+from __future__ import annotations
+
+import fractions
+import re
+from typing import Callable, Optional, Protocol
+
+from rl.registry import Registry
+
+
+class Environment(Protocol):
+  """What answers a row at a tool call (module docstring). Must pickle (module level): it
+  runs in the scoring worker."""
+  name: str
+  call_end: str
+
+  def step(self, text: str) -> Optional[str]:
+    """The observation to append after `text` (the row so far, ending with `call_end`),
+    "" when `text` does not end in a call (nothing is appended), or None to end the row."""
+
+
+ENVIRONMENTS: Registry[Callable[[], Environment]] = Registry(
+    "environment", "config.tools.name", "rl.environments.ENVIRONMENTS.register adds one: "
+    "docs/tools.md")
+
+
+# The adder's call: '?', up to 18 digits, '+', up to 18 digits, then call_end, at the very
+# end of the row's text (anchored: the regular expression never scans more than the call).
+_ADDER_CALL = re.compile(r"\?([0-9]{1,18})\+([0-9]{1,18})=\Z")
+
+
+class Adder:
+  """Adds two non-negative integers: the row's text ends "?a+b=", the observation is a + b
+  in decimal. A call that is not of that form (a "?" within the last 40 characters, then
+  something else) is answered "?" (a malformed call is answered, not fatal: the row goes
+  on); a "=" with no "?" before it is not a call ("")."""
+  name = "adder"
+  call_end = "="
+  timeout_s = 1.0
+
+  def step(self, text: str) -> Optional[str]:
+    tail = text[-40:]
+    match = _ADDER_CALL.search(tail)
+    if match is None:
+      return "?" if "?" in tail else ""
+    return str(int(match.group(1)) + int(match.group(2)))
+
+
+_CALCULATOR_CALL = re.compile(r"<<([0-9+\-*/(). ]{1,80})=\Z")
+_NUMBER = re.compile(r"[0-9]+(?:\.[0-9]+)?|\.[0-9]+")
+
+
+class _Expression:
+  """A recursive-descent parser of + - * / with parentheses and unary minus over decimal
+  numbers, computed in exact fractions (grammar: sum := product (('+'|'-') product)*;
+  product := unary (('*'|'/') unary)*; unary := '-' unary | atom; atom := number | '('
+  sum ')'). ValueError on anything else, on division by zero and past 32 levels of nesting."""
+
+  def __init__(self, text: str):
+    self.items = re.findall(r"[0-9.]+|[+\-*/()]", text.replace(" ", ""))
+    if "".join(self.items) != text.replace(" ", ""):
+      raise ValueError(text)
+    self.at = 0
+
+  def value(self) -> fractions.Fraction:
+    result = self._sum(0)
+    if self.at != len(self.items):
+      raise ValueError("trailing input")
+    return result
+
+  def _peek(self) -> str:
+    return self.items[self.at] if self.at < len(self.items) else ""
+
+  def _take(self) -> str:
+    item = self._peek()
+    self.at += 1
+    return item
+
+  def _sum(self, depth: int) -> fractions.Fraction:
+    total = self._product(depth)
+    while self._peek() in ("+", "-"):
+      sign = self._take()
+      term = self._product(depth)
+      total = total + term if sign == "+" else total - term
+    return total
+
+  def _product(self, depth: int) -> fractions.Fraction:
+    total = self._unary(depth)
+    while self._peek() in ("*", "/"):
+      operator = self._take()
+      factor = self._unary(depth)
+      if operator == "/" and factor == 0:
+        raise ValueError("division by zero")
+      total = total * factor if operator == "*" else total / factor
+    return total
+
+  def _unary(self, depth: int) -> fractions.Fraction:
+    if depth > 32:
+      raise ValueError("nested too deeply")
+    if self._peek() == "-":
+      self._take()
+      return -self._unary(depth + 1)
+    item = self._take()
+    if item == "(":
+      inner = self._sum(depth + 1)
+      if self._take() != ")":
+        raise ValueError("unbalanced parentheses")
+      return inner
+    if not _NUMBER.fullmatch(item):
+      raise ValueError(f"not a number: {item!r}")
+    return fractions.Fraction(item)
+
+
+def format_number(value: fractions.Fraction) -> str:
+  """An exact integer as digits; anything else rounded to 6 decimals, zeros trimmed."""
+  if value.denominator == 1:
+    return str(value.numerator)
+  text = f"{float(value):.6f}".rstrip("0").rstrip(".")
+  return "0" if text == "-0" else text
+
+
+class Calculator:
+  """GSM8K's calculator: the row ends "<<expression=", the observation is the value and
+  the closing ">>" ("<<48/2=" -> "24>>"). A "=" outside an open "<<" (prose, or an
+  annotation already closed) is not a call (""). An open call that does not parse, longer
+  than 80 characters, or dividing by zero, is answered "error>>"; so are values past
+  10**30 in size (a policy cannot make the environment compute huge numbers)."""
+  name = "calculator"
+  call_end = "="
+  timeout_s = 1.0
+
+  def step(self, text: str) -> Optional[str]:
+    if text.rfind("<<") <= text.rfind(">>"):
+      return ""
+    match = _CALCULATOR_CALL.search(text[-90:])
+    if match is None:
+      return "error>>"
+    try:
+      value = _Expression(match.group(1)).value()
+    except (ValueError, ZeroDivisionError):
+      return "error>>"
+    if abs(value) > 10 ** 30 or value.denominator > 10 ** 30:
+      return "error>>"
+    return format_number(value) + ">>"
+
+
+ENVIRONMENTS.register("adder", Adder)
+ENVIRONMENTS.register("calculator", Calculator)
+
+
+def make_environment(name: str) -> Environment:
+  """The registered environment `name` (config.tools.name)."""
+  return ENVIRONMENTS.get(name)()
+
+
+def split_demonstration(prompt: str, answer: str, environment: Environment) -> list[tuple[str, bool]]:
+  """A reference answer cut into (text, written_by_environment) segments, by running the
+  environment on it: after each `call_end` the answer must continue with what the
+  environment answers there (a demonstration of the tool is what the tool would say).
+  The warm start trains the policy's segments and keeps the environment's as context.
+  Raises ValueError naming the answer when it disagrees with the environment."""
+  segments, at, written = [], 0, 0
+  end = environment.call_end
+  while True:
+    found = answer.find(end, at)
+    if found < 0:
+      break
+    at = found + len(end)
+    observation = environment.step(prompt + answer[:at])
+    if observation is None:
+      break
+    if not answer.startswith(observation, at):
+      raise ValueError(f"The reference answer {answer!r} continues the tool call at "
+                       f"character {at} with {answer[at:at + len(observation)]!r}, but "
+                       f"environment {environment.name!r} answers {observation!r}: a "
+                       "demonstration must write what the tool would answer.")
+    segments.append((answer[written:at], False))
+    if observation:
+      segments.append((observation, True))
+    at += len(observation)
+    written = at
+  if written < len(answer):
+    segments.append((answer[written:], False))
+  return segments
