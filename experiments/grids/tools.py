@@ -7,7 +7,7 @@
         --render --page=docs/tools_results.md
 
 Cells (the default config otherwise: 120 RL steps of 8 prompts x 8 completions at
-temperature 1; held-out greedy accuracy every 20 steps):
+temperature 1; held-out greedy accuracy every 30 steps):
 - `grpo`: the default run's RL phase, no tool, from `warm_s<seed>` (the baseline).
 - `tools`: the same with config.tools.name = 'adder', from `warm_tools_s<seed>`, whose
   demonstrations do each addition with the adder at probability TOOL_SHARE (exact) and by
@@ -25,7 +25,7 @@ from experiments.grids import pages
 SEEDS = (0, 1, 2)
 TOOL_SHARE = 0.3
 TOOL_NEW_TOKENS = 200
-EVAL_EVERY = 20
+EVAL_EVERY = 30
 LONG = 5  # the accuracy reported on problems of at least LONG additions
 WARM_START = "runs/warm/runs/warm_s{seed}"
 TOOL_WARM_START = "runs/warm/runs/warm_tools_s{seed}"
