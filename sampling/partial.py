@@ -198,8 +198,11 @@ def append_observations(pool: RolloutPool, tokens: jax.Array, lengths: jax.Array
   the rows, which end at C (between rounds): each row with lengths > 0 is shifted left by
   its length and the tokens take slots [C - length, C) with version -1 and log-prob 0.
   Rows with live [R] (every row with lengths > 0, and any other to resume as it is) decode
-  again; env_status [R] replaces the pool's. The caller keeps every row's generated +
-  appended tokens within N and resumes with a whole-prefix refresh."""
+  again; env_status [R] replaces the pool's. The KV cache moves with the rows, so a round
+  under the same parameters may refresh only the last slots (`run_round`'s
+  refresh_slots: at least the longest observation + 1, the call token having no KV yet);
+  under other parameters it must refresh the whole prefix. The caller keeps every row's
+  generated + appended tokens within N."""
   s, c = pool.sampler, pool.resume_slot
   rows, slots = s.tokens.shape
   index = jnp.arange(slots)[None, :]
@@ -212,7 +215,9 @@ def append_observations(pool: RolloutPool, tokens: jax.Array, lengths: jax.Array
   new = lambda buf, fill, other: jnp.where(kept, moved(buf), jnp.where(appended, other, fill))
   changed = (length > 0)
   pick = lambda before, after: jnp.where(changed, after, before)
+  cache = None if s.cache is None else _shift_cache_rows(s.cache, lengths.astype(jnp.int32))
   sampler = s.replace(
+      cache=cache,
       tokens=pick(s.tokens, new(s.tokens, 0, jnp.take_along_axis(tokens.astype(jnp.int32), at,
                                                                 axis=1))),
       token_mask=pick(s.token_mask, new(s.token_mask, False, True)),
@@ -228,8 +233,20 @@ def _complete_groups(done: jax.Array, group_id: jax.Array) -> jax.Array:
   return done.reshape(group_id.shape[0], -1).all(axis=1) & (group_id >= 0)
 
 
+def _shift_cache_rows(cache, shift: jax.Array):
+  """Each row r of a KV cache ({k, v} [layers, R, S, heads, head_dim]) moved left by
+  shift[r] slots, cyclically (the slots that wrap around are recomputed before use)."""
+  def move(x):
+    slots = x.shape[2]
+    index = (jnp.arange(slots)[None, :] + shift[:, None]) % slots
+    return jnp.take_along_axis(x, index.reshape((1,) + index.shape + (1,) * (x.ndim - 3)),
+                               axis=2)
+  return jax.tree.map(move, cache)
+
+
 def _realign(pool: RolloutPool, sampler: SamplerState, roll_cache: bool) -> RolloutPool:
-  """Shifts every row left so that it ends at the resume slot C again (module docstring)."""
+  """Shifts every row left so that it ends at the resume slot C again (module docstring),
+  its KV cache with it (`roll_cache`)."""
   c, p = pool.resume_slot, pool.prompt_slots
   rows, slots = sampler.tokens.shape
   index = jnp.arange(slots)[None, :]
@@ -244,8 +261,9 @@ def _realign(pool: RolloutPool, sampler: SamplerState, roll_cache: bool) -> Roll
 
   cache = sampler.cache
   if roll_cache:
-    # Live rows all ended at C + step; rows that finished earlier never decode again.
-    cache = jax.tree.map(lambda x: jnp.roll(x, -sampler.step, axis=2), cache)
+    # Live rows all ended at C + step (shift = step); a row that stopped earlier moves by
+    # its own shift, so its keys and values stay aligned should it resume (turns).
+    cache = _shift_cache_rows(cache, shift)
   sampler = sampler.replace(
       tokens=move(sampler.tokens, 0), token_mask=move(sampler.token_mask, False),
       behavior_logp=move(sampler.behavior_logp, 0.0), version=move(sampler.version, -1),
@@ -254,20 +272,31 @@ def _realign(pool: RolloutPool, sampler: SamplerState, roll_cache: bool) -> Roll
 
 
 @functools.partial(jax.jit, static_argnames=("model_config", "sampling_config", "partial_config",
-                                             "full_refresh"))
+                                             "full_refresh", "refresh_slots", "keep_cache"))
 def run_round(params, pool: RolloutPool, version: jax.Array, target_groups: jax.Array,
               model_config: ModelConfig, sampling_config: SamplingConfig,
-              partial_config: PartialConfig, full_refresh: bool = False) -> RolloutPool:
+              partial_config: PartialConfig, full_refresh: bool = False,
+              refresh_slots: int = 0, keep_cache: bool = False) -> RolloutPool:
   """One round: refresh the KV of the resume window, then decode until `target_groups`
   group slots are complete (counting ones already complete), every row is done, or the
   round's D decode steps are used up.
 
   `version` is recorded on every token this round generates. `full_refresh` forces the
-  'reprefill' window (after a restore, when the pool has no KV cache).
+  'reprefill' window (after a restore, when the pool has no KV cache). refresh_slots > 0
+  (not with full_refresh) refreshes only the last W = refresh_slots slots, keeping the
+  rest of the cache: exact when the cache was computed under these same parameters and
+  every slot before C - W has its keys and values (a later round of the same call, as
+  rollouts with turns run them: W covers an appended observation and its call token).
+  `keep_cache` realigns the cache with the rows after a full refresh too, for such a round.
   Returns the realigned pool; `pool.sampler.step` is the number of decode steps run.
   """
   c, p, n = pool.resume_slot, pool.prompt_slots, pool.max_new_tokens
-  window = c if (full_refresh or partial_config.resume == "reprefill") else p
+  if full_refresh:
+    window = c
+  elif refresh_slots:
+    window = min(refresh_slots, c)
+  else:
+    window = c if partial_config.resume == "reprefill" else p
   s = pool.sampler
   positions = transformer.positions_from_mask(s.token_mask)
   logits, cache = transformer.forward(params, s.tokens[:, c - window:c],
@@ -282,7 +311,7 @@ def run_round(params, pool: RolloutPool, version: jax.Array, target_groups: jax.
   s = decode(params, s, jnp.asarray(version, jnp.int32), model_config, sampling_config,
              position_limit=real + n - generated,
              until=lambda st: _complete_groups(st.done, group_id).sum() >= target_groups)
-  return _realign(pool, s, roll_cache=window < c)
+  return _realign(pool, s, roll_cache=window < c or keep_cache)
 
 
 def complete_groups(pool: RolloutPool) -> np.ndarray:

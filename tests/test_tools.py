@@ -373,8 +373,8 @@ _SETTINGS = ([dict(name=name) for name in losses.LOSSES.names()]
     str(v) if not isinstance(v, tuple) else "+".join(v) for v in s.values()))
 def test_environment_tokens_get_exactly_zero_gradient(setting):
   full, logp, absent, absent_logp, env, pick = _batch_with_environment_tokens()
-  config = ml_collections.FrozenConfigDict(dict(losses.LOSS_DEFAULTS, norm_len=float(T),
-                                                 **setting))
+  config = ml_collections.FrozenConfigDict({**losses.LOSS_DEFAULTS, "norm_len": float(T),
+                                            **setting})
   loss_fn = losses.get_loss(setting["name"])
   needs_prox = losses.needs_prox(config)
 

@@ -25,9 +25,12 @@ instead of being decoded further.
 
 Turns. With `turns` (an `rl.rollouts.turns.Turns`), rows pause at the environment's call
 tokens and are answered between rounds (before each completeness check), so a group is
-complete only when every row has finished all its turns; the pool re-encodes whole
-prefixes every round ('reprefill'), and its per-row environment status is checkpointed
-with it, so a run killed mid-turn resumes the same turns.
+complete only when every row has finished all its turns. The first round of each call
+re-encodes every prefix ('reprefill': the parameters may have changed); the later rounds
+of the same call keep the keys and values and refresh only the slots written since (the
+call token and its observation), which is exact under the same parameters. The per-row
+environment status is checkpointed with the pool, so a run killed mid-turn resumes the
+same turns.
 """
 
 from __future__ import annotations
@@ -183,6 +186,11 @@ class PartialRollouts:
     tool calls before each check. Returns (pool, rounds, decode steps, tokens generated,
     the environment's counts or None)."""
     pool, full_refresh = self._with_cache(pool)
+    # With turns, the first round re-encodes every prefix under `params`; later rounds of
+    # this call keep those keys and values and refresh only the slots written since (the
+    # call token and its observation): the same parameters, so still exact.
+    later_refresh = 0 if self.turns is None else self.turns.config.max_observation_tokens + 1
+    refresh_slots = 0
     rounds = steps = generated = 0
     counters = None if self.turns is None else TurnCounters()
     while True:
@@ -199,8 +207,9 @@ class PartialRollouts:
       pool = pool.replace(sampler=pool.sampler.replace(rng=key))
       pool = partial.run_round(params, pool, version, target, self.model_config,
                                self.decode_config, self.partial_config,
-                               full_refresh=full_refresh)
-      full_refresh = False
+                               full_refresh=full_refresh, refresh_slots=refresh_slots,
+                               keep_cache=self.turns is not None)
+      full_refresh, refresh_slots = False, later_refresh
       rounds += 1
       steps += int(pool.sampler.step)
       generated += int(pool.sampler.token_mask.sum()) - before
