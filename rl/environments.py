@@ -19,7 +19,7 @@ the run.
 The built-in environments (`ENVIRONMENTS`, config.tools.name):
 
   adder       "?a+b=" -> "a+b" (running_sum's tool: `?1234567+5=` is answered `1234572`;
-              a malformed call "?..." is answered "?"; a "=" after no "?" is not a call).
+              a malformed call "?..." ends the row; a "=" after no "?" is not a call).
   calculator  GSM8K's calculator annotations: "<<48/2=" -> "24>>" (+, -, *, /, parentheses
               and decimals, parsed by hand and computed with exact fractions: policy text
               is never evaluated as Python; a "=" outside an open "<<" is not a call).
@@ -60,8 +60,9 @@ _ADDER_CALL = re.compile(r"\?([0-9]{1,18})\+([0-9]{1,18})=\Z")
 class Adder:
   """Adds two non-negative integers: the row's text ends "?a+b=", the observation is a + b
   in decimal. A call that is not of that form (a "?" within the last 40 characters, then
-  something else) is answered "?" (a malformed call is answered, not fatal: the row goes
-  on); a "=" with no "?" before it is not a call ("")."""
+  something else) ends the row (None: it scores 0, so RL learns to avoid malformed calls;
+  answering them "?" instead let an untrained policy loop on "=?=?"); a "=" with no "?"
+  before it is not a call ("")."""
   name = "adder"
   call_end = "="
   timeout_s = 1.0
@@ -70,7 +71,7 @@ class Adder:
     tail = text[-40:]
     match = _ADDER_CALL.search(tail)
     if match is None:
-      return "?" if "?" in tail else ""
+      return None if "?" in tail else ""
     return str(int(match.group(1)) + int(match.group(2)))
 
 

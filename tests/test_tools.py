@@ -64,10 +64,10 @@ T_MAX = PROMPT + NEW
 @pytest.mark.parametrize("text,answer", [
     (",2:?1234567+5=", "1234572"), ("?0+0=", "0"),
     ("?999999999999999999+1=", "1000000000000000000"),
-    ("+5,1:?12+=", "?"), ("?1234567+5", "?"), ("no call at all=", ""),
+    ("+5,1:?12+=", None), ("?1234567+5", None), ("no call at all=", ""),
     ("?1+1=2 and forty more characters of text, then=", ""),
     ("?1234567+5=1234572,1:?1234572+5=", "1234577")])
-def test_adder_answers_its_call_and_a_malformed_one_with_a_question_mark(text, answer):
+def test_adder_answers_its_call_and_ends_a_malformed_one(text, answer):
   assert environments.Adder().step(text) == answer
 
 
@@ -212,10 +212,10 @@ def _runs(mask_row):
 
 
 def test_turns_answer_each_call_and_logp_equals_a_recomputed_forward():
-  environment = environments.Adder()
-  # Half the prompts open an adder call, so a "=" is answered; in the others mostly not ("").
-  params, gen = _generate(environment, turns_lib.ToolConfig(max_turns=2),
-                          ["?1234567+5", "+5,3:1234567"] * 32)
+  # An environment whose answer depends on the text, so a random policy's rows are
+  # answered, resumed silently ("") and ended (None), all often.
+  environment = tool_environments.ByLastCharacter()
+  params, gen = _generate(environment, turns_lib.ToolConfig(max_turns=2), ["+5,3:1234567"] * 64)
   env, completion = np.asarray(gen.tools.env_mask), np.asarray(gen.completion_mask)
   tokens, version = np.asarray(gen.tokens), np.asarray(gen.version)
   assert gen.tools.calls.sum() >= 10, "too few calls for the test to mean anything"
@@ -224,7 +224,7 @@ def test_turns_answer_each_call_and_logp_equals_a_recomputed_forward():
   assert (version[completion] == 3).all()
   np.testing.assert_array_equal(gen.completion_len, completion.sum(axis=1))
   token_mask = np.asarray(gen.prompt_mask) | completion
-  resumed_silently = 0
+  resumed_silently = ended = 0
   for r in range(tokens.shape[0]):
     runs = _runs(env[r])
     assert len(runs) == gen.tools.calls[r] <= 2
@@ -234,7 +234,8 @@ def test_turns_answer_each_call_and_logp_equals_a_recomputed_forward():
       observed, expected = TOKENIZER.decode(tokens[r, start:end]), environment.step(before)
       at_budget = (env[r] | completion[r]).sum() == NEW  # cut to the row's last slots
       assert observed == expected or (at_budget and expected.startswith(observed))
-    # A "=" the adder does not take for a call ("") is followed by the policy's next token.
+    # A "=" the environment does not take for a call ("") is followed by the policy's next
+    # token.
     equals = np.flatnonzero(completion[r] & (tokens[r] == EQUALS))
     last = np.flatnonzero(token_mask[r])[-1]
     starts = {start for start, _ in runs}
@@ -245,7 +246,11 @@ def test_turns_answer_each_call_and_logp_equals_a_recomputed_forward():
     if len(runs) == 2:  # after max_turns answers, the next pause ends the row
       later = equals[equals > runs[1][1]]
       assert later.size == 0 or later[0] == last
-  assert resumed_silently > 0
+    elif tokens[r, last] == EQUALS and completion[r, last] and last < T_MAX - 1:
+      # A row that ends on its own "=" was ended by the environment (None).
+      assert environment.step(TOKENIZER.decode(tokens[r, :last + 1][token_mask[r, :last + 1]])) is None
+      ended += 1
+  assert resumed_silently > 0 and ended > 0
   # Behaviour log-probs of the policy tokens: one uncached forward over the whole sequence
   # (prompt, policy tokens and environment tokens).
   logits, _ = transformer.forward(params, jnp.asarray(tokens),
@@ -254,8 +259,9 @@ def test_turns_answer_each_call_and_logp_equals_a_recomputed_forward():
   reference = np.asarray(transformer.token_logprobs(logits, jnp.asarray(tokens)))
   np.testing.assert_allclose(np.asarray(gen.behavior_logp)[completion], reference[completion],
                              atol=2e-5)
-  # Every "=" sent to the adder was answered or resumed silently.
-  assert gen.tools.steps == gen.tools.calls.sum() + resumed_silently and gen.tools.errors == 0
+  # Every "=" sent to the environment was answered, resumed silently or ended its row.
+  assert gen.tools.steps == gen.tools.calls.sum() + resumed_silently + ended
+  assert gen.tools.errors == 0
 
 
 def test_observations_are_cut_to_their_cap_and_an_environment_can_end_a_row():

@@ -44,3 +44,21 @@ class EndsAtSecondCall:
 
   def step(self, text):
     return "1" if text.count("=") == 1 else None
+
+
+class ByLastCharacter:
+  """Answers by the character before the call's "=", so that a random policy's rows take
+  every path often: a digit -> the text's length (digits), a letter -> "" (not a call),
+  "," or ":" -> None (ends the row), anything else -> "ab"."""
+  name = "by_last_character"
+  call_end = "="
+
+  def step(self, text):
+    before = text[-2] if len(text) >= 2 else ""
+    if before.isdigit():
+      return str(len(text))
+    if before.isalpha():
+      return ""
+    if before in ",:":
+      return None
+    return "ab"
