@@ -574,6 +574,15 @@ def test_settings_tools_do_not_compose_with_are_refused(tmp_path, overrides, mes
 
 # --- SmolLM2's tokenizer and the calculator (gsm_symbolic's plumbing) ---
 
+def test_gsm_symbolic_on_smollm2_with_the_calculator_validates():
+  from experiments.configs import smollm2_gsm  # pylint: disable=import-outside-toplevel
+  from rl import wiring  # pylint: disable=import-outside-toplevel
+  config = smollm2_gsm.get_config()
+  config.tools.name = "calculator"
+  wiring.validate(config)
+  assert wiring.tool_config(config).max_turns == 16
+
+
 def test_calculator_round_trip_with_the_smollm2_chat_tokenizer():
   from models import gguf_checkpoint
   tokenizer = gguf_checkpoint.tokenizer_from_gguf(gguf_checkpoint.smollm2_path(), chat=True)
