@@ -1,4 +1,7 @@
-"""The launcher config of the end-to-end tests: the compact chain_sum run, shrunk to seconds."""
+"""The launcher config of the end-to-end tests (the compact chain_sum run, shrunk to
+seconds), how to override its fields, and the killed-run script of the resume tests."""
+
+import textwrap
 
 from experiments.configs import chain_sum_compact
 
@@ -20,12 +23,48 @@ def tiny_run_config(workdir, overrides: dict | None = None):
   c.eval.every = 2
   c.eval.batch_size = 16
   c.checkpoint.every = 2
+  return apply_overrides(c, overrides)
+
+
+def apply_overrides(c, overrides: dict | None):
+  """`c` with `overrides` ({"rl.steps": 4, ...}: dotted field paths) set; a path that is
+  not a field is a KeyError."""
   for path, value in (overrides or {}).items():
     *parents, leaf = path.split(".")
     node = c
     for name in parents:
       node = node[name]
     if leaf not in node:
-      raise KeyError(f"tiny_run_config: no config field {path!r}.")
+      raise KeyError(f"no config field {path!r}.")
     node[leaf] = value
   return c
+
+
+# Runs the launcher in a child process that SIGKILLs itself when orbax is about to rename
+# the finished temporary directory of step `kill_step` into place: every byte of that
+# checkpoint is written, only the atomic rename is missing. argv: config JSON, kill_step.
+KILLED_RUN = textwrap.dedent("""
+    import json, os, signal, sys
+    import ml_collections
+    from orbax.checkpoint._src.path import atomicity
+    from experiments import train
+
+    config = ml_collections.ConfigDict(json.loads(sys.argv[1]))
+    kill_step = int(sys.argv[2])
+    finalize = atomicity.AtomicRenameTemporaryPath.finalize
+
+    async def killing_finalize(self, *args, **kwargs):
+      if os.path.basename(str(self.get())) == f"{kill_step}.orbax-checkpoint-tmp":
+        os.kill(os.getpid(), signal.SIGKILL)
+      return await finalize(self, *args, **kwargs)
+
+    atomicity.AtomicRenameTemporaryPath.finalize = killing_finalize
+    train.run(config)
+""")
+
+
+def without_clock(record: dict) -> dict:
+  """A metrics record or checkpoint meta without its wall-clock fields (seconds time_*,
+  rates *_per_s), the only values that differ between two runs of the same config."""
+  return {k: v for k, v in record.items()
+          if not k.startswith("time_") and not k.endswith("_per_s")}

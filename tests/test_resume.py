@@ -13,7 +13,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +21,7 @@ import pytest
 
 from experiments import train as launcher
 from rl import checkpoint
-from tests.launcher_config import tiny_run_config
+from tests.launcher_config import KILLED_RUN, tiny_run_config, without_clock
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,27 +33,6 @@ def _tiny_config(workdir, overrides=None):
       "checkpoint.max_to_keep": 2, **(overrides or {})})
 
 
-# Runs the launcher in a child process that SIGKILLs itself when orbax is about to rename
-# the finished temporary directory of step `kill_step` into place: every byte of that
-# checkpoint is written, only the atomic rename is missing.
-_KILLED_RUN = textwrap.dedent("""
-    import json, os, signal, sys
-    import ml_collections
-    from orbax.checkpoint._src.path import atomicity
-    from experiments import train
-
-    config = ml_collections.ConfigDict(json.loads(sys.argv[1]))
-    kill_step = int(sys.argv[2])
-    finalize = atomicity.AtomicRenameTemporaryPath.finalize
-
-    async def killing_finalize(self, *args, **kwargs):
-      if os.path.basename(str(self.get())) == f"{kill_step}.orbax-checkpoint-tmp":
-        os.kill(os.getpid(), signal.SIGKILL)
-      return await finalize(self, *args, **kwargs)
-
-    atomicity.AtomicRenameTemporaryPath.finalize = killing_finalize
-    train.run(config)
-""")
 
 
 def _final_meta(workdir):
@@ -62,13 +40,6 @@ def _final_meta(workdir):
   step = manager.latest_step()
   with open(os.path.join(workdir, "checkpoints", str(step), "meta", "metadata")) as f:
     return step, json.load(f)
-
-
-def _without_clock(record: dict) -> dict:
-  """A metrics record or checkpoint meta without its wall-clock fields (seconds time_*,
-  rates *_per_s), the only values that differ between two runs of the same config."""
-  return {k: v for k, v in record.items()
-          if not k.startswith("time_") and not k.endswith("_per_s")}
 
 
 # LoRA: the kill falls in the RL phase, so the resume restores adapters, their optimiser
@@ -82,7 +53,7 @@ def test_killed_during_save_resumes_bit_for_bit(overrides, tmp_path):
   resumed = _tiny_config(tmp_path / "resumed", overrides)
   kill_step = total // 2 + 1  # the run dies saving step N/2 + 1, so resumes from N/2
   env = dict(os.environ, PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  child = subprocess.run([sys.executable, "-c", _KILLED_RUN, resumed.to_json(), str(kill_step)],
+  child = subprocess.run([sys.executable, "-c", KILLED_RUN, resumed.to_json(), str(kill_step)],
                          cwd=_REPO, env=env, capture_output=True, text=True, timeout=600)
   assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
   ckpt_dir = tmp_path / "resumed" / "checkpoints"
@@ -96,11 +67,11 @@ def test_killed_during_save_resumes_bit_for_bit(overrides, tmp_path):
   step_b, meta_b = _final_meta(str(tmp_path / "resumed"))
   assert step_a == step_b == total
   assert meta_a["state_digest"] == meta_b["state_digest"]  # params, optimiser, RNG, step
-  assert _without_clock(meta_a) == _without_clock(meta_b)
+  assert without_clock(meta_a) == without_clock(meta_b)
   log_a = (tmp_path / "reference" / "metrics.jsonl").read_text()
   log_b = (tmp_path / "resumed" / "metrics.jsonl").read_text()
-  assert [_without_clock(json.loads(line)) for line in log_a.splitlines()] == [
-      _without_clock(json.loads(line)) for line in log_b.splitlines()]
+  assert [without_clock(json.loads(line)) for line in log_a.splitlines()] == [
+      without_clock(json.loads(line)) for line in log_b.splitlines()]
   assert lines_at_kill > log_a.count("\n") // 3  # the kill left records to cut back
   # The digest can tell states apart: the step before the last has another one.
   with open(tmp_path / "reference" / "checkpoints" / str(total - 1) / "meta" / "metadata") as f:

@@ -18,7 +18,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import jax
@@ -47,6 +46,7 @@ from rl.types import Rollout
 from sampling import partial
 from sampling.sampler import SamplingConfig
 from tests import tool_environments
+from tests.launcher_config import KILLED_RUN, apply_overrides, without_clock
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = CharTokenizer()
@@ -451,15 +451,7 @@ def _tool_run_config(workdir, overrides=None):
   c.eval.every = 2
   c.eval.batch_size = 16
   c.checkpoint.every = 2
-  for path, value in (overrides or {}).items():
-    *parents, leaf = path.split(".")
-    node = c
-    for name in parents:
-      node = node[name]
-    if leaf not in node:
-      raise KeyError(path)
-    node[leaf] = value
-  return c
+  return apply_overrides(c, overrides)
 
 
 def _records(workdir):
@@ -493,29 +485,6 @@ def _final_producer(workdir):
   return manager.restore(manager.latest_step())["state"]["producer"]
 
 
-_KILLED_RUN = textwrap.dedent("""
-    import json, os, signal, sys
-    import ml_collections
-    from orbax.checkpoint._src.path import atomicity
-    from experiments import train
-
-    config = ml_collections.ConfigDict(json.loads(sys.argv[1]))
-    kill_step = int(sys.argv[2])
-    finalize = atomicity.AtomicRenameTemporaryPath.finalize
-
-    async def killing_finalize(self, *args, **kwargs):
-      if os.path.basename(str(self.get())) == f"{kill_step}.orbax-checkpoint-tmp":
-        os.kill(os.getpid(), signal.SIGKILL)
-      return await finalize(self, *args, **kwargs)
-
-    atomicity.AtomicRenameTemporaryPath.finalize = killing_finalize
-    train.run(config)
-""")
-
-
-def _without_clock(record: dict) -> dict:
-  return {k: v for k, v in record.items()
-          if not k.startswith("time_") and not k.endswith("_per_s")}
 
 
 def test_a_run_killed_mid_turn_resumes_to_identical_metrics(tmp_path):
@@ -529,7 +498,7 @@ def test_a_run_killed_mid_turn_resumes_to_identical_metrics(tmp_path):
   kill_step = total  # dies saving the last step: resumes from total - 2, mid-RL
   resumed = _tool_run_config(tmp_path / "resumed", overrides)
   env = dict(os.environ, PYTHONPATH=_REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-  child = subprocess.run([sys.executable, "-c", _KILLED_RUN, resumed.to_json(), str(kill_step)],
+  child = subprocess.run([sys.executable, "-c", KILLED_RUN, resumed.to_json(), str(kill_step)],
                          cwd=_REPO, env=env, capture_output=True, text=True, timeout=600)
   assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
   manager = ocp.CheckpointManager(os.path.abspath(tmp_path / "resumed" / "checkpoints"))
@@ -548,7 +517,7 @@ def test_a_run_killed_mid_turn_resumes_to_identical_metrics(tmp_path):
 
   launcher.run(resumed)
   log_a, log_b = _records(tmp_path / "reference"), _records(tmp_path / "resumed")
-  assert [_without_clock(r) for r in log_a] == [_without_clock(r) for r in log_b]
+  assert [without_clock(r) for r in log_a] == [without_clock(r) for r in log_b]
   assert _final_producer(tmp_path / "reference")["ledger"] == _final_producer(
       tmp_path / "resumed")["ledger"]
 
