@@ -129,7 +129,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, policy: Policy, step:
   examples = policy.task.examples("eval", num_examples)
   common = dict(task=policy.task, tokenizer=policy.tokenizer, prompt_len=config.rollout.prompt_len,
                 model_config=policy.model_config, batch_size=config.eval.batch_size,
-                progress=progress)
+                progress=progress, turns=wiring.make_turns(config, policy.tokenizer))
   greedy = evaluation.evaluate(params, examples, max_new_tokens=config.rollout.max_new_tokens,
                                **common)
   sampling_config = SamplingConfig(

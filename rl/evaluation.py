@@ -147,8 +147,10 @@ def evaluate(params, examples: Sequence[Example], *, task: Task, tokenizer, prom
 def evaluate_sampled(params, examples: Sequence[Example], *, task: Task, tokenizer,
                      prompt_len: int, model_config: ModelConfig, sampling_config: SamplingConfig,
                      num_samples: int, ks: Sequence[int], rng: jax.Array,
-                     batch_size: int = 256, progress: bool = False) -> SampledEvalResult:
-  """Samples `num_samples` completions per example and reports the unbiased pass@k.
+                     batch_size: int = 256, progress: bool = False,
+                     turns=None) -> SampledEvalResult:
+  """Samples `num_samples` completions per example and reports the unbiased pass@k (with
+  `turns`, an environment answers the tool calls, as in `evaluate`).
 
   Rows of one batch are whole groups: batch_size // num_samples examples per batch (at
   least one), the last batch padded, so the sampler compiles once. Batch b uses
@@ -162,8 +164,10 @@ def evaluate_sampled(params, examples: Sequence[Example], *, task: Task, tokeniz
                        "num_samples or drop that k.")
   per_batch = max(batch_size // num_samples, 1)
   rows = per_batch * num_samples
-  generate_fn = functools.partial(generate, model_config=model_config,
-                                  sampling_config=sampling_config)
+  generate_fn = (partial_rollout.make_turns_generate(model_config, sampling_config, turns)
+                 if turns is not None else
+                 functools.partial(generate, model_config=model_config,
+                                   sampling_config=sampling_config))
   scores, lengths = [], []
   starts = range(0, len(examples), per_batch)
   for b, start in enumerate(tqdm.tqdm(starts, desc=f"sampled eval (n={num_samples})",
