@@ -1,7 +1,7 @@
 """Environments: what answers the policy in the middle of a rollout (tool calls, turns).
 
 An environment is host-side Python, like a task's scorer. A row decodes until it writes
-the environment's `call_end` text (the end of a tool call, e.g. "=" after "?1234567+5");
+the environment's `call_end` text (the end of a tool call, e.g. "=" after "?+5");
 the environment then sees the row's text so far (prompt and completion, environment
 answers included) and returns the observation to append — tokens the policy did not
 write, which the row conditions on and the loss never trains —, "" when the text was not
@@ -18,8 +18,10 @@ the run.
 
 The built-in environments (`ENVIRONMENTS`, config.tools.name):
 
-  adder       "?a+b=" -> "a+b" (running_sum's tool: `?1234567+5=` is answered `1234572`;
-              a malformed call "?..." ends the row; a "=" after no "?" is not a call).
+  adder       "?a+b=" -> "a+b", and "?+b=" -> b plus the running total, the number
+              before the text's last comma (running_sum's tool: `,3:1234567,2:?+5=` is
+              answered `1234572`); a malformed call "?..." ends the row; a "=" after no
+              "?" is not a call.
   calculator  GSM8K's calculator annotations: "<<48/2=" -> "24>>" (+, -, *, /, parentheses
               and decimals, parsed by hand and computed with exact fractions: policy text
               is never evaluated as Python; a "=" outside an open "<<" is not a call).
@@ -52,17 +54,25 @@ ENVIRONMENTS: Registry[Callable[[], Environment]] = Registry(
     "docs/tools.md")
 
 
-# The adder's call: '?', up to 18 digits, '+', up to 18 digits, then call_end, at the very
-# end of the row's text (anchored: the regular expression never scans more than the call).
+# The adder's calls, at the very end of the row's text (anchored: the regular expressions
+# never scan more than the call): "?a+b=" (up to 18 digits each) and "?+b=", which adds b
+# to the running total, the number the text wrote just before its last comma.
 _ADDER_CALL = re.compile(r"\?([0-9]{1,18})\+([0-9]{1,18})=\Z")
+_ADDER_RUNNING_CALL = re.compile(r"\?\+([0-9]{1,18})=\Z")
+_RUNNING_TOTAL = re.compile(r"(?<![0-9])([0-9]{1,18}),[^,]*\Z")
 
 
 class Adder:
-  """Adds two non-negative integers: the row's text ends "?a+b=", the observation is a + b
-  in decimal. A call that is not of that form (a "?" within the last 40 characters, then
-  something else) ends the row (None: it scores 0, so RL learns to avoid malformed calls;
-  answering them "?" instead let an untrained policy loop on "=?=?"); a "=" with no "?"
-  before it is not a call ("")."""
+  """Adds non-negative integers. "?a+b=" at the end of the row's text is answered a + b;
+  "?+b=" is answered b plus the running total, the number that ends the text's last
+  comma-separated item ("...,3:1234567,2:?+5=" -> "1234572": the total the row last wrote,
+  by hand or by the adder). The short form is running_sum's demonstrated call: it copies
+  nothing, so a tool state (",2:?+5=1234572", 14 characters) keeps close to a hand-written
+  state's period (10); the long form's 21 characters lost the countdown on 6-9 additions
+  (docs/tools.md). A call that is neither (a "?" within the last 40 characters, then
+  something else; or "?+b=" with no number before the last comma) ends the row (None: it
+  scores 0, so RL learns to avoid malformed calls; answering them "?" instead let an
+  untrained policy loop on "=?=?"); a "=" with no "?" before it is not a call ("")."""
   name = "adder"
   call_end = "="
   timeout_s = 1.0
@@ -70,9 +80,13 @@ class Adder:
   def step(self, text: str) -> Optional[str]:
     tail = text[-40:]
     match = _ADDER_CALL.search(tail)
-    if match is None:
+    if match is not None:
+      return str(int(match.group(1)) + int(match.group(2)))
+    running = _ADDER_RUNNING_CALL.search(tail)
+    if running is None:
       return None if "?" in tail else ""
-    return str(int(match.group(1)) + int(match.group(2)))
+    total = _RUNNING_TOTAL.search(text[-80:-len(running.group(0))])
+    return None if total is None else str(int(total.group(1)) + int(running.group(1)))
 
 
 _CALCULATOR_CALL = re.compile(r"<<([0-9+\-*/(). ]{1,80})=\Z")

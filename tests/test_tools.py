@@ -66,7 +66,13 @@ T_MAX = PROMPT + NEW
     ("?999999999999999999+1=", "1000000000000000000"),
     ("+5,1:?12+=", None), ("?1234567+5", None), ("no call at all=", ""),
     ("?1+1=2 and forty more characters of text, then=", ""),
-    ("?1234567+5=1234572,1:?1234572+5=", "1234577")])
+    ("?1234567+5=1234572,1:?1234572+5=", "1234577"),
+    # The running form adds to the number before the last comma, by hand or by the adder.
+    ("+5,3:1234567,3:1234567,2:?+5=", "1234572"), (",2:?+5=1234572,1:?+5=", "1234577"),
+    (",9:1234567,8:1234572,7:?+15=", "1234587"),
+    ("3:?+5=", None), ("x,3:?+5=", None),  # no comma, or no number before the last one
+    (",1" + "2" * 19 + ",0:?+1=", None),  # a running total of 20 digits is none
+    ("12,0:?+5+5=", None)])
 def test_adder_answers_its_call_and_ends_a_malformed_one(text, answer):
   assert environments.Adder().step(text) == answer
 
@@ -90,11 +96,11 @@ def test_calculator_computes_exactly_and_refuses_what_is_not_arithmetic(text, an
 def test_a_tool_demonstration_trains_only_what_the_policy_writes():
   problem = running_sum.Problem(1234567, 5, 3)
   answer = running_sum.worked_solution(problem, tools=[True, False, True])
-  assert answer == ",3:1234567,2:?1234567+5=1234572,1:1234577,0:?1234577+5=1234582"
+  assert answer == ",3:1234567,2:?+5=1234572,1:1234577,0:?+5=1234582"
   prompt = running_sum.question(problem)
   adder = environments.Adder()
   assert environments.split_demonstration(prompt, answer, adder) == [
-      (",3:1234567,2:?1234567+5=", False), ("1234572", True), (",1:1234577,0:?1234577+5=", False),
+      (",3:1234567,2:?+5=", False), ("1234572", True), (",1:1234577,0:?+5=", False),
       ("1234582", True)]
   # The warm start's batch: the tool's answers are context (prompt_mask, env_mask).
   batch = rollout_lib.supervised_batch(TOKENIZER, [Example(prompt=prompt, answer=answer, entry={})],
@@ -104,7 +110,7 @@ def test_a_tool_demonstration_trains_only_what_the_policy_writes():
   assert not (env & np.asarray(batch.completion_mask[0])).any()
   assert (env <= np.asarray(batch.prompt_mask[0])).all()
   trained = TOKENIZER.decode(tokens[np.asarray(batch.completion_mask[0])])
-  assert trained == ",3:1234567,2:?1234567+5=,1:1234577,0:?1234577+5="  # + EOS
+  assert trained == ",3:1234567,2:?+5=,1:1234577,0:?+5="  # + EOS
   # A demonstration must say what the tool says.
   with pytest.raises(ValueError, match=r"environment 'adder' answers '1234572'"):
     environments.split_demonstration(prompt, answer.replace("=1234572", "=1234562"), adder)
@@ -115,8 +121,12 @@ def test_a_tool_demonstration_trains_only_what_the_policy_writes():
   assert running_sum.parse_final_answer(answer) == problem.total
   assert running_sum.correct_leading_states(answer, problem) == 3
   assert task.exact_match(answer, example)
-  wrong = answer.replace("?1234577+5=1234582", "?1234577+5=1234581")
+  wrong = answer.replace("?+5=1234582", "?+5=1234581")
   assert running_sum.correct_leading_states(wrong, problem) == 2
+  named = answer.replace("?+5=1234572", "?1234567+5=1234572")  # the call's long form
+  assert running_sum.correct_leading_states(named, problem) == 3
+  assert running_sum.parse_final_answer(named.replace("?+5=1234582", "?1234577+5=1234582")) \
+      == problem.total
 
 
 def test_tool_share_changes_only_the_demonstrations():

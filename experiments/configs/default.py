@@ -198,7 +198,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.selection.adaptive.history_decay = 0.5  # weight of a prompt's past rollouts per epoch (pool)
 
   # Tools and multi-turn environments (docs/tools.md): a row pauses when it writes the
-  # environment's call (e.g. "?1234567+5="), the environment's answer ("1234572") is
+  # environment's call (e.g. "?+5="), the environment's answer ("1234572") is
   # appended as context that nothing trains on, and decoding resumes. Evaluation reports
   # held-out accuracy with the environment and without it (eval_accuracy_no_tools).
   c.tools = ml_collections.ConfigDict()

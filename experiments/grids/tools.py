@@ -11,11 +11,13 @@ temperature 1; held-out greedy accuracy every 30 steps):
 - `grpo`: the default run's RL phase, no tool, from `warm_s<seed>` (the baseline).
 - `tools`: the same with config.tools.name = 'adder', from `warm_tools_s<seed>`, whose
   demonstrations do each addition with the adder at probability TOOL_SHARE (exact) and by
-  hand otherwise (with the teacher's carry slips); max_new_tokens 200 fits nine tool
+  hand otherwise (with the teacher's carry slips), calling "?+5=" (the step, added to the
+  running total: nothing copied; ",2:?+5=1234572"); max_new_tokens 160 fits nine tool
   additions. Sampling at temperature 1 calls the adder at about that share, and a call
-  never slips: RL can make it the likely choice where a carry would slip. (A first try at
-  share 0.3 left the warm start's calls mostly malformed, copy errors after "?", and its
-  accuracy flat over 60 RL steps while its calls rose; docs/tools.md.)
+  never slips: RL can make it the likely choice where a carry would slip. (Earlier tries
+  with the call "?1234567+5=", which copies the previous total: at share 0.3 the warm
+  start's calls were mostly malformed, copy errors after "?", and accuracy stayed flat;
+  at share 0.5 RL solved 1-5 additions but lost the countdown on 6-8; docs/tools.md.)
 Each seed's pair runs before the next seed's, so a grid stopped midway has whole pairs.
 """
 
@@ -25,7 +27,7 @@ from experiments.grids import pages
 
 SEEDS = (0, 1, 2)
 TOOL_SHARE = 0.5
-TOOL_NEW_TOKENS = 200
+TOOL_NEW_TOKENS = 160
 EVAL_EVERY = 30
 LONG = 5  # the accuracy reported on problems of at least LONG additions
 WARM_START = "runs/warm/runs/warm_s{seed}"

@@ -55,8 +55,9 @@ _EVAL_STREAM, _TRAIN_STREAM, _TEACHER_STREAM, _TOOL_STREAM = 1, 2, 3, 4
 _MAX_TRAIN_DRAWS = 64
 _SIZE_DRAW = _MAX_TRAIN_DRAWS  # the draw index whose generator picks k
 _FINAL_TOTAL = re.compile(r"[0-9]{1,12}")
-# A state written with the adder (rl.environments.Adder): "?previous+step=" and its answer.
-_TOOL_STATE = re.compile(r"\?[0-9]{1,12}\+[0-9]{1,12}=([0-9]{1,12})")
+# A state written with the adder (rl.environments.Adder): "?+step=" or "?previous+step=",
+# and its answer.
+_TOOL_STATE = re.compile(r"\?(?:[0-9]{1,12})?\+[0-9]{1,12}=([0-9]{1,12})")
 # The text of a completion that is scored: up to the first newline or end-of-sequence
 # marker left in text decoded by a subword tokenizer.
 _STOP_STRINGS = ("\n", "<|endoftext|>", "<|im_end|>", "</s>")
@@ -99,7 +100,8 @@ class Difficulty:
     always scores 1.0. 0 = exact match only.
   tool_share: probability that the teacher does an addition with the adder tool
     (config.tools.name='adder', rl.environments.Adder) instead of by hand: it writes the
-    state ",2:?1234567+5=" and the tool answers "1234572" (so ",2:?1234567+5=1234572"),
+    state ",2:?+5=" and the tool answers "1234572", the running total plus 5 (so
+    ",2:?+5=1234572"),
     never slipping; the rest by hand, with the slips above. 0 = no tool calls (the default;
     the demonstrations are then exactly those of earlier versions).
   """
@@ -185,15 +187,15 @@ def worked_solution(problem: Problem, slips=None, tools=None) -> str:
 
   slips[j] (bool, one per step): at a step whose units digit wraps, forget the carry (write
   total - 10) and continue from the written total. None = no slips.
-  tools[j] (bool, one per step): do step j with the adder, ",2:?1234567+5=1234572" (the
-  previous written total, the step, and the tool's exact answer); it never slips. None =
-  every step by hand.
+  tools[j] (bool, one per step): do step j with the adder, ",2:?+5=1234572" (the step,
+  added to the previous written total, and the tool's exact answer); it never slips. None
+  = every step by hand.
   """
   total, parts = problem.start, [f",{problem.steps}:{problem.start}"]
   for j in range(problem.steps):
     left = problem.steps - 1 - j
     if tools is not None and tools[j]:
-      parts.append(f",{left}:?{total}+{problem.step}={total + problem.step}")
+      parts.append(f",{left}:?+{problem.step}={total + problem.step}")
       total += problem.step
       continue
     carries = total % 10 + problem.step >= 10
@@ -233,8 +235,9 @@ def correct_leading_states(completion: str, problem: Problem) -> int:
   totals = [problem.start + problem.step * j for j in range(problem.steps + 1)]
   for matched, (left, total) in enumerate(zip(range(problem.steps, -1, -1), totals)):
     states = [f",{left}:{total}"]
-    if matched:  # an addition may be written as an adder call on the previous true total
-      states.append(f",{left}:?{totals[matched - 1]}+{problem.step}={total}")
+    if matched:  # an addition may be an adder call, on the running or the named total
+      states += [f",{left}:?+{problem.step}={total}",
+                 f",{left}:?{totals[matched - 1]}+{problem.step}={total}"]
     for state in states:
       end = position + len(state)
       if text.startswith(state, position) and (end == len(text) or text[end] == ","):
