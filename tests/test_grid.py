@@ -350,19 +350,34 @@ def test_b6_page_measures_tokens_to_half_of_uniforms_gain(tmp_path):
 
 def test_speculative_page_compares_sampling_seconds_with_plain_decoding(tmp_path):
   spec = runpy.run_path(os.path.join(_REPO, "experiments", "grids", "speculative.py"))
-  assert len(spec["SPEC"]["cells"]) == 12
+  assert len(spec["SPEC"]["cells"]) == 18
+  pool = spec["POOL"]
   results = [
       _cell_result("plain", 0, [0.3, 0.8], [0, 1], [0.0, 50.0], {"completion_len": 40.0}),
       _cell_result("lookup_k4", 0, [0.3, 0.82], [0, 1], [0.0, 40.0],
                    {"completion_len": 40.0, "spec_acceptance": 0.5,
-                    "spec_forwards_per_token": 0.4})]
-  results[0]["summary"]["time_sample_median_s"] = 0.30
-  results[1]["summary"]["time_sample_median_s"] = 0.20
+                    "spec_forwards_per_token": 0.4, "spec_drafted": 100.0,
+                    "spec_drafted_prompt_lookup": 100.0, "spec_acceptance_prompt_lookup": 0.5}),
+      _cell_result(f"plain_pool{pool}", 0, [0.3, 0.7], [0, 1], [0.0, 50.0],
+                   {"completion_len": 40.0}),
+      _cell_result(f"history_k4_pool{pool}", 0, [0.3, 0.75], [0, 1], [0.0, 30.0],
+                   {"completion_len": 40.0, "spec_acceptance": 0.7,
+                    "spec_forwards_per_token": 0.3, "spec_drafted": 200.0,
+                    "spec_drafted_history": 150.0, "spec_acceptance_history": 0.8,
+                    "spec_drafted_prompt_lookup": 50.0, "spec_acceptance_prompt_lookup": 0.4})]
+  for result, seconds in zip(results, (0.30, 0.20, 0.40, 0.10)):
+    result["summary"]["time_sample_median_s"] = seconds
   page = spec["render_page"](results, str(tmp_path / "spec.md"))
   plain, lookup = _row(page, "plain"), _row(page, "lookup_k4")
   assert plain[4] == "0.300" and lookup[4] == "0.200" and lookup[5] == "1.50"
-  assert lookup[6] == "0.500" and lookup[7] == "0.400" and plain[7] == "1.000"
+  assert lookup[6] == "0.500" and lookup[8] == "0.400" and plain[8] == "1.000"
+  assert lookup[7] == "prompt_lookup 0.500 (100% of drafts)" and plain[7] == "-"
   assert lookup[3] == "0.020 (1 up, 0 down)"
+  # The pool cells pair with plain decoding on the same pool, not with `plain`.
+  history = _row(page, f"history_k4_pool{pool}")
+  assert history[5] == "4.00" and history[3] == "0.050 (1 up, 0 down)"
+  assert history[7] == "history 0.800 (75% of drafts); prompt_lookup 0.400 (25% of drafts)"
+  assert _row(page, f"plain_pool{pool}")[5] == "-"
   assert (tmp_path / "spec.png").exists()
 
 
