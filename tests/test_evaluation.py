@@ -12,8 +12,10 @@ from models import transformer
 from models.config import get_preset
 from models.tokenizer import CharTokenizer
 from rl import evaluation
+from rl.rollouts import turns as turns_lib
 from rl.tasks import Example
 from sampling.sampler import SamplingConfig
+from tests import tool_environments
 
 
 def exact_pass_at_k(n: int, c: int, k: int) -> fractions.Fraction:
@@ -99,6 +101,40 @@ def test_evaluate_sampled_counts_and_identities():
   assert single.num_correct.shape == (5,)
   with pytest.raises(ValueError, match="pass@9 needs"):
     evaluation.evaluate_sampled(params, examples, **dict(kwargs, ks=(9,)))
+
+
+class EveryCallAnsweredZeroTask:
+  """Correct iff every "=" in the completion is followed by "0" (or ends it)."""
+  name = "every_call_answered_zero"
+
+  def reward(self, completion, example):
+    del example
+    return float(all(after.startswith("0") for after in completion.split("=")[1:-1])
+                 and (completion.endswith("=") or "=" not in completion
+                      or completion.rsplit("=", 1)[1].startswith("0")))
+
+  def exact_match(self, completion, example):
+    return self.reward(completion, example) == 1.0
+
+
+def test_evaluate_sampled_with_turns_lets_the_environment_answer_every_call():
+  """pass@k of a tool run samples with its environment: an environment that answers every
+  "=" with "0" makes every sample correct under a scorer that wants exactly that, while
+  the same samples without it are not (the random policy writes "=" often enough)."""
+  tokenizer = CharTokenizer()
+  model_config = get_preset("tiny", vocab_size=tokenizer.vocab_size, max_seq_len=40)
+  params = transformer.init_params(model_config, jax.random.PRNGKey(0))
+  examples = [Example(prompt=f"{i}=", answer="", entry={}) for i in range(16)]
+  sampling_config = SamplingConfig(max_new_tokens=24, temperature=3.0,
+                                   stop_tokens=(tokenizer.eos_id,), pad_id=tokenizer.pad_id)
+  kwargs = dict(task=EveryCallAnsweredZeroTask(), tokenizer=tokenizer, prompt_len=4,
+                model_config=model_config, sampling_config=sampling_config, num_samples=8,
+                ks=(1,), rng=jax.random.PRNGKey(1), batch_size=64)
+  turns = turns_lib.Turns(tool_environments.AnswersZero(), tokenizer, turns_lib.ToolConfig())
+  with_tool = evaluation.evaluate_sampled(params, examples, turns=turns, **kwargs)
+  without = evaluation.evaluate_sampled(params, examples, **kwargs)
+  assert with_tool.pass_at_k[1] == 1.0
+  assert without.pass_at_k[1] < 0.9, "too few '=' for the test to mean anything"
 
 
 def test_accuracy_stderr_and_by_size_by_hand():

@@ -62,3 +62,13 @@ class ByLastCharacter:
     if before in ",:":
       return None
     return "ab"
+
+
+class AnswersZero:
+  """Answers every call with '0'."""
+  name = "answers_zero"
+  call_end = "="
+
+  def step(self, text):
+    del text
+    return "0"
