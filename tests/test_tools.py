@@ -495,8 +495,6 @@ def _final_producer(workdir):
   return manager.restore(manager.latest_step())["state"]["producer"]
 
 
-
-
 def test_a_run_killed_mid_turn_resumes_to_identical_metrics(tmp_path):
   overrides = {"rollout.kind": "partial", "rollout.resume": "reprefill",
                "rollout.num_slots": 32, "rollout.decode_window": 8, "rl.steps": 4,
