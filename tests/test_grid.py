@@ -355,16 +355,18 @@ def test_speculative_page_compares_sampling_seconds_with_plain_decoding(tmp_path
   results = [
       _cell_result("plain", 0, [0.3, 0.8], [0, 1], [0.0, 50.0], {"completion_len": 40.0}),
       _cell_result("lookup_k4", 0, [0.3, 0.82], [0, 1], [0.0, 40.0],
-                   {"completion_len": 40.0, "spec_acceptance": 0.5,
+                   {"completion_len": 40.0, "spec_accepted": 50.0,
                     "spec_forwards_per_token": 0.4, "spec_drafted": 100.0,
-                    "spec_drafted_prompt_lookup": 100.0, "spec_acceptance_prompt_lookup": 0.5}),
+                    "spec_drafted_prompt_lookup": 100.0, "spec_accepted_prompt_lookup": 50.0}),
       _cell_result(f"plain_pool{pool}", 0, [0.3, 0.7], [0, 1], [0.0, 50.0],
                    {"completion_len": 40.0}),
       _cell_result(f"history_k4_pool{pool}", 0, [0.3, 0.75], [0, 1], [0.0, 30.0],
-                   {"completion_len": 40.0, "spec_acceptance": 0.7,
+                   {"completion_len": 40.0, "spec_accepted": 140.0,
                     "spec_forwards_per_token": 0.3, "spec_drafted": 200.0,
-                    "spec_drafted_history": 150.0, "spec_acceptance_history": 0.8,
-                    "spec_drafted_prompt_lookup": 50.0, "spec_acceptance_prompt_lookup": 0.4})]
+                    # the step mean of a ratio that is 0 where nothing was drafted: unused
+                    "spec_acceptance_history": 0.5,
+                    "spec_drafted_history": 150.0, "spec_accepted_history": 120.0,
+                    "spec_drafted_prompt_lookup": 50.0, "spec_accepted_prompt_lookup": 20.0})]
   for result, seconds in zip(results, (0.30, 0.20, 0.40, 0.10)):
     result["summary"]["time_sample_median_s"] = seconds
   page = spec["render_page"](results, str(tmp_path / "spec.md"))
@@ -377,6 +379,7 @@ def test_speculative_page_compares_sampling_seconds_with_plain_decoding(tmp_path
   history = _row(page, f"history_k4_pool{pool}")
   assert history[5] == "4.00" and history[3] == "0.050 (1 up, 0 down)"
   assert history[7] == "history 0.800 (75% of drafts); prompt_lookup 0.400 (25% of drafts)"
+  assert history[6] == "0.700"
   assert _row(page, f"plain_pool{pool}")[5] == "-"
   assert (tmp_path / "spec.png").exists()
 

@@ -203,6 +203,10 @@ def test_speculative_rollouts_through_the_launcher(tmp_path):
   assert len(steps) == 2
   for r in steps:
     assert r["spec_drafted"] == r["spec_drafted_prompt_lookup"] + r["spec_drafted_group"] > 0
+    assert r["spec_accepted"] == r["spec_accepted_prompt_lookup"] + r["spec_accepted_group"]
+    for source in ("prompt_lookup", "group"):
+      assert r[f"spec_acceptance_{source}"] == pytest.approx(
+          r[f"spec_accepted_{source}"] / max(r[f"spec_drafted_{source}"], 1))
     assert 0 < r["spec_forwards_per_token"] < 1
     assert r["rollout_train_mismatch_kl"] < 1e-6
 

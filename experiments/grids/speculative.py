@@ -66,15 +66,26 @@ def _means(result: dict) -> dict:
   return result["summary"]["rl_step_means"]
 
 
+def _acceptance(result: dict, source: str = "") -> float | None:
+  """Accepted / drafted draft tokens over the RL steps (of `source`; "" = all): the ratio
+  of the step means, so steps that drafted nothing weigh nothing; None for a result
+  recorded without the counts."""
+  suffix = f"_{source}" if source else ""
+  means = _means(result)
+  if f"spec_accepted{suffix}" not in means:
+    return None
+  return means[f"spec_accepted{suffix}"] / max(means[f"spec_drafted{suffix}"], 1e-9)
+
+
 def _by_source(group: list[dict]) -> str:
   """Each draft source's acceptance (mean over the seeds) and its share of the drafts."""
   parts = []
   for source in ("history", "prompt_lookup", "group"):
     drafted = [_means(r).get(f"spec_drafted_{source}", 0.0) for r in group]
-    if not any(drafted):
+    accepted = [_acceptance(r, source) for r in group]
+    if not any(drafted) or None in accepted:
       continue
-    total = [_means(r).get("spec_drafted", 0.0) for r in group]
-    accepted = [_means(r).get(f"spec_acceptance_{source}", 0.0) for r in group]
+    total = [_means(r)["spec_drafted"] for r in group]
     parts.append(f"{source} {sum(accepted) / len(accepted):.3f} "
                  f"({sum(drafted) / max(sum(total), 1e-9):.0%} of drafts)")
   return "; ".join(parts) or "-"
@@ -90,7 +101,7 @@ def _row(name: str, group: list[dict], groups: dict[str, list[dict]]) -> str:
       pages.paired_difference(group, baseline, _final) if spec else "-",
       pages.mean_std([_sample_s(r) for r in group], 3),
       pages.mean_std(speedup, 2) if spec else "-",
-      pages.mean_std([_means(r).get("spec_acceptance", 0.0) for r in group], 3) if spec else "-",
+      pages.mean_std([_acceptance(r) for r in group], 3) if spec else "-",
       _by_source(group) if spec else "-",
       pages.mean_std([_means(r).get("spec_forwards_per_token", 1.0) for r in group], 3),
       pages.mean_std([_means(r)["completion_len"] for r in group], 1),

@@ -106,8 +106,9 @@ def draft_counters(scored: Sequence) -> dict:
   """Speculative decoding's counters over the scoring results `scored` (their
   `draft_stats`; {} when none decoded speculatively): spec_drafted / spec_accepted draft
   tokens, spec_acceptance (accepted / drafted), spec_forwards_per_token (target forwards
-  per generated token: 1 for plain decoding) and, per draft source,
-  spec_acceptance_<source> and spec_drafted_<source>."""
+  per generated token: 1 for plain decoding) and, per draft source, spec_drafted_<source>,
+  spec_accepted_<source> and spec_acceptance_<source> (0 in a step where the source
+  drafted nothing: average the counts, not this ratio, over steps)."""
   stats = [s.draft_stats for s in scored if getattr(s, "draft_stats", None) is not None]
   if not stats:
     return {}
@@ -121,5 +122,6 @@ def draft_counters(scored: Sequence) -> dict:
                   spec_forwards_per_token=forwards / max(emitted, 1))
   for name, d, a in zip(sources, drafted, accepted):
     counters[f"spec_drafted_{name}"] = int(d)
+    counters[f"spec_accepted_{name}"] = int(a)
     counters[f"spec_acceptance_{name}"] = float(a / max(d, 1))
   return counters
