@@ -70,7 +70,8 @@ class Adder:
   nothing, so a tool state (",2:?+5=1234572", 14 characters) keeps close to a hand-written
   state's period (10); the long form's 21 characters lost the countdown on 6-9 additions
   (docs/tools.md). A call that is neither (a "?" within the last 40 characters, then
-  something else; or "?+b=" with no number before the last comma) ends the row (None: it
+  something else; or "?+b=" with no number before the last comma, within the 80
+  characters before the call) ends the row (None: it
   scores 0, so RL learns to avoid malformed calls; answering them "?" instead let an
   untrained policy loop on "=?=?"); a "=" with no "?" before it is not a call ("")."""
   name = "adder"
@@ -85,7 +86,10 @@ class Adder:
     running = _ADDER_RUNNING_CALL.search(tail)
     if running is None:
       return None if "?" in tail else ""
-    total = _RUNNING_TOTAL.search(text[-80:-len(running.group(0))])
+    end = len(text) - len(running.group(0))
+    # Searched in the 80 characters before the call; the look-behind still sees the
+    # character before them, so a number cut by the window is no total.
+    total = _RUNNING_TOTAL.search(text, max(end - 80, 0), end)
     return None if total is None else str(int(total.group(1)) + int(running.group(1)))
 
 

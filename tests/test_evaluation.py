@@ -3,6 +3,7 @@ binomials, and evaluate_sampled's bookkeeping on a task whose scorer is known.""
 
 import fractions
 import math
+import re
 
 import jax
 import numpy as np
@@ -109,9 +110,7 @@ class EveryCallAnsweredZeroTask:
 
   def reward(self, completion, example):
     del example
-    return float(all(after.startswith("0") for after in completion.split("=")[1:-1])
-                 and (completion.endswith("=") or "=" not in completion
-                      or completion.rsplit("=", 1)[1].startswith("0")))
+    return float(re.search(r"=(?!0|\Z)", completion) is None)
 
   def exact_match(self, completion, example):
     return self.reward(completion, example) == 1.0

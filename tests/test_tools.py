@@ -72,6 +72,9 @@ T_MAX = PROMPT + NEW
     (",9:1234567,8:1234572,7:?+15=", "1234587"),
     ("3:?+5=", None), ("x,3:?+5=", None),  # no comma, or no number before the last one
     (",1" + "2" * 19 + ",0:?+1=", None),  # a running total of 20 digits is none
+    # ... and so is one that starts before the 80 characters searched, not a cut of it.
+    ("5" + "1" * 17 + "," + ":" * 70 + "?+1=", None),
+    ("5" + "1" * 17 + "," + ":" * 60 + "?+1=", str(5 * 10**17 + int("1" * 17) + 1)),
     ("12,0:?+5+5=", None)])
 def test_adder_answers_its_call_and_ends_a_malformed_one(text, answer):
   assert environments.Adder().step(text) == answer

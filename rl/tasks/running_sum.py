@@ -101,9 +101,8 @@ class Difficulty:
   tool_share: probability that the teacher does an addition with the adder tool
     (config.tools.name='adder', rl.environments.Adder) instead of by hand: it writes the
     state ",2:?+5=" and the tool answers "1234572", the running total plus 5 (so
-    ",2:?+5=1234572"),
-    never slipping; the rest by hand, with the slips above. 0 = no tool calls (the default;
-    the demonstrations are then exactly those of earlier versions).
+    ",2:?+5=1234572"), never slipping; the rest by hand, with the slips above. 0 = no tool
+    calls (the default; the demonstrations are then exactly those of earlier versions).
   """
   min_steps: int = 1
   max_steps: int = 9
