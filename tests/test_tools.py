@@ -501,7 +501,7 @@ def _final_producer(workdir):
 def test_a_run_killed_mid_turn_resumes_to_identical_metrics(tmp_path):
   overrides = {"rollout.kind": "partial", "rollout.resume": "reprefill",
                "rollout.num_slots": 32, "rollout.decode_window": 8, "rl.steps": 4,
-               "warm_start.steps": 100,
+               "warm_start.steps": 50,
                "checkpoint.every": 2, "checkpoint.max_to_keep": 4, "eval.every": 4}
   reference = _tool_run_config(tmp_path / "reference", overrides)
   launcher.run(reference)
@@ -515,7 +515,7 @@ def test_a_run_killed_mid_turn_resumes_to_identical_metrics(tmp_path):
   manager = ocp.CheckpointManager(os.path.abspath(tmp_path / "resumed" / "checkpoints"))
   assert manager.latest_step() == total - 2
   # The checkpoint it resumes from holds rows mid-turn: in flight, with an environment
-  # answer appended and more to decode (100 warm-start steps make the policy call the
+  # answer appended and more to decode (50 warm-start steps make the policy call the
   # adder; small decode rounds and a deep pool keep rows in flight).
   pool = manager.restore(total - 2)["state"]["producer"]["pool"]
   sampler = pool["sampler"]
