@@ -18,9 +18,19 @@ A cell is `python -m <module> --<flag>=<value>... --config.seed=<seed>
 the last two); "seeds" makes one cell per seed, named <name>_s<seed>, and "{seed}" in a flag
 value becomes the cell's seed. Its output goes to <out>/logs/<name>.log. When it exits 0
 having written <workdir>/summary.json, its result goes to <out>/<name>.json: that summary,
-the command, the return code, the wall time of the attempt that finished, the git commit
-the cell ran, its machine (CPU model and cores) and the load average when it finished, written to a temporary file and
-renamed, so a result file is whole or absent.
+the command and flags, the return code, the wall time of the attempt that finished, the
+source it ran (`experiments.provenance.source_state`, read when the attempt *started*: the
+commit, and whether code differed from it with the hash of that difference), its machine
+(CPU model and cores) and the load average when it finished, written to a temporary file
+and renamed, so a result file is whole or absent.
+
+Provenance rules. A cell whose code differs from its commit stores that difference beside
+its result (<out>/<name>.diff), so commit + diff reproduce it; and into a results folder
+that git tracks (docs/results/...), a cell starts from a dirty tree only with
+`--allow_dirty` (commit first). A finished result is reused only while its recorded module,
+flags and seed are the spec's: a spec edited after a cell finished makes the grid refuse to
+run or render, naming the cells and the flags that changed, until `--rerun_changed` removes
+those results (and their workdirs and logs) and runs the cells again.
 
 Rerunning the grid skips the cells that have a result. A cell killed midway reruns in the
 same workdir, where experiments.train resumes from its newest checkpoint (config.resume is
@@ -57,6 +67,7 @@ import platform
 import re
 import runpy
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -65,6 +76,8 @@ import time
 from absl import app
 from absl import flags
 import numpy as np
+
+from experiments import provenance
 
 _SPEC = flags.DEFINE_string("spec", None, "The grid: a JSON file, or a Python file defining SPEC.")
 _OUT = flags.DEFINE_string("out", "runs/grid", "Results, logs and the cells' workdirs go here.")
@@ -75,6 +88,12 @@ _RENDER = flags.DEFINE_bool("render", False, "Tabulate the finished cells only; 
 _PLOT = flags.DEFINE_bool("plot", False, "Also plot each metric per setting (results.png).")
 _METRICS = flags.DEFINE_list("metrics", [], "Summary fields to tabulate (dotted paths); "
                              "default: the numeric top-level fields of every finished cell.")
+_RERUN_CHANGED = flags.DEFINE_bool(
+    "rerun_changed", False, "Remove the results (workdirs, logs) of cells whose spec "
+    "changed since they ran, and run them again; without it the grid refuses to use them.")
+_ALLOW_DIRTY = flags.DEFINE_bool(
+    "allow_dirty", False, "Let cells start from a tree whose code differs from its commit "
+    "although --out is a folder git tracks (the diff is stored beside each result).")
 _PAGE = flags.DEFINE_string("page", "", "A markdown page whose generated part, between "
                             "the PAGE_BEGIN and PAGE_END markers, becomes the Python spec's "
                             "render_page(results, page_path); the rest of the page is kept.")
@@ -171,42 +190,112 @@ def read_json(path: str):
     return json.load(f)
 
 
-def run_cell(cell: Cell, spec: Spec, out: str) -> dict | None:
-  """Runs one cell unless it has a result; its result, or None if it failed."""
+def diff_path(out: str, name: str) -> str:
+  return os.path.join(out, f"{name}.diff")
+
+
+def log_path(out: str, name: str) -> str:
+  return os.path.join(out, "logs", f"{name}.log")
+
+
+def tracked_by_git(out: str) -> bool:
+  """Whether git tracks files under `out` (a committed results folder)."""
+  try:
+    listed = subprocess.run(["git", "ls-files", "--", out], capture_output=True, text=True,
+                            check=True).stdout
+  except (OSError, subprocess.CalledProcessError):
+    return False
+  return bool(listed.strip())
+
+
+def refuse_dirty(source: dict, out: str, allow_dirty: bool) -> None:
+  """Raises RuntimeError when cells would start from code that differs from its commit and
+  write their results into a folder git tracks, unless `allow_dirty`."""
+  if source["dirty"] and not allow_dirty and tracked_by_git(out):
+    raise RuntimeError(
+        f"{out} is a results folder git tracks, and the code differs from commit "
+        f"{source['commit'][:12]} (diff {source['diff_sha256'][:12]}): commit first, so that "
+        "a result names the code it ran, or pass --allow_dirty (each result's diff is then "
+        "stored beside it as <name>.diff).")
+
+
+def run_cell(cell: Cell, spec: Spec, out: str, allow_dirty: bool = False) -> dict | None:
+  """Runs one cell unless it has a result; its result, or None if it failed. The source
+  is read when the cell starts (the code it runs), and a dirty one is refused into a
+  tracked folder (`refuse_dirty`) or stored beside the result."""
   path = result_path(out, cell.name)
   if os.path.exists(path):
     return read_json(path)
+  os.makedirs(os.path.join(out, "logs"), exist_ok=True)
+  source = provenance.source_state()
+  try:
+    refuse_dirty(source, out, allow_dirty)
+  except RuntimeError as error:
+    with open(log_path(out, cell.name), "a") as log:
+      log.write(f"Not started: {error}\n")
+    print(f"{cell.name}: {error}", file=sys.stderr, flush=True)
+    return None
   summary_path = os.path.join(workdir(out, cell), "summary.json")
   if os.path.exists(summary_path):
     os.remove(summary_path)  # a killed attempt's leftover would pass for this run's
-  os.makedirs(os.path.join(out, "logs"), exist_ok=True)
   argv = command(cell, spec, out)
   started = time.time()
-  with open(os.path.join(out, "logs", f"{cell.name}.log"), "a") as log:
+  with open(log_path(out, cell.name), "a") as log:
     returncode = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT,
                                 check=False).returncode
   if returncode != 0 or not os.path.exists(summary_path):
     return None
   result = {"name": cell.name, "module": cell.module, "flags": dict(cell.flags),
             "seed": cell.seed, "command": argv, "returncode": returncode,
-            "wall_s": time.time() - started, "commit": source_commit(),
+            "wall_s": time.time() - started, "commit": provenance.commit_label(source),
+            "source": {key: source[key] for key in ("commit", "dirty", "diff_sha256")},
             "machine": machine(), "load_average": os.getloadavg(),
             "summary": read_json(summary_path)}
+  if source["dirty"]:
+    with open(diff_path(out, cell.name), "w") as f:
+      f.write(source["diff"])
   write_json_atomic(path, result)
   return result
 
 
-def source_commit() -> str:
-  """The git commit of the code the cells ran (the working directory's checkout), with
-  "-dirty" when tracked files differ from it; "unknown" outside a git checkout."""
-  try:
-    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                          check=True).stdout.strip()
-    changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                             capture_output=True, text=True, check=True).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
-  return head + ("-dirty" if changed else "")
+def changed_cells(spec: Spec, out: str) -> dict[str, list[str]]:
+  """{cell name: what changed} for each finished cell whose recorded module, flags or seed
+  differ from the spec's now."""
+  changed = {}
+  for cell in spec.cells:
+    path = result_path(out, cell.name)
+    if not os.path.exists(path):
+      continue
+    result = read_json(path)
+    recorded = {"module": result["module"], "seed": result["seed"],
+                **{f"--{k}": v for k, v in result["flags"].items()}}
+    wanted = {"module": cell.module, "seed": cell.seed,
+              **{f"--{k}": v for k, v in cell.flags}}
+    differences = [f"{key}: {recorded.get(key, '<absent>')!r} -> {wanted.get(key, '<absent>')!r}"
+                   for key in sorted(set(recorded) | set(wanted))
+                   if recorded.get(key) != wanted.get(key)]
+    if differences:
+      changed[cell.name] = differences
+  return changed
+
+
+def settle_changed(spec: Spec, out: str, rerun_changed: bool) -> list[str]:
+  """Refuses (ValueError naming each cell and change) finished cells whose spec changed,
+  or with `rerun_changed` removes their results, stored diffs, workdirs and logs so that
+  they run afresh; returns the names removed."""
+  changed = changed_cells(spec, out)
+  if changed and not rerun_changed:
+    listing = "\n".join(f"  {name}: " + "; ".join(diffs) for name, diffs in changed.items())
+    raise ValueError(f"These cells finished under another spec than {out}'s now "
+                     f"(recorded -> spec):\n{listing}\nRestore the spec, or pass "
+                     "--rerun_changed to remove their results and run them again.")
+  for name in changed:
+    for path in (result_path(out, name), diff_path(out, name), log_path(out, name)):
+      if os.path.exists(path):
+        os.remove(path)
+    cell = next(c for c in spec.cells if c.name == name)
+    shutil.rmtree(workdir(out, cell), ignore_errors=True)
+  return sorted(changed)
 
 
 def machine() -> str:
@@ -231,12 +320,14 @@ def pending(spec: Spec, out: str) -> list[Cell]:
   return [cell for cell in spec.cells if not os.path.exists(result_path(out, cell.name))]
 
 
-def run_grid(spec: Spec, out: str, workers: int) -> list[str]:
+def run_grid(spec: Spec, out: str, workers: int, allow_dirty: bool = False) -> list[str]:
   """Runs the pending cells, `workers` at a time; the names of those that failed."""
   todo = pending(spec, out)
+  if todo:
+    refuse_dirty(provenance.source_state(), out, allow_dirty)
   failed = []
   with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-    futures = {pool.submit(run_cell, cell, spec, out): cell for cell in todo}
+    futures = {pool.submit(run_cell, cell, spec, out, allow_dirty): cell for cell in todo}
     for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
       cell = futures[future]
       status = "failed" if future.result() is None else "done"
@@ -390,6 +481,12 @@ def write_page(spec_path: str, spec: Spec, out: str, page: str) -> None:
 def main(argv):
   del argv
   spec, out = load_spec(_SPEC.value), _OUT.value
+  try:
+    removed = settle_changed(spec, out, _RERUN_CHANGED.value)
+  except ValueError as error:
+    raise app.UsageError(str(error)) from None
+  if removed:
+    print(f"Removed the results of changed cells: {', '.join(removed)}", flush=True)
   if _LIST.value:
     for line in list_commands(_SPEC.value, spec, out):
       print(line)
@@ -398,8 +495,11 @@ def main(argv):
     cells = {cell.name: cell for cell in spec.cells}
     if _CELL.value not in cells:
       raise app.UsageError(f"--cell={_CELL.value}: no such cell; the spec has {sorted(cells)}.")
-    return 0 if run_cell(cells[_CELL.value], spec, out) is not None else 1
-  failed = [] if _RENDER.value else run_grid(spec, out, _WORKERS.value)
+    return 0 if run_cell(cells[_CELL.value], spec, out, _ALLOW_DIRTY.value) is not None else 1
+  try:
+    failed = [] if _RENDER.value else run_grid(spec, out, _WORKERS.value, _ALLOW_DIRTY.value)
+  except RuntimeError as error:
+    raise app.UsageError(str(error)) from None
   print(write_report(spec, out, _METRICS.value, _PLOT.value))
   if _PAGE.value:
     write_page(_SPEC.value, spec, out, _PAGE.value)

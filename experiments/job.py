@@ -18,6 +18,7 @@ import ml_collections
 import tqdm
 
 from experiments import metrics
+from experiments import provenance
 from experiments import run_records
 from models import lora as lora_lib
 from rl import checkpoint
@@ -47,10 +48,11 @@ class Job:
     self.mesh = wiring.build_mesh(config)
     self.primary = multihost.is_primary()
     os.makedirs(config.workdir, exist_ok=True)
+    self.manager = checkpoint.make_manager(os.path.join(config.workdir, "checkpoints"),
+                                           config.checkpoint.max_to_keep,
+                                           remove_unfinished=True)
     self.config_json = config.to_json_best_effort(indent=2, sort_keys=True)
-    if self.primary:  # the resolved config of the latest launch, to reproduce the run
-      with open(os.path.join(config.workdir, "config.json"), "w") as f:
-        f.write(self.config_json)
+    self.record_launch()
     init_rng, loop_rng = jax.random.split(jax.random.PRNGKey(config.seed))
     self.tokenizer, self.model_config, params = wiring.load_policy(config, init_rng)
     if wiring.lora_config(config) is not None:  # before the warm start, not after it
@@ -70,13 +72,6 @@ class Job:
         train=train_state, rng=loop_rng, history=self.history(train_state.params),
         producer=producers.CursorState(cursor=producers.cursor_array(0)))
     self.meta = run_records.new_meta()
-    self.manager = checkpoint.make_manager(os.path.join(config.workdir, "checkpoints"),
-                                           config.checkpoint.max_to_keep,
-                                           remove_unfinished=True)
-    if not config.resume and self.manager.latest_step() is not None:
-      raise ValueError(f"config.resume=False but {config.workdir} already holds checkpoints "
-                       f"(latest step {self.manager.latest_step()}); use a new "
-                       "config.workdir or resume=True.")
     self.log = metrics.MetricsLog(
         os.path.join(config.workdir, "metrics.jsonl"),
         writers=metrics.make_writers(
@@ -87,6 +82,27 @@ class Job:
     self.phase_steps = {WARM_START: config.warm_start.steps, RL: config.rl.steps}
     self.done = 0
     self.bar = None
+
+  def record_launch(self) -> None:
+    """Refuses, before anything is built, to resume checkpoints written under a config that
+    differs in a field that changes results (`provenance.check_resume`), then records this
+    launch: its resolved config in config.json, and a line in launches.jsonl (time, argv,
+    the source commit and the hash of its uncommitted code, the config's fingerprint)."""
+    config = self.config
+    latest = self.manager.latest_step()
+    allowed = {}
+    if latest is not None:
+      if not config.resume.enabled:
+        raise ValueError(f"config.resume.enabled=False but {config.workdir} already holds "
+                         f"checkpoints (latest step {latest}); use a new config.workdir or "
+                         "resume.enabled=True.")
+      allowed = provenance.check_resume(config, provenance.read_launches(config.workdir))
+    if self.primary:
+      with open(os.path.join(config.workdir, "config.json"), "w") as f:
+        f.write(self.config_json)
+      source = provenance.source_state(os.path.dirname(os.path.dirname(__file__)))
+      provenance.append_launch(config.workdir,
+                               provenance.launch_record(config, source, allowed))
 
   def new_train_state(self, params, phase: str):
     """The fresh TrainState of `phase` over `params` (`rl.wiring.new_train_state`)."""
@@ -167,13 +183,13 @@ class Job:
     return step, state, meta
 
   def restore_or_start(self) -> None:
-    """Resumes from the newest checkpoint (config.resume), else starts RL from
+    """Resumes from the newest checkpoint (config.resume.enabled), else starts RL from
     config.warm_start.init_from when set, else clears what a fresh run overwrites; then
     opens the progress bar at the step reached."""
-    if self.config.resume:
+    if self.config.resume.enabled:
       self.refuse_older_checkpoints()
     restored = (checkpoint.restore_latest(self.manager, self.state_like)
-                if self.config.resume else None)
+                if self.config.resume.enabled else None)
     source = self.config.warm_start.init_from
     from_source = restored is None and bool(source)
     if from_source:

@@ -123,7 +123,7 @@ def restore_latest(manager: ocp.CheckpointManager,
   raise ValueError(
       f"No checkpoint in {manager.directory} restores:\n{listing}\nIf the run's config "
       "changed, use a new workdir; otherwise move the checkpoints directory away (or set "
-      "config.resume=False with a new workdir) to start afresh.")
+      "config.resume.enabled=False with a new workdir) to start afresh.")
 
 
 def _unused(path: str) -> str:

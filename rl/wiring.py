@@ -91,6 +91,8 @@ def check_ranges(config: ml_collections.ConfigDict) -> None:
   train on empty batches (NaN rewards) or skip every update without an error."""
   for path, low, inclusive, high in _RANGES:
     value = _field(config, path)
+    if value is None and path.removeprefix("loss.") in losses.OBJECTIVE_FIXABLE:
+      continue  # unset: the objective's value, else LOSS_DEFAULTS'
     if isinstance(value, bool) or not isinstance(value, (int, float)):
       raise ValueError(f"config.{path} = {value!r} must be a number.")
     bound = (f">= {low}" if inclusive else f"> {low}") + (f" and <= {high}" if high else "")
@@ -575,11 +577,17 @@ def length_buckets(config) -> tuple[int, ...]:
 
 
 def rl_loss_config(config) -> ml_collections.FrozenConfigDict:
-  """config.loss as the GRPO train step reads it: norm_len 0 becomes the generation budget
+  """config.loss as the GRPO train step reads it: the unset fields an objective may fix
+  (None) take the objective's values, else LOSS_DEFAULTS' (so an objective registered as a
+  plain function reads numbers), and norm_len 0 becomes the generation budget
   (rollout.max_new_tokens; `losses.resolve_norm_len`)."""
+  resolved = losses.resolve_config(
+      config.loss, getattr(losses.get_loss(config.loss.name), "overrides", None))
+  unset = {field: getattr(resolved, field) for field in losses.OBJECTIVE_FIXABLE
+           if config.loss.get(field) is None}
   return ml_collections.FrozenConfigDict(dict(
-      config.loss, norm_len=losses.resolve_norm_len(config.loss.norm_len,
-                                                    config.rollout.max_new_tokens)))
+      config.loss, **unset, norm_len=losses.resolve_norm_len(config.loss.norm_len,
+                                                             config.rollout.max_new_tokens)))
 
 
 def make_context(config, task, tokenizer, model_config, phase, mesh=None, teacher=None):

@@ -55,6 +55,10 @@ for _name, _value in _CACHE_SETTINGS.items():  # in case a plugin imported jax f
 
 def pytest_configure(config):
   config.addinivalue_line(
+      "markers", "slow: the slow tier (long launcher runs, killed-run resumes, grids, "
+      "benchmark smoke runs, statistical tests over many draws); pytest.ini leaves it out "
+      "by default and `python -m pytest -q tests -m slow` runs it")
+  config.addinivalue_line(
       "markers", "serial: runs alone; no other test of the session runs meanwhile (for "
       "wall-clock bounds; tests/conftest.py)")
 

@@ -141,6 +141,10 @@ def test_wandb_without_the_package_is_refused_before_any_work(tmp_path, monkeypa
     ("loss.name=dapo,loss.eps_high", 0.35, "objective 'dapo' fixes eps_high = 0.28"),
     ("loss.name=dapo,loss.aggregation", "seq_mean_token_sum_norm",
      "objective 'dapo' fixes aggregation"),
+    # An explicit value equal to the global default is a setting too (GSPO's 3e-4 and
+    # DAPO's 0.28 would otherwise silently replace it).
+    ("loss.name=gspo,loss.eps_low", 0.2, "objective 'gspo' fixes eps_low = 0.0003"),
+    ("loss.name=dapo,loss.eps_high", 0.2, "objective 'dapo' fixes eps_high = 0.28"),
     ("loss.name=m2po,loss.eps_low", 0.1, "objective 'm2po' .* never reads eps_low"),
     ("loss.name=mu_grpo,loss.eps_high", 0.3, "objective 'mu_grpo' .* never reads eps_high"),
     ("loss.name=vcpo,loss.vcpo_is_level", "row", "Unknown config.loss.vcpo_is_level"),

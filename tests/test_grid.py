@@ -17,6 +17,7 @@ import time
 import pytest
 
 from experiments import grid
+from experiments import provenance
 from experiments.grids import pages
 from rl import wiring
 
@@ -168,19 +169,120 @@ def test_seed_placeholder_goes_into_the_command_and_seeds_share_one_setting(tmp_
   assert len(groups) == 1 and [r["seed"] for r in groups[0]] == [0, 2]
 
 
-def test_a_result_records_the_commit_it_ran(tmp_path, monkeypatch):
-  monkeypatch.chdir(tmp_path)
-  assert grid.source_commit() == "unknown"  # not a git checkout
-  subprocess.run(["git", "init", "-q"], check=True)
-  (tmp_path / "f.txt").write_text("a")
-  subprocess.run(["git", "add", "f.txt"], check=True)
-  subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x"],
-                 check=True)
-  head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                        check=True).stdout.strip()
-  assert grid.source_commit() == head
-  (tmp_path / "f.txt").write_text("b")
-  assert grid.source_commit() == head + "-dirty"
+def _git(*args, cwd):
+  return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=cwd,
+                        check=True, capture_output=True, text=True).stdout.strip()
+
+
+def test_source_state_names_the_commit_and_hashes_uncommitted_code(tmp_path):
+  assert provenance.source_state(str(tmp_path))["commit"] == "unknown"  # not a checkout
+  _git("init", "-q", cwd=tmp_path)
+  (tmp_path / "f.py").write_text("a = 1\n")
+  (tmp_path / "docs").mkdir()
+  (tmp_path / "docs" / "page.md").write_text("x\n")
+  _git("add", ".", cwd=tmp_path)
+  _git("commit", "-qm", "x", cwd=tmp_path)
+  head = _git("rev-parse", "HEAD", cwd=tmp_path)
+  clean = provenance.source_state(str(tmp_path))
+  assert clean == {"commit": head, "dirty": False, "diff_sha256": "", "diff": ""}
+  assert provenance.commit_label(clean) == head
+  (tmp_path / "docs" / "page.md").write_text("y\n")  # docs are not code
+  assert not provenance.source_state(str(tmp_path))["dirty"]
+  (tmp_path / "f.py").write_text("a = 2\n")
+  edited = provenance.source_state(str(tmp_path))
+  assert edited["dirty"] and "-a = 1\n+a = 2" in edited["diff"]
+  assert provenance.commit_label(edited) == f"{head}-dirty-{edited['diff_sha256'][:12]}"
+  (tmp_path / "new.py").write_text("b = 3\n")  # an untracked module is code too
+  added = provenance.source_state(str(tmp_path))
+  assert "+b = 3" in added["diff"] and added["diff_sha256"] != edited["diff_sha256"]
+  # Applying the stored diff to the commit gives back the tree that ran.
+  copy = tmp_path / "copy"
+  _git("clone", "-q", str(tmp_path), str(copy), cwd=tmp_path)
+  (copy / "run.diff").write_text(added["diff"])
+  _git("apply", "run.diff", cwd=copy)
+  assert (copy / "f.py").read_text() == "a = 2\n" and (copy / "new.py").read_text() == "b = 3\n"
+
+
+def test_a_cell_records_the_commit_it_started_from_and_its_diff(tmp_path):
+  """The source is read when a cell starts: a commit made while it runs is not its commit.
+  A dirty tree's diff is stored beside the result; into a tracked results folder a dirty
+  tree is refused unless --allow_dirty."""
+  repo = tmp_path / "repo"
+  repo.mkdir()
+  _git("init", "-q", cwd=repo)
+  (repo / "code.py").write_text("x = 1\n")
+  (repo / "results").mkdir()
+  (repo / "results" / "README").write_text("committed results\n")
+  _git("add", ".", cwd=repo)
+  _git("commit", "-qm", "one", cwd=repo)
+  first = _git("rev-parse", "HEAD", cwd=repo)
+  hold = tmp_path / "release"
+  spec = write_spec(tmp_path, [stand_in("c", 1.0, hold, seed=1)])
+
+  def start(out, *extra):
+    return subprocess.Popen([sys.executable, "-m", "experiments.grid", f"--spec={spec}",
+                             f"--out={out}", *extra], cwd=repo, env=_ENV, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+  out = repo / "runs"  # untracked
+  process = start(out)
+  deadline = time.time() + 120
+  while "step 0" not in steps_log(out, "c"):
+    assert process.poll() is None and time.time() < deadline, process.communicate()
+    time.sleep(0.02)
+  (repo / "code.py").write_text("x = 2\n")
+  _git("commit", "-qam", "two", cwd=repo)  # committed while the cell runs
+  hold.touch()
+  assert process.wait(timeout=120) == 0
+  result = read(out / "c.json")
+  assert result["commit"] == first and result["source"]["dirty"] is False
+  assert not (out / "c.diff").exists()
+
+  (repo / "code.py").write_text("x = 3\n")  # uncommitted code
+  refused = start(repo / "results")
+  _, stderr = refused.communicate(timeout=120)
+  assert refused.returncode != 0 and "--allow_dirty" in stderr
+  assert not (repo / "results" / "c.json").exists()
+  allowed = start(repo / "results", "--allow_dirty")
+  allowed.communicate(timeout=120)
+  assert allowed.returncode == 0
+  result = read(repo / "results" / "c.json")
+  second = _git("rev-parse", "HEAD", cwd=repo)
+  assert result["source"]["dirty"] and result["commit"].startswith(f"{second}-dirty-")
+  assert "+x = 3" in (repo / "results" / "c.diff").read_text()
+
+
+def test_a_changed_spec_is_refused_until_rerun_changed(tmp_path):
+  """A finished cell whose spec flags changed is neither reused nor rendered as the new
+  setting: the grid names it and the flag, and --rerun_changed runs it again."""
+  hold = tmp_path / "release"
+  hold.touch()
+  out = tmp_path / "out"
+  run_grid(write_spec(tmp_path, [stand_in("a", 1.0, hold, seed=0),
+                                 stand_in("b", 1.0, hold, seed=0)]), out)
+  spec = write_spec(tmp_path, [stand_in("a", 4.0, hold, seed=0),
+                               stand_in("b", 1.0, hold, seed=0)])
+  for extra in ((), ("--render",), ("--list",)):
+    refused = run_grid(spec, out, *extra, check=False)
+    assert refused.returncode != 0
+    assert "a: --scale: '1.0' -> '4.0'" in refused.stderr, refused.stderr
+    assert "b:" not in refused.stderr
+  assert read(out / "a.json")["summary"]["score"] == 1.0
+  rerun = run_grid(spec, out, "--rerun_changed")
+  assert "Removed the results of changed cells: a" in rerun.stdout
+  assert read(out / "a.json")["summary"]["score"] == 4.0
+  assert steps_log(out, "a") == ["start", "step 0", "step 1", "step 2"]  # a fresh workdir
+  assert steps_log(out, "b") == ["start", "step 0", "step 1", "step 2"]  # not rerun
+
+
+def test_pages_refuse_seeds_of_one_setting_that_ran_different_flags():
+  results = [{"name": f"grpo_s{seed}", "seed": seed, "module": "experiments.train",
+              "flags": {"config.rl.learning_rate": lr}} for seed, lr in ((0, "1e-4"),
+                                                                         (1, "1e-3"))]
+  with pytest.raises(ValueError, match="grpo_s0 ran .*1e-4.* but grpo_s1 ran .*1e-3"):
+    pages.by_setting(results)
+  results[1]["flags"] = dict(results[0]["flags"])
+  assert [r["seed"] for r in pages.by_setting(results)["grpo"]] == [0, 1]
 
 
 def _b5_result(name, seed, curve, rl_step_means, minibatches=1):

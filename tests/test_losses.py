@@ -120,11 +120,15 @@ def test_sum_norm_refuses_a_zero_normaliser():
 
 def test_config_loss_fields_have_one_default():
   """experiments/configs/default.py's loss section is LOSS_DEFAULTS (plus the objective's
-  name), so a field means the same whether it comes from the launcher or the library; the
-  launcher turns norm_len 0 into the generation budget (Dr.GRPO's constant)."""
+  name), the fields an objective may fix left unset (None), so a field means the same
+  whether it comes from the launcher or the library; the launcher turns norm_len 0 into
+  the generation budget (Dr.GRPO's constant)."""
   from experiments.configs import default  # pylint: disable=import-outside-toplevel
   config = default.get_config()
-  assert {k: v for k, v in config.loss.items() if k != "name"} == losses.LOSS_DEFAULTS
+  assert {k: v for k, v in config.loss.items() if k != "name"} == {
+      k: None if k in losses.OBJECTIVE_FIXABLE else v for k, v in losses.LOSS_DEFAULTS.items()}
+  resolved = losses.resolve_config(config.loss)
+  assert {k: getattr(resolved, k) for k in losses.LOSS_DEFAULTS} == losses.LOSS_DEFAULTS
   assert wiring.rl_loss_config(config).norm_len == config.rollout.max_new_tokens
   config.loss.norm_len = 24.0
   assert wiring.rl_loss_config(config).norm_len == 24.0

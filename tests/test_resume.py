@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments import provenance
+from experiments.configs import chain_sum_compact
 from experiments import train as launcher
 from rl import checkpoint
 from tests.launcher_config import KILLED_RUN, tiny_run_config, without_clock
@@ -163,9 +165,61 @@ def test_empty_directory_and_leftover_temporary_directory(tmp_path):
 def test_resume_false_refuses_to_overwrite(tmp_path):
   config = _tiny_config(tmp_path)
   _saved_steps(tmp_path / "checkpoints", steps=(1,))
-  config.resume = False
-  with pytest.raises(ValueError, match="resume=False"):
+  config.resume.enabled = False
+  with pytest.raises(ValueError, match="resume.enabled=False"):
     launcher.run(config)
+
+
+def _launch(workdir, *flags):
+  """`python -m experiments.train` on the compact chain_sum config, as a user launches it."""
+  return subprocess.run(
+      [sys.executable, "-m", "experiments.train", "--config=experiments/configs/chain_sum_compact.py",
+       f"--config.workdir={workdir}", *flags], cwd=_REPO, capture_output=True, text=True,
+      timeout=600, env=dict(os.environ, PYTHONPATH=_REPO))
+
+
+def test_resuming_under_another_config_is_refused_unless_allowed(tmp_path):
+  """A killed GRPO run (lr 1e-4, seed 0) relaunched in its workdir as DAPO at lr 1e-2 and
+  seed 5 is refused before step 1, naming each field with both values; more RL steps are
+  refused too unless --config.resume.allow_changes names rl.steps, and then the run
+  resumes, with both launches recorded."""
+  config = _tiny_config(tmp_path, {"rl.steps": 1, "rl.learning_rate": 1e-4})
+  launcher.run(config)
+  launches = [json.loads(line) for line in open(tmp_path / "launches.jsonl")]
+  assert len(launches) == 1 and launches[0]["config"]["rl"]["learning_rate"] == 1e-4
+  records = (tmp_path / "metrics.jsonl").read_text()
+
+  # Probe: another objective, learning rate and seed in the same workdir.
+  changed = _tiny_config(tmp_path, {"rl.steps": 1, "rl.learning_rate": 1e-2,
+                                    "loss.name": "dapo", "loss.aggregation": "token_mean"})
+  changed.seed = 5
+  with pytest.raises(ValueError) as refused:
+    launcher.run(changed)
+  message = str(refused.value)
+  for line in ("config.loss.name: 'grpo' -> 'dapo'", "config.rl.learning_rate: 0.0001 -> 0.01",
+               "config.seed: 0 -> 5"):
+    assert line in message, message
+  # Through the launcher: the same refusal, with the fix on the command line.
+  more = _tiny_config(tmp_path, {"rl.steps": 2, "rl.learning_rate": 1e-4})
+  file_config = provenance.result_fields(chain_sum_compact.get_config())
+  flags = [f"--config.{path}={after}" for path, (_, after) in provenance.changed_fields(
+      file_config, provenance.result_fields(more)).items()]
+  child = _launch(tmp_path, *flags)
+  assert child.returncode != 0
+  assert "config.rl.steps: 1 -> 2" in child.stderr, child.stderr[-2000:]
+  assert "--config.resume.allow_changes=rl.steps\n" in child.stderr  # the only change
+  assert (tmp_path / "metrics.jsonl").read_text() == records  # nothing was touched
+  assert len(open(tmp_path / "launches.jsonl").readlines()) == 1
+
+  more.resume.allow_changes = "rl.steps"
+  summary = launcher.run(more)
+  assert summary["steps"] == more.warm_start.steps + 2
+  launches = [json.loads(line) for line in open(tmp_path / "launches.jsonl")]
+  assert [launch["allowed_changes"] for launch in launches] == [{}, {"rl.steps": [1, 2]}]
+  assert launches[0]["fingerprint"] != launches[1]["fingerprint"]
+  with pytest.raises(ValueError, match="names 'rl.stepz', which is no field"):
+    launcher.run(_tiny_config(tmp_path, {"rl.steps": 2, "rl.learning_rate": 1e-4,
+                                         "resume.allow_changes": "rl.stepz"}))
 
 
 def test_a_checkpoint_of_the_older_layout_is_refused_with_the_way_out(tmp_path):
@@ -177,6 +231,7 @@ def test_a_checkpoint_of_the_older_layout_is_refused_with_the_way_out(tmp_path):
   with open(os.path.join(tmp_path, "checkpoints", str(step), "meta", "metadata"), "w") as f:
     json.dump(dict(meta, data_cursor=12), f)
   config.rl.steps = 2
+  config.resume.allow_changes = "rl.steps"
   with pytest.raises(ValueError, match="older Arbor .* start a new config.workdir"):
     launcher.run(config)
   assert not any(name.endswith(".corrupt") for name in os.listdir(tmp_path / "checkpoints"))

@@ -11,13 +11,19 @@ experiments/configs/chain_sum_compact.py is the previous default.
 """
 
 import ml_collections
+from ml_collections import config_dict
 
 
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.seed = 0                          # seeds parameters, data order and sampling
   c.workdir = "runs/default"          # metrics.jsonl, plot.png, checkpoints/ go here
-  c.resume = True                     # continue from the newest checkpoint in workdir
+  c.resume = ml_collections.ConfigDict()
+  c.resume.enabled = True             # continue from the newest checkpoint in workdir
+  c.resume.allow_changes = ""         # fields a relaunch may change before resuming, e.g.
+                                      # "rl.steps,eval.every"; any other field that differs
+                                      # from the launch that wrote the checkpoints is refused
+                                      # (launches.jsonl records each launch's config)
 
   c.task = ml_collections.ConfigDict()
   c.task.name = "running_sum"         # running_sum (rl/tasks/running_sum.py), gsm_symbolic (math
@@ -136,9 +142,14 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.loss = ml_collections.ConfigDict()
   c.loss.name = "grpo"                # rl/objectives/losses.py registry
-  c.loss.eps_low = 0.2                # PPO clip: ratio >= 1 - eps_low where A < 0
-  c.loss.eps_high = 0.2               # PPO clip: ratio <= 1 + eps_high where A > 0
-  c.loss.aggregation = "seq_mean_token_mean"  # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+  # Unset (None): the objective's own value where it fixes one (dapo: eps 0.2 / 0.28 and
+  # token_mean; gspo: eps 3e-4 / 4e-4), else 0.2 / 0.2 / seq_mean_token_mean. A value set
+  # here or on the command line, even one equal to that default, is refused where the
+  # objective fixes another or never reads the field.
+  c.loss.eps_low = config_dict.placeholder(float)   # PPO clip: ratio >= 1 - eps_low, A < 0
+  c.loss.eps_high = config_dict.placeholder(float)  # PPO clip: ratio <= 1 + eps_high, A > 0
+  c.loss.aggregation = config_dict.placeholder(str)  # token_mean | seq_mean_token_mean |
+                                                     # seq_mean_token_sum_norm
   c.loss.norm_len = 0.0               # constant normaliser of seq_mean_token_sum_norm (Dr.GRPO)
                                       # (0 = rollout.max_new_tokens, the generation budget)
   c.loss.kl_coef = 0.0                # k3 KL to a reference policy: the launcher wires none

@@ -81,8 +81,10 @@ def _reference(name: str) -> str:
 def _row(name: str, group: list[dict], grpo: list[dict], reference: list[dict]) -> str:
   tokens = [_tokens_to_target(r) for r in group]
   base = {r["seed"]: _tokens_to_target(r) for r in grpo}
-  ratio = [t / base[r["seed"]] for r, t in zip(group, tokens)
-           if t is not None and base.get(r["seed"])]
+  # One entry per seed of `group`, None ('-') where either run never reached the target,
+  # so that the per-seed column lines up with the seeds column.
+  ratio = [t / base[r["seed"]] if t is not None and base.get(r["seed"]) else None
+           for r, t in zip(group, tokens)]
   means = [r["summary"]["rl_step_means"] for r in group]
   kl = [m.get("distill_reverse_kl") for m in means]
   return pages.table_row(name, group, [
@@ -90,7 +92,7 @@ def _row(name: str, group: list[dict], grpo: list[dict], reference: list[dict]) 
       pages.per_seed([_final(r) for r in group], lambda v: f"{v:.3f}"),
       pages.paired_difference(group, reference, _final) if _reference(name) != name else "-",
       pages.per_seed(tokens, lambda t: f"{t / 1e3:.0f}k"),
-      pages.per_seed(ratio, lambda x: f"{x:.2f}") or "-",
+      pages.per_seed(ratio, lambda x: f"{x:.2f}"),
       pages.mean_std([pages.area_under_curve(*pages.rl_curve(r)) for r in group]),
       pages.mean_std(kl), pages.mean_std([r["summary"]["time_rl_s"] for r in group], 0)])
 

@@ -23,11 +23,24 @@ def setting(result: dict) -> str:
   return result["name"].rsplit("_s", 1)[0]
 
 
+def recorded_setting(result: dict) -> tuple:
+  """What a result ran: its module and flags as its result file records them."""
+  return result["module"], tuple(sorted(result["flags"].items()))
+
+
 def by_setting(results: list[dict]) -> dict[str, list[dict]]:
-  """The results grouped by setting, seeds in order."""
+  """The results grouped by setting, seeds in order. The seeds of a setting must have run
+  the same recorded module and flags: a ValueError names a setting whose results did not
+  (an old result kept after its spec changed would otherwise be shown as the new setting)."""
   groups: dict[str, list[dict]] = {}
   for result in sorted(results, key=lambda r: r["seed"]):
-    groups.setdefault(setting(result), []).append(result)
+    group = groups.setdefault(setting(result), [])
+    if group and recorded_setting(group[0]) != recorded_setting(result):
+      raise ValueError(
+          f"Setting {setting(result)!r}: {group[0]['name']} ran {recorded_setting(group[0])} "
+          f"but {result['name']} ran {recorded_setting(result)}; rerun the stale cells "
+          "(python -m experiments.grid ... --rerun_changed).")
+    group.append(result)
   return groups
 
 

@@ -39,6 +39,11 @@ PROX_ESTIMATES = ("recompute", "loglinear")
 
 # Defaults of the config.loss fields (experiments/configs/default.py documents each); the
 # correction factories of rl.objectives.corrections take the same defaults (a test checks).
+# The config.loss fields an objective may fix (`make_objective(..., **overrides)`). The run
+# config leaves them unset (None) so that a value a user sets, even one equal to the
+# default, is seen, and refused where the objective fixes another (`check_settings_read`).
+OBJECTIVE_FIXABLE = ("eps_low", "eps_high", "aggregation")
+
 LOSS_DEFAULTS = dict(
     eps_low=0.2, eps_high=0.2, aggregation="seq_mean_token_mean", kl_coef=0.0,
     # Dr.GRPO's constant normaliser; 0 = the completion budget (`resolve_norm_len`).
@@ -129,10 +134,12 @@ def k3_kl(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
 
 
 def resolve_config(config, overrides=None) -> types.SimpleNamespace:
-  """LOSS_DEFAULTS, updated by `config` (a ConfigDict, dict or None), then by `overrides`."""
+  """LOSS_DEFAULTS, updated by the fields `config` sets (a ConfigDict, dict or None; a None
+  field is unset), then by `overrides`."""
   values = dict(LOSS_DEFAULTS)
   if config is not None:
-    values.update(config.items() if hasattr(config, "items") else vars(config).items())
+    items = config.items() if hasattr(config, "items") else vars(config).items()
+    values.update((field, value) for field, value in items if value is not None)
   values.update(overrides or {})
   if isinstance(values["corrections"], str):
     raise ValueError(f"config.loss.corrections = {values['corrections']!r} must be a tuple of "
@@ -182,25 +189,27 @@ def fields_read(config) -> set[str]:
 
 
 def check_settings_read(config) -> None:
-  """Raises ValueError for a config.loss field set away from its default (`LOSS_DEFAULTS`)
-  that the objective would override (DAPO fixes eps_high = 0.28) or never read (M2PO has
-  no clip widths), naming the objective and the field: a setting that is accepted and then
-  ignored would silently change what a run means. The launcher checks this before step 1;
-  an objective registered as a plain function (no `reads`) is not checked."""
+  """Raises ValueError for a config.loss field that is set and that the objective would
+  override (DAPO fixes eps_high = 0.28) or never read (M2PO has no clip widths), naming the
+  objective and the field: a setting that is accepted and then ignored would silently
+  change what a run means. A field of OBJECTIVE_FIXABLE counts as set when it is not None
+  (so an explicit eps_high = 0.2 with DAPO is refused); any other when it differs from its
+  default (`LOSS_DEFAULTS`). The launcher checks this before step 1; an objective
+  registered as a plain function (no `reads`) is not checked."""
   loss_fn = get_loss(config.name)
   if not hasattr(loss_fn, "reads"):
     return
   overrides = loss_fn.overrides
   read = fields_read(config)
   for field, default in LOSS_DEFAULTS.items():
-    value = config.get(field, default)
-    if _same(value, default):
+    value = config.get(field, None if field in OBJECTIVE_FIXABLE else default)
+    if value is None or (field not in OBJECTIVE_FIXABLE and _same(value, default)):
       continue
     if field in overrides and not _same(value, overrides[field]):
       raise ValueError(
           f"config.loss.{field} = {value!r}: objective {config.name!r} fixes {field} = "
           f"{overrides[field]!r} (it defines the method), so this setting would be ignored. "
-          f"Leave config.loss.{field} at its default, or use an objective that reads it "
+          f"Leave config.loss.{field} unset, or use an objective that reads it "
           "(e.g. 'grpo', whose clip widths and aggregation are the config's).")
     if field not in overrides and field not in read:
       raise ValueError(
