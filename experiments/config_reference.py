@@ -155,10 +155,11 @@ def composition_table() -> list[str]:
   from rl.rollouts import selection as selection_lib  # pylint: disable=import-outside-toplevel
   out = ["", "## Which switches compose", "",
          "Every combination of `rollout.kind`, `selection.kind`, `rl.async_`, `rl.staleness`",
-         "and the mesh either runs, with each switch doing what it says (tests/",
-         "test_feature_matrix.py runs them all through the launcher and checks each effect in",
-         "metrics.jsonl), or is refused by `validate` before any training, with an error",
-         "naming the fields. Cells: `runs`, or the field the refusal names.", "",
+         "and the mesh either runs, with each switch doing what it says, or is refused by",
+         "`validate` before any training, with an error naming the fields",
+         "(`tests/test_feature_matrix.py::test_switches_compose_or_are_refused` runs every",
+         "combination through the launcher, checks each effect in metrics.jsonl and each",
+         "refusal). Cells: `runs`, or the field the refusal names.", "",
          "| `rollout.kind` | `selection.kind` | " + " | ".join(t for t, _ in _COMPOSITION_COLUMNS)
          + " |", "|---|---|" + "---|" * len(_COMPOSITION_COLUMNS)]
   for kind in kinds.ROLLOUT_KINDS.names():
@@ -183,9 +184,13 @@ def composition_table() -> list[str]:
       "multiple of U (parameters change once per batch). With `rl.async_`, U > 1 needs",
       "`rl.max_staleness = 0` (synchronous) or `>= U` (the producer runs `max_staleness // U`",
       "batches ahead); `0 < max_staleness < U` is refused naming `config.rl.max_staleness`.",
-      "Both are tested through the launcher (tests/test_feature_matrix.py: async with",
-      "`rl.num_minibatches = 2` and `max_staleness = 2` samples versions 0, 2, 4; simulated",
-      "`rl.staleness = 4` with 2 updates per batch gives tokens 4 updates old)."]
+      "Both are tested through the launcher: async with `rl.num_minibatches = 2` and",
+      "`max_staleness = 2` samples only even versions and trains on tokens at most 2 updates",
+      "old (`tests/test_feature_matrix.py::"
+      "test_async_with_minibatches_counts_versions_in_optimiser_updates`);",
+      "simulated `rl.staleness = 4` with 2 updates per batch gives tokens 0, 2, 4, 4 updates",
+      "old (`tests/test_feature_matrix.py::"
+      "test_simulated_staleness_counts_optimiser_updates_with_minibatches`)."]
 
 
 def undocumented(source: str | None = None) -> list[str]:

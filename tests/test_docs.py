@@ -1,10 +1,13 @@
-"""docs/ stays true: the configuration reference is current and complete, and the recipes of
-add_objective.md, add_task.md, concepts.md, math.md and tools.md work when their code blocks are run exactly as written.
+"""docs/ stays true: the configuration reference is current and complete, the recipes of
+add_objective.md, add_task.md, concepts.md, math.md and tools.md work when their code blocks are run exactly as written,
+and a claim about what a test checks names the test (`tests/test_x.py::test_name`), which exists.
 
 Each ```python block of a recipe starts with a `# <file name>` comment; the test writes the
 blocks to those files in a temporary folder and uses them as the page says.
 """
 
+import ast
+import functools
 import importlib
 import importlib.util
 import pathlib
@@ -194,3 +197,114 @@ def test_write_an_environment_recipe(recipe_folder):
     assert turns.environment.name == "subtractor" and turns.config.max_turns == 9
   finally:
     environments.ENVIRONMENTS.unregister("subtractor")
+
+
+# --- Claims about tests name the tests --------------------------------------------------------
+
+_REPO = DOCS.parent
+# tests/test_x.py::name; markdown may break the line after "::".
+_TEST_REFERENCE = re.compile(r"tests/(test_\w+\.py)::\s*(\w+)")
+_TEST_FILE = re.compile(r"tests/(test_\w+\.py)(?!::)")
+_SPLIT_PATH = re.compile(r"tests/\s+test_\w+")
+_CLAIM_WORD = re.compile(r"\b(check|test|verif|assert|compar)\w*", re.I)
+_FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+_LIST_ITEM = re.compile(r"^\s*([-*+]|\d+\.)\s")
+# A frozen log of past measurements: the tests it names may have been renamed since.
+_NOT_CHECKED = ("benchmarks_history.md",)
+# Pages whose claims about test files do not name the tests yet (the names they do give are
+# checked). speculative.md is being rewritten under issue 47: remove it from here then.
+_UNNAMED_ALLOWED = ("speculative.md",)
+
+
+def _pages() -> list[pathlib.Path]:
+  return [p for p in sorted(DOCS.glob("*.md")) if p.name not in _NOT_CHECKED] + [
+      _REPO / "README.md"]
+
+
+@functools.cache
+def _module_functions(path: pathlib.Path) -> frozenset[str]:
+  """The functions a Python file defines at module level (parsed, not imported)."""
+  tree = ast.parse(path.read_text(), str(path))
+  return frozenset(node.name for node in tree.body
+                   if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)))
+
+
+def _blocks(text: str) -> list[str]:
+  """The paragraphs and list items of a markdown text, code blocks left out."""
+  blocks, current = [], []
+  for line in _FENCE.sub("", text).splitlines():
+    if not line.strip() or _LIST_ITEM.match(line):
+      if current:
+        blocks.append("\n".join(current))
+      current = [line] if line.strip() else []
+    else:
+      current.append(line)
+  return blocks + (["\n".join(current)] if current else [])
+
+
+def named_test_problems(doc: str, text: str, tests: pathlib.Path) -> list[str]:
+  """What is wrong with the tests a doc names: `tests/test_x.py::name` must be a test
+  function defined at the top level of tests/test_x.py."""
+  problems = []
+  for match in _SPLIT_PATH.finditer(text):
+    problems.append(f"{doc}: '{match.group()}' splits a test's path across lines; write "
+                    "tests/test_x.py::name on one line")
+  for file_name, name in _TEST_REFERENCE.findall(text):
+    reference = f"tests/{file_name}::{name}"
+    path = tests / file_name
+    if not path.exists():
+      problems.append(f"{doc}: {reference}: there is no {path.relative_to(tests.parent)}; "
+                      "name an existing test file")
+    elif not name.startswith("test") or name not in _module_functions(path):
+      problems.append(f"{doc}: {reference}: {file_name} defines no test function {name!r} at "
+                      "module level; name the test that checks the claim (a parametrised "
+                      "test by its function name, without [id]), or drop the claim")
+  return problems
+
+
+def unnamed_test_problems(doc: str, text: str) -> list[str]:
+  """A paragraph or list item that mentions a test file with a word of checking (check,
+  test, verify, assert, compare) names a test function of that file."""
+  problems = []
+  for block in _blocks(text):
+    bare = set(_TEST_FILE.findall(block))
+    named = {file_name for file_name, _ in _TEST_REFERENCE.findall(block)}
+    words = _TEST_FILE.sub("", _TEST_REFERENCE.sub("", block))
+    if bare - named and _CLAIM_WORD.search(words):
+      first = " ".join(block.split())[:120]
+      for file_name in sorted(bare - named):
+        problems.append(f"{doc}: '{first}...' claims what tests/{file_name} checks but names "
+                        f"none of its tests; write tests/{file_name}::<test function>")
+  return problems
+
+
+def test_every_test_a_doc_names_exists():
+  tests = _REPO / "tests"
+  problems = [problem for page in _pages()
+              for problem in named_test_problems(page.name, page.read_text(), tests)]
+  assert not problems, "\n".join(problems)
+  # The check can fail: a made-up test, a made-up file, a helper, a split path.
+  bad = ("Checked (`tests/test_docs.py::test_no_such_test`, tests/test_nowhere.py::test_a,\n"
+         "tests/test_docs.py::_blocks, tests/test_docs.py::\ntest_also_missing); tests/\n"
+         "test_docs.py::test_every_test_a_doc_names_exists is fine.")
+  found = named_test_problems("scratch", bad, tests)
+  assert len(found) == 5, "\n".join(found)
+  assert all(p.startswith("scratch: ") for p in found)
+  assert any("test_no_such_test" in p for p in found) and any("test_nowhere" in p for p in found)
+  assert any("_blocks" in p for p in found) and any("test_also_missing" in p for p in found)
+
+
+def test_a_doc_that_claims_what_a_test_file_checks_names_its_tests():
+  problems = [problem for page in _pages() if page.name not in _UNNAMED_ALLOWED
+              for problem in unnamed_test_problems(page.name, page.read_text())]
+  assert not problems, "\n".join(problems)
+  # The check can fail; a file that is only mentioned, or named with a test, passes.
+  bad = ("Intro.\n\n- `tests/test_lora.py` tests all three.\n- The sharded step\n  equals "
+         "(tests/test_sharding.py::test_x, tests/test_train_sharded.py) check.\n\n"
+         "`tests/test_docs.py::test_add_task_recipe` runs it; tests/test_docs.py is long.\n\n"
+         "```\npython -m pytest tests/test_losses.py  # checks\n```\n\n"
+         "See tests/test_grid.py.\n")
+  found = unnamed_test_problems("scratch", bad)
+  assert len(found) == 2, "\n".join(found)
+  assert "claims what tests/test_lora.py checks" in found[0]
+  assert "claims what tests/test_train_sharded.py checks" in found[1]
