@@ -95,8 +95,9 @@ def record(out: str, names: list[str]) -> None:
   for name in names:
     workdir = os.path.join(runs, name)
     cell = {**BASE, "config.warm_start.init_from": warm, **CELLS[name]}
-    if name == "resume":
+    if name == "resume":  # more steps are a meant change: the relaunch names it
       _launch(workdir, {**cell, "config.rl.steps": 2})
+      cell = {**cell, "config.resume.allow_changes": "rl.steps"}
     _launch(workdir, cell, _DEVICES.get(name, 1))
     with open(os.path.join(workdir, "metrics.jsonl")) as f:
       records = [clock_free(json.loads(line)) for line in f]

@@ -7,6 +7,8 @@ own, so a failing test, an error at collection and a file that collects no test 
 
 pytest reads pytest.ini (a data dependency of every test) and tests/conftest.py as it
 does for `python -m pytest tests`; on top of pytest.ini's addopts this adds:
+- `-m ""`: both test tiers (pytest.ini's addopts leave the `slow` tier out); a target is a
+  whole file.
 - `-n 0`: one process per target. Bazel runs test targets in parallel itself, and one file
   is one xdist work unit anyway (`--dist loadfile`).
 - `-p no:cacheprovider`: no .pytest_cache is written into the runfiles tree.
@@ -21,7 +23,7 @@ import sys
 
 def pytest_args(test_files: list[str], environ) -> list[str]:
   """pytest's command line for `test_files` under Bazel's test environment `environ`."""
-  args = [*test_files, "-p", "no:cacheprovider", "-n", "0", "-q"]
+  args = [*test_files, "-p", "no:cacheprovider", "-n", "0", "-q", "-m", ""]
   if environ.get("XML_OUTPUT_FILE"):
     args.append(f"--junitxml={environ['XML_OUTPUT_FILE']}")
   if environ.get("TEST_TMPDIR"):

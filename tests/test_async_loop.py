@@ -248,6 +248,7 @@ def _copy(state):
 
 
 @pytest.mark.parametrize("kind", ["independent", "partial"])
+@pytest.mark.slow
 def test_async_with_zero_staleness_reproduces_the_sync_loop_exactly(kind):
   ctx, start = _context(_LengthTask())
 
@@ -332,6 +333,7 @@ class _FixedPrompts:
     return self.base.exact_match(completion, example)
 
 
+@pytest.mark.slow
 def test_async_training_with_stale_batches_improves_the_default_tasks_reward():
   # Warm start briefly (supervised), then 12 async GRPO steps with max_staleness=2: the
   # objective is PPO-clip against the behaviour log-probs, i.e. clipped importance ratios

@@ -24,6 +24,7 @@ _REPO = pathlib.Path(__file__).resolve().parent.parent
     ("bench_sampler", ("bench_sampler.json", "bench_sampler.md", "bench_sampler.png")),
     ("bench_train", ("bench_train.json", "bench_train.md", "bench_train.png")),
 ])
+@pytest.mark.slow
 def test_benchmark_smoke_run_writes_its_results(module, outputs, tmp_path):
   env = dict(os.environ, CI="1", PYTHONPATH=str(_REPO))  # CI: the peers are skipped
   subprocess.run([sys.executable, "-m", f"experiments.{module}", "--smoke", f"--out={tmp_path}"],
@@ -35,6 +36,7 @@ def test_benchmark_smoke_run_writes_its_results(module, outputs, tmp_path):
   assert result["matmul_peak_flops"] > 0
 
 
+@pytest.mark.slow
 def test_sampler_benchmark_times_a_loaded_checkpoint_alone(tmp_path):
   """--checkpoint decodes with the folder's weights and shape (not the B1 decoder); with
   --peers= Arbor alone (no folder is exported for peers)."""
@@ -108,6 +110,7 @@ def test_only_the_torch_peer_loads_weights(monkeypatch):
   assert peers.weight_peers(["tunix", "torch"]) == ([], [])
 
 
+@pytest.mark.slow
 def test_torch_peer_runs_the_exported_weights(tmp_path, monkeypatch):
   # transformers loads Arbor's exported folder and computes Arbor's logits; its `generate`
   # benchmark runs on those weights with the spec's special ids.
@@ -125,6 +128,7 @@ def test_torch_peer_runs_the_exported_weights(tmp_path, monkeypatch):
   assert len(rows) == 1 and rows[0]["tokens_per_s"] > 0
 
 
+@pytest.mark.slow
 def test_b8_grpo_step_smoke_run_on_a_checkpoint(tmp_path):
   # --checkpoint: the GRPO step alone on the folder's weights with its tokenizer and text
   # prompts of exactly prompt_len tokens (peers skipped under CI).
@@ -143,6 +147,7 @@ def test_b8_grpo_step_smoke_run_on_a_checkpoint(tmp_path):
   assert (tmp_path / "out" / "bench_train_b8.md").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_decode_profile_smoke_run_attributes_the_step(tmp_path):
   # B8's profile: the traced call's ops land in the decode step's pieces (layers' matmuls,
   # attention, LM head, sampling), and each piece is also timed apart.
@@ -340,6 +345,7 @@ def test_torch_peer_times_generate_on_token_tensors(monkeypatch):
       assert (kwargs["top_k"], kwargs["top_p"]) == (0, 1.0)
 
 
+@pytest.mark.slow
 def test_distillation_cost_benchmark_times_the_three_train_steps(tmp_path):
   env = dict(os.environ, PYTHONPATH=str(_REPO))
   subprocess.run([sys.executable, "-m", "experiments.bench_train", "--only=distill", "--smoke",

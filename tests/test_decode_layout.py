@@ -32,6 +32,7 @@ def test_decode_cache_round_trips():
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.slow
 def test_forward_decode_equals_stacked_cached_forward(name):
   """Prefill 4 left-padded tokens, then decode 3 one at a time both ways."""
   config = CONFIGS[name]

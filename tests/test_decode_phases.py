@@ -68,6 +68,7 @@ def test_phase_ends_and_widths():
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.slow
 def test_phased_compacted_decode_equals_one_full_width_loop(params, temperature):
   """Rows stop at very different steps (stop tokens and per-row length budgets), so later
   phases run narrowed; every token, log-prob, flag and cache slot is the one-loop result."""
@@ -85,6 +86,7 @@ def test_phased_compacted_decode_equals_one_full_width_loop(params, temperature)
     assert_same_states(got, want)
 
 
+@pytest.mark.slow
 def test_phased_decode_equals_repeated_decode_step(params):
   """The loop with phases and compaction == `decode_step` (stacked cache, full width) N times."""
   prompt, mask = left_padded_prompts(4, 4, seed=2)
@@ -99,6 +101,7 @@ def test_phased_decode_equals_repeated_decode_step(params):
   assert_same_states(looped, stepped)
 
 
+@pytest.mark.slow
 def test_resume_mid_loop_and_max_steps(params):
   """A loop stopped by max_steps in the middle of a phase and resumed gives the one-pass
   result (phases already passed run no step)."""
@@ -114,6 +117,7 @@ def test_resume_mid_loop_and_max_steps(params):
   assert_same_states(resumed, whole)
 
 
+@pytest.mark.slow
 def test_long_completions_phased_equal_one_loop(params):
   """Hundreds of tokens, four phases, narrowed to a quarter of the batch."""
   prompt, mask = left_padded_prompts(8, 6, seed=4)
@@ -127,6 +131,7 @@ def test_long_completions_phased_equal_one_loop(params):
                                 [520, 30, 9, 200, 1, 64, 130, 300])
 
 
+@pytest.mark.slow
 def test_greedy_decode_uses_no_randomness(params):
   prompt, mask = left_padded_prompts(4, 5)
   config = sampler.SamplingConfig(max_new_tokens=6, temperature=0.0)

@@ -146,6 +146,7 @@ def test_add_rollout_kind_recipe(recipe_folder):
     kinds.ROLLOUT_KINDS.unregister("pass_at_group")
 
 
+@pytest.mark.slow
 def test_math_page_example(recipe_folder):
   files = write_blocks("math.md", recipe_folder)
   assert list(files) == ["check_gsm.py", "prompt_lengths.py"]

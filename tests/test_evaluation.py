@@ -75,6 +75,7 @@ class FirstDigitEvenTask:
     return self.reward(completion, example) == 1.0
 
 
+@pytest.mark.slow
 def test_evaluate_sampled_counts_and_identities():
   tokenizer = CharTokenizer()
   model_config = get_preset("tiny", vocab_size=tokenizer.vocab_size, max_seq_len=16)
@@ -116,6 +117,7 @@ class EveryCallAnsweredZeroTask:
     return self.reward(completion, example) == 1.0
 
 
+@pytest.mark.slow
 def test_evaluate_sampled_with_turns_lets_the_environment_answer_every_call():
   """pass@k of a tool run samples with its environment: an environment that answers every
   "=" with "0" makes every sample correct under a scorer that wants exactly that, while

@@ -23,6 +23,7 @@ def tiny_config(workdir, overrides=None):
 
 # LoRA: the RL checkpoint holds adapters over a frozen base; eval merges them.
 @pytest.mark.parametrize("overrides", [{}, {"lora.rank": 2}], ids=["full", "lora"])
+@pytest.mark.slow
 def test_eval_restores_checkpoints_and_matches_the_launchers_evaluations(overrides, tmp_path):
   config = tiny_config(tmp_path, overrides)
   train_launcher.run(config)

@@ -19,6 +19,7 @@ def tiny_config(workdir, **rl):
   return tiny_run_config(workdir, {"rl.steps": rl.get("steps", 2)})
 
 
+@pytest.mark.slow
 def test_default_run_writes_metrics_plot_checkpoint_and_resumes(tmp_path):
   summary = train_launcher.run(tiny_config(tmp_path))
   for name in ("metrics.jsonl", "plot.png", "summary.json", "checkpoints", "config.json"):
@@ -185,6 +186,7 @@ def digit_task():
   unregister()
 
 
+@pytest.mark.slow
 def test_mu_grpo_trains_in_large_stages_and_its_veto_fires(tmp_path, digit_task):
   """docs/concepts.md's stage recipe at tiny size: --config.loss.name=mu_grpo, stages of
   2 minibatches x 2 epochs = 4 updates on one rollout batch of 4 prompts. Every update after

@@ -135,6 +135,7 @@ def _check_effect(records, kind, selection, async_, staleness):
 
 
 @pytest.mark.parametrize("kind,selection,async_,staleness", COMBOS)
+@pytest.mark.slow
 def test_switches_compose_or_are_refused(tmp_path, kind, selection, async_, staleness):
   if jax.device_count() != 8:
     pytest.fail("Needs the 8 virtual CPU devices tests/conftest.py configures.")
@@ -155,6 +156,7 @@ def test_switches_compose_or_are_refused(tmp_path, kind, selection, async_, stal
     np.testing.assert_allclose(first_loss[2], first_loss[1], rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_async_with_minibatches_counts_versions_in_optimiser_updates(tmp_path):
   """The async x minibatch cell: rl.num_minibatches = 2 makes each batch 2 optimiser
   updates, so with rl.max_staleness = 2 the producer samples one batch ahead. Versions and

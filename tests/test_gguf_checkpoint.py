@@ -225,6 +225,7 @@ def smollm2():
   return config, params, gguf_checkpoint.tokenizer_from_gguf(path)
 
 
+@pytest.mark.slow
 def test_smollm2_tokenizer_matches_transformers(smollm2):
   *_, tok = smollm2
   assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.vocab_size) == (1, 2, 2, 49152)
@@ -238,6 +239,7 @@ def test_smollm2_tokenizer_matches_transformers(smollm2):
       "Face<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
+@pytest.mark.slow
 def test_smollm2_greedy_continuation_names_paris(smollm2):
   config, params, tok = smollm2
   assert config.n_layers == 30 and config.tie_embeddings

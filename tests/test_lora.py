@@ -57,6 +57,7 @@ def _logits(params, batch):
                              batch.token_mask, CONFIG)[0]
 
 
+@pytest.mark.slow
 def test_adapted_logits_equal_the_base_exactly_at_init():
   base, batch = _base(), random_rollout(batch=8)
   state = train.init_train_state(base, train.make_optimizer(1e-3), lora=LORA,
@@ -166,6 +167,7 @@ def _grpo_rewards(base, lora, steps=25):
 _LORA = lora_lib.LoraConfig(rank=4, alpha=8.0, targets=lora_lib.TARGETS)
 
 
+@pytest.mark.slow
 def test_short_lora_grpo_run_improves_reward():
   """GRPO through the loop with adapters only: the digit reward rises well above chance,
   from a base whose embedding is scaled up tenfold (std 0.2, the size a trained model's
@@ -180,6 +182,7 @@ def test_short_lora_grpo_run_improves_reward():
     np.testing.assert_array_equal(np.asarray(got), want)
 
 
+@pytest.mark.slow
 def test_lora_from_an_init_scale_base_stays_at_chance_where_full_weights_learn():
   """docs/lora.md's claim. At init_params' std 0.02 the embedding is tied to the output
   head and every logit is at most |e| * sqrt(d) ~ 0.6 in size after the final norm, so no
@@ -215,6 +218,7 @@ def _lora_state(optimizer, base=None):
                                 model_config=CONFIG, lora_rng=jax.random.PRNGKey(1))
 
 
+@pytest.mark.slow
 def test_train_step_updates_adapters_and_leaves_the_base_unchanged():
   optimizer = train.make_optimizer(1e-2)
   step = train.make_train_step(CONFIG, optimizer, GRPO)
@@ -234,6 +238,7 @@ def test_train_step_updates_adapters_and_leaves_the_base_unchanged():
                          np.asarray(_logits(base, batch)))
 
 
+@pytest.mark.slow
 def test_first_update_is_adam_on_the_hand_computed_gradient_of_b():
   """One step from B = 0 (A's gradient is zero there): B moves by -lr * sign(dB) (Adam's
   first step, no clipping at this gradient norm), dB = s A^T dW from the dense gradient."""
@@ -262,6 +267,7 @@ def test_first_update_is_adam_on_the_hand_computed_gradient_of_b():
                                   adapters["layers"][target]["a"])
 
 
+@pytest.mark.slow
 def test_microbatched_lora_step_equals_the_full_batch_step():
   optimizer = train.make_optimizer(1e-2)
   batch = random_rollout(batch=8)
@@ -273,6 +279,7 @@ def test_microbatched_lora_step_equals_the_full_batch_step():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_sharded_lora_step_matches_the_single_device_step():
   if jax.device_count() < 8:
     pytest.fail("Needs the 8 virtual CPU devices tests/conftest.py configures.")
@@ -363,6 +370,7 @@ def _restore_rl_state(config, policy, step):
   return checkpoint.restore(manager, step, like)[0]
 
 
+@pytest.mark.slow
 def test_launcher_lora_run_trains_adapters_only_and_eval_merges_them(tmp_path):
   flags = [f"--config.{path}={value}" for path, value in _LAUNCHER_RUN.items()]
   subprocess.run([sys.executable, "-m", "experiments.train",

@@ -29,6 +29,7 @@ def _grad(params, config, batch):
       params)
 
 
+@pytest.mark.slow
 def test_mixed_gradients_are_the_bfloat16_models_in_float32():
   """The gradient of the mixed forward is the gradient of the same model with bfloat16
   weights (exactly for every matrix, whose cast is the only difference), returned in
@@ -58,6 +59,7 @@ def test_compute_params_casts_weights_but_not_norm_scales():
   assert transformer.compute_params(PARAMS, F32) is PARAMS
 
 
+@pytest.mark.slow
 def test_mixed_step_keeps_float32_masters_and_moments_and_trains():
   optimizer = train.make_optimizer(1e-2)
   step = train.make_train_step(MIXED, optimizer, GRPO)
@@ -89,6 +91,7 @@ def _largest_gap(batch, config):
   return float(jnp.abs((recomputed - batch.behavior_logp) * batch.completion_mask).max())
 
 
+@pytest.mark.slow
 def test_the_sampler_runs_and_records_in_the_compute_dtype():
   """A bfloat16-compute sampler keeps a bfloat16 KV cache and bfloat16 layer copies, and
   its behaviour log-probs are what it computed: a bfloat16 forward's (to bfloat16
@@ -126,6 +129,7 @@ def test_mismatch_terms_count_only_fresh_tokens_at_the_first_update():
   assert float(later["rollout_train_mismatch_kl"]) == 0.0
 
 
+@pytest.mark.slow
 def test_the_step_reports_the_precision_gap():
   """On-policy batches from each sampler, trained by the matching step: float32 throughout
   leaves a gap of float32 rounding, bfloat16 compute a gap orders of magnitude larger."""
@@ -140,6 +144,7 @@ def test_the_step_reports_the_precision_gap():
   assert gap["mixed"] > 1e-9 and gap["mixed"] > 100 * max(gap["f32"], 1e-14)
 
 
+@pytest.mark.slow
 def test_mixed_precision_through_the_launcher(tmp_path):
   """--config.model.compute_dtype=bfloat16 reaches the run: its config.json, a larger
   sampler-trainer gap than the float32 run's, float32 checkpointed weights; a bad value is

@@ -9,6 +9,7 @@ import pathlib
 import time
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 NOTEBOOK = pathlib.Path(__file__).resolve().parent.parent / "experiments" / "notebooks" / "quickstart.ipynb"
@@ -22,6 +23,7 @@ def parameters_cell(notebook) -> int:
   return tagged[0]
 
 
+@pytest.mark.slow
 def test_quickstart_executes_on_tiny_settings(tmp_path):
   notebook = nbformat.read(NOTEBOOK, as_version=4)
   assert all(not c.get("outputs") for c in notebook.cells if c.cell_type == "code"), (

@@ -75,6 +75,7 @@ def _check_conservation(record, state):
 
 
 @pytest.mark.parametrize("resume,max_staleness", [("reprefill", None), ("kept_kv", 1)])
+@pytest.mark.slow
 def test_conservation_over_many_steps(resume, max_staleness):
   rollouts = _rollouts(resume, max_staleness)
   record = _new_record()
@@ -106,6 +107,7 @@ def test_staleness_bound_discards_old_groups():
     assert step - version.min() <= 1
 
 
+@pytest.mark.slow
 def test_checkpoint_and_resume_loses_and_duplicates_nothing(tmp_path):
   rng = jax.random.PRNGKey(3)
   rollouts = _rollouts()

@@ -52,6 +52,7 @@ def _two_rounds(resume, params_a, params_b):
 
 
 @pytest.mark.parametrize("resume", partial.RESUME_MODES)
+@pytest.mark.slow
 def test_resumed_behaviour_logp_is_concatenation_of_segments(resume):
   params_a, params_b = _params(0), _params(1)
   if resume == "kept_kv":
@@ -96,6 +97,7 @@ def test_segment_two_differs_between_parameter_versions():
   assert np.abs(np.asarray(final.behavior_logp)[later] - ref_a[later]).max() > 1e-2
 
 
+@pytest.mark.slow
 def test_round_stops_at_target_groups_and_rows_keep_their_budget():
   params = _params(0)
   config = partial.PartialConfig(num_slots=16, group_size=4)
@@ -128,6 +130,7 @@ def test_partial_config_rejects_bad_shapes():
 
 
 @pytest.mark.parametrize("resume", partial.RESUME_MODES)
+@pytest.mark.slow
 def test_many_short_rounds_concatenate_segments_exactly(resume):
   # A decode window of 3 < N forces sequences across up to 3+ rounds; round r uses params
   # A (even r) or B (odd r) with reprefill; kept KV uses A throughout (exactness check).

@@ -58,6 +58,7 @@ def predicted_from_real_slot(batch):
 
 @pytest.mark.parametrize("config", [QWEN2, QWEN3], ids=["qwen2", "qwen3"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.slow
 def test_logprobs_equal_replicated_forward(config, temperature):
   params = transformer.init_params(config, jax.random.PRNGKey(0), init_std=0.3)
   batch = grouped_rollout()
@@ -72,6 +73,7 @@ def test_logprobs_equal_replicated_forward(config, temperature):
 
 
 @pytest.mark.parametrize("config", [QWEN2, QWEN3], ids=["qwen2", "qwen3"])
+@pytest.mark.slow
 def test_parameter_gradients_equal_replicated_forward(config):
   params = transformer.init_params(config, jax.random.PRNGKey(1), init_std=0.3)
   batch = grouped_rollout(seed=1)
@@ -90,6 +92,7 @@ def test_parameter_gradients_equal_replicated_forward(config):
     np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5 * scale, err_msg=str(path))
 
 
+@pytest.mark.slow
 def test_train_step_with_shared_prefix_equals_replicated():
   params = transformer.init_params(QWEN2, jax.random.PRNGKey(2), init_std=0.3)
   # Plain SGD: Adam's first step is ~lr * sign(g), which flips on float noise where g ~ 0.

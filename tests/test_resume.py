@@ -47,6 +47,7 @@ def _final_meta(workdir):
 # LoRA: the kill falls in the RL phase, so the resume restores adapters, their optimiser
 # state and the frozen base (a checkpoint structure other than the warm start's).
 @pytest.mark.parametrize("overrides", [{}, {"lora.rank": 2}], ids=["full", "lora"])
+@pytest.mark.slow
 def test_killed_during_save_resumes_bit_for_bit(overrides, tmp_path):
   reference = _tiny_config(tmp_path / "reference", overrides)
   launcher.run(reference)

@@ -71,6 +71,7 @@ def _overlap(a, b) -> bool:
   return a[1] < b[2] and b[1] < a[2]
 
 
+@pytest.mark.slow
 def test_a_serial_test_runs_while_no_other_test_does(tmp_path):
   # Two xdist workers, one file each: the files' ordinary tests overlap (two workers at work),
   # the serial one overlaps none of them.

@@ -255,6 +255,7 @@ def test_scored_in_the_isolated_worker_like_any_task():
   assert scores.timeouts == 0 and scores.errors == 0
 
 
+@pytest.mark.slow
 def test_default_config_runs_through_the_launcher(tmp_path):
   """The default config (the running_sum testbed), shrunk: the launcher trains on it and
   reports per-size accuracy and rollout lengths in summary.json."""
@@ -287,6 +288,7 @@ def test_default_config_runs_through_the_launcher(tmp_path):
 
 
 
+@pytest.mark.slow
 def test_short_run_improves_held_out_accuracy(tmp_path):
   """The testbed's mechanism end to end on small problems (two-digit totals, one or two
   additions): the warm start copies the teacher (greedy forgets every carry, so only the

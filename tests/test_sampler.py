@@ -39,6 +39,7 @@ def test_greedy_is_deterministic_and_matches_argmax_of_full_forward(params):
   np.testing.assert_array_equal(predicted, a.tokens[:, 5:])
 
 
+@pytest.mark.slow
 def test_recorded_behaviour_logprobs_equal_recomputed_forward(params):
   tokens, mask = prompts()
   for temperature in (1.0, 0.7):

@@ -310,6 +310,7 @@ def test_registered_task_is_rebuilt_in_the_worker():
     tasks.TASKS.unregister("lcm")
 
 
+@pytest.mark.slow
 def test_grpo_step_goes_on_when_a_completion_hangs_its_scorer(monkeypatch):
   # The policy "writes" 9**9**9 in row 1 (decoded text replaced); the task's scorer would
   # compute it forever. The step finishes, row 1 scores 0, and the timeout is counted.

@@ -331,6 +331,7 @@ def _tiny_loop(kind, pool, **overrides):
   return state, ctx, producer
 
 
+@pytest.mark.slow
 def test_loop_uniform_is_unchanged_and_greso_without_skipping_equals_it(tmp_path):
   from rl import loop  # pylint: disable=import-outside-toplevel
   from rl.rollouts import batches as rollout_lib  # pylint: disable=import-outside-toplevel
@@ -364,6 +365,7 @@ def test_loop_uniform_is_unchanged_and_greso_without_skipping_equals_it(tmp_path
   assert metrics["prompts_skipped"] == 0 and int(greso_state.producer.cursor) == 4
 
 
+@pytest.mark.slow
 def test_loop_resumes_selection_state_exactly_from_a_checkpoint(tmp_path):
   from rl import loop  # pylint: disable=import-outside-toplevel
 

@@ -114,6 +114,7 @@ def test_optimizer_state_mirrors_parameter_layout(setup, mesh):
 
 # --- train step -------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_sharded_train_step_matches_single_device(setup, mesh, single_device_run):
   model_config, optimizer, loss_config, host_batch = setup
   state = train.init_train_state(transformer.init_params(model_config, jax.random.PRNGKey(0)),
@@ -167,6 +168,7 @@ def _prompts(batch_size=8, prompt_len=8, vocab=64):
   return jnp.asarray(np.where(mask, tokens, 0)), jnp.asarray(mask)
 
 
+@pytest.mark.slow
 def test_sharded_greedy_sampling_gives_single_device_tokens(setup, mesh):
   model_config = setup[0]
   params = transformer.init_params(model_config, jax.random.PRNGKey(3), init_std=0.3)
@@ -291,6 +293,7 @@ def _run_workers(out) -> tuple[list[int], list[str]]:
   return [p.returncode for p in procs], logs
 
 
+@pytest.mark.slow
 def test_two_processes_agree_with_single_process(single_device_run):
   """Two `jax.distributed` processes of 4 CPU devices each (gloo collectives) run the
   data=2, fsdp=2, tensor=2 train step, each loading only its half of the batch."""

@@ -31,6 +31,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Appended to each question (rl/tasks/gsm.py: "{question} {instruction}"); without the chat
@@ -57,6 +59,7 @@ def _launch(module: str, *args: str) -> subprocess.CompletedProcess:
                                  HF_HUB_OFFLINE="1"))
 
 
+@pytest.mark.slow
 def test_smollm2_trains_two_grpo_steps_on_gsm_and_eval_restores_them(tmp_path):
   workdir = tmp_path / "run"
   trained = _launch("experiments.train", *_flags(workdir))

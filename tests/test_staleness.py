@@ -80,6 +80,7 @@ def _run(staleness, iterations, loss_name="grpo", prox_estimate="recompute"):
   return state, behind
 
 
+@pytest.mark.slow
 def test_grpo_loop_samples_stale_versions_deterministically():
   state_a, behind = _run(staleness=2, iterations=5, loss_name="decoupled")
   assert behind == [0, 1, 2, 2, 2]
@@ -106,6 +107,7 @@ def test_loop_without_history_fails_clearly():
     loop.grpo_iteration(state, ctx, producer)
 
 
+@pytest.mark.slow
 def test_cross_stage_sequence_uses_concatenated_behaviour_logps():
   """Two segments of one sequence sampled under versions 0 and 1 (a partial rollout resumed
   under new parameters by re-prefilling its prefix): the batch's behav is the per-segment
@@ -159,6 +161,7 @@ def test_cross_stage_sequence_uses_concatenated_behaviour_logps():
                              rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_launcher_runs_and_resumes_with_simulated_staleness(tmp_path):
   """config.rl.staleness reaches the loop, and the parameter ring is checkpointed with the
   rest of the state, so a resumed stale run continues."""

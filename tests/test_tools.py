@@ -224,6 +224,7 @@ def _runs(mask_row):
   return list(zip(np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)))
 
 
+@pytest.mark.slow
 def test_turns_answer_each_call_and_logp_equals_a_recomputed_forward():
   # An environment whose answer depends on the text, so a random policy's rows are
   # answered, resumed silently ("") and ended (None), all often.
@@ -277,6 +278,7 @@ def test_turns_answer_each_call_and_logp_equals_a_recomputed_forward():
   assert gen.tools.errors == 0
 
 
+@pytest.mark.slow
 def test_observations_are_cut_to_their_cap_and_an_environment_can_end_a_row():
   _, gen = _generate(tool_environments.Verbose(),
                      turns_lib.ToolConfig(max_turns=16, max_observation_tokens=3),
@@ -412,6 +414,7 @@ def test_environment_tokens_get_exactly_zero_gradient(setting):
   assert np.abs(grad_full).max() > 0  # the batch does train its policy tokens
 
 
+@pytest.mark.slow
 def test_train_step_ignores_every_field_at_environment_positions():
   """Scrambling the behaviour log-probs, versions and advantages at environment positions
   changes nothing in the update (the tokens themselves stay: they are context)."""
@@ -480,6 +483,7 @@ def _rl_steps(workdir):
     {}, {"rollout.kind": "partial", "rollout.resume": "reprefill", "rollout.num_slots": 16,
          "rl.async_": True}],
     ids=["independent", "partial-async"])
+@pytest.mark.slow
 def test_launcher_trains_with_the_adder(tmp_path, overrides):
   launcher.run(_tool_run_config(tmp_path, overrides))
   steps = _rl_steps(tmp_path)
@@ -498,6 +502,7 @@ def _final_producer(workdir):
   return manager.restore(manager.latest_step())["state"]["producer"]
 
 
+@pytest.mark.slow
 def test_a_run_killed_mid_turn_resumes_to_identical_metrics(tmp_path):
   overrides = {"rollout.kind": "partial", "rollout.resume": "reprefill",
                "rollout.num_slots": 32, "rollout.decode_window": 8, "rl.steps": 4,
@@ -563,6 +568,7 @@ def test_gsm_symbolic_on_smollm2_with_the_calculator_validates():
   assert wiring.tool_config(config).max_turns == 16
 
 
+@pytest.mark.slow
 def test_calculator_round_trip_with_the_smollm2_chat_tokenizer():
   from models import gguf_checkpoint
   tokenizer = gguf_checkpoint.tokenizer_from_gguf(gguf_checkpoint.smollm2_path(), chat=True)

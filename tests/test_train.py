@@ -26,6 +26,7 @@ CONFIG = ModelConfig(vocab_size=51, d_model=32, n_layers=2, n_heads=2, n_kv_head
                      mlp_dim=64, max_seq_len=16)
 
 
+@pytest.mark.slow
 def test_microbatch_accumulation_equals_full_batch():
   params = transformer.init_params(CONFIG, jax.random.PRNGKey(0))
   optimizer = train.make_optimizer(1e-2)
@@ -45,6 +46,7 @@ def test_microbatch_accumulation_equals_full_batch():
 
 
 @pytest.mark.parametrize("name", ["dapo", "grpo"])  # token_mean, seq_mean_token_mean
+@pytest.mark.slow
 def test_microbatched_gradient_is_the_full_batch_gradient_for_uneven_microbatches(name):
   # The issue's case: microbatches of 20 and 4 completion tokens. token_mean was the mean of
   # the two microbatch means (per-token weights 0.6x and 3x the global mean's); now each
@@ -87,6 +89,7 @@ def _assert_same_params(a, b, atol=1e-6):
     np.testing.assert_allclose(x, y, atol=atol)
 
 
+@pytest.mark.slow
 def test_minibatches_and_epochs_equal_single_updates_in_order():
   """num_minibatches=2, ppo_epochs=2 is four one-update steps: halves 1, 2, 1, 2."""
   params = transformer.init_params(CONFIG, jax.random.PRNGKey(0))
@@ -105,6 +108,7 @@ def test_minibatches_and_epochs_equal_single_updates_in_order():
   assert metrics["update_skipped"] == 0.0
 
 
+@pytest.mark.slow
 def test_recomputed_prox_is_the_policy_before_the_batch_first_update():
   """Decoupled PPO over two minibatches clips both against pi_prox = the parameters the
   batch started from, not the parameters after the first minibatch."""
@@ -151,6 +155,7 @@ def test_loglinear_prox_over_minibatches_keeps_fresh_tokens_at_behav():
   _assert_same_params(state, reference, atol=1e-4)  # Adam at lr 5e-2 amplifies reassociation
 
 
+@pytest.mark.slow
 def test_decoupled_equals_grpo_on_policy_over_minibatches():
   """On-policy (behav = the starting policy) decoupled PPO's proximal policy is behav, so
   over several updates per batch it is still PPO."""
@@ -209,6 +214,7 @@ def test_a_batch_without_advantages_is_refused():
     step(state, random_rollout().replace(advantages=None))
 
 
+@pytest.mark.slow
 def test_lr_scale_from_the_objective_scales_the_update():
   @losses.register_loss("test_half_lr")
   def half_lr(logp, batch, *, prox_logp=None, config):
@@ -228,6 +234,7 @@ def test_lr_scale_from_the_objective_scales_the_update():
     losses.LOSSES.unregister("test_half_lr")
 
 
+@pytest.mark.slow
 def test_short_grpo_run_improves_reward():
   tokenizer = CharTokenizer()
   optimizer = train.make_optimizer(3e-3)
@@ -253,6 +260,7 @@ def test_short_grpo_run_improves_reward():
 
 @pytest.mark.parametrize("loss_name, aggregation", [("grpo", "seq_mean_token_mean"),
                                                     ("grpo", "token_mean"), ("m2po", "token_mean")])
+@pytest.mark.slow
 def test_length_buckets_cut_batches_without_changing_the_step(loss_name, aggregation):
   """A batch whose rows end early runs at the smallest bucket that holds them, with the
   same loss, metrics and updated parameters as the full-length step."""
@@ -295,6 +303,7 @@ def test_length_grouped_examples_deal_each_window_sorted_by_length():
   assert loop.length_grouped_examples(task, 8, 4, 3) == batches[2]  # a pure function
 
 
+@pytest.mark.slow
 def test_learning_rate_metric_is_the_schedule_at_each_update():
   # Warmup over 3 updates, then linear decay over 4; two updates (minibatches) per step,
   # so each step's metric is the mean of the schedule at its two update counts.
@@ -316,6 +325,7 @@ def test_learning_rate_metric_is_the_schedule_at_each_update():
                                        for i in range(5)], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_grpo_iteration_splits_its_time_and_counts_real_tokens(monkeypatch):
   # Scoring is made to take at least 50 ms, so its phase is measured where it runs.
   real_score = rl_scoring.score
@@ -352,6 +362,7 @@ def test_grpo_iteration_splits_its_time_and_counts_real_tokens(monkeypatch):
     assert m["trained_tokens_per_s"] == pytest.approx(m["trained_tokens"] / m["time_train_s"])
 
 
+@pytest.mark.slow
 def test_sft_iteration_counts_the_answer_tokens_it_trains_on():
   tokenizer = CharTokenizer()
   optimizer = train.make_optimizer(1e-3)
@@ -373,6 +384,7 @@ def test_sft_iteration_counts_the_answer_tokens_it_trains_on():
   assert m["trained_tokens_per_s"] == pytest.approx(16 / m["time_train_s"])
 
 
+@pytest.mark.slow
 def test_chunked_logprobs_equal_the_dense_path_at_a_large_vocabulary():
   """V = 49152 (SmolLM2's), 9 predicted positions in chunks of 4 (the last one padded): the
   values and both gradients equal the dense log_softmax path's."""
@@ -396,6 +408,7 @@ def test_chunked_logprobs_equal_the_dense_path_at_a_large_vocabulary():
 
 
 @pytest.mark.parametrize("remat", ["full", "dots"])
+@pytest.mark.slow
 def test_remat_gives_the_same_loss_gradients(remat):
   params = transformer.init_params(CONFIG, jax.random.PRNGKey(0))
   batch = random_rollout(seed=2, batch=4, length=12)
@@ -409,6 +422,7 @@ def test_remat_gives_the_same_loss_gradients(remat):
                rematerialised)
 
 
+@pytest.mark.slow
 def test_memory_switches_train_the_same_run_through_the_launcher(tmp_path):
   """--config.rl.logprob_chunk and --config.model.remat change what the step keeps, not
   what it computes: the same run's losses agree to float rounding, and the switches reach
@@ -427,6 +441,7 @@ def test_memory_switches_train_the_same_run_through_the_launcher(tmp_path):
   np.testing.assert_allclose(losses_of["chunked"], losses_of["plain"], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_a_bfloat16_policy_trains():
   """Weights, activations and moments in bfloat16: the step compiles (its gradient
   accumulator keeps the parameters' dtype) and moves the parameters."""

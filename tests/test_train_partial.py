@@ -7,6 +7,7 @@ import os
 
 import numpy as np
 import orbax.checkpoint as ocp
+import pytest
 
 from experiments import train as launcher
 from tests.launcher_config import tiny_run_config
@@ -38,6 +39,7 @@ def _records(workdir):
     return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
 def test_partial_run_resumed_from_checkpoint_equals_uninterrupted_run(tmp_path):
   whole = launcher.run(_config(tmp_path / "whole", 4))
   launcher.run(_config(tmp_path / "split", 2))

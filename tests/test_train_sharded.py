@@ -29,6 +29,7 @@ def _records(workdir):
 # LoRA: the frozen base sharded like the weights, adapters replicated, the merged policy
 # published to the sampler.
 @pytest.mark.parametrize("overrides", [{}, {"lora.rank": 2}], ids=["full", "lora"])
+@pytest.mark.slow
 def test_sharded_run_matches_single_device_run(overrides, tmp_path):
   if jax.device_count() < 8:
     pytest.fail("Needs the 8 virtual CPU devices tests/conftest.py configures.")

@@ -19,6 +19,7 @@ def _config(workdir, **tree_fields):
   return c
 
 
+@pytest.mark.slow
 def test_tree_run_end_to_end(tmp_path):
   summary = train.run(_config(tmp_path))
   assert summary["steps"] == 4 and summary["nonfinite_updates"] == 0

@@ -86,6 +86,7 @@ def _global_parent(gen, row, leaves):
 
 
 @pytest.mark.parametrize("policy", [ENTROPY, SEGMENTS, LOOKAHEAD], ids=lambda p: type(p).__name__)
+@pytest.mark.slow
 def test_fork_continuation_equals_plain_decoding(policy):
   """Every row: shared prefix = parent's tokens; own tokens = uncached plain decoding of
   (prompt + prefix) with the row's key (lookahead children: forced first token)."""

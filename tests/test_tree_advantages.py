@@ -47,6 +47,7 @@ def _call(fn, reward=REWARD):
                        jnp.asarray(PARENT), jnp.asarray(PREFIX), _mask(LENGTH)))
 
 
+@pytest.mark.slow
 def test_node_values_on_hand_built_tree():
   stats = advantages.tree_node_values(jnp.asarray(REWARD), jnp.asarray(GROUP), jnp.asarray(NODE),
                                       jnp.asarray(PARENT), jnp.asarray(PREFIX), _mask(LENGTH))
@@ -109,6 +110,7 @@ def test_treerl_without_forks_is_twice_the_centred_reward():
 
 
 @pytest.mark.parametrize("name", sorted(advantages.TREE_ADVANTAGES))
+@pytest.mark.slow
 def test_equal_fractional_leaf_rewards_give_exactly_zero(name):
   # One batch holds a tree of each size L = 3..16 whose leaves all score the same fraction:
   # chain 0, then leaf i forks from leaf i - 1 after i tokens (so nodes are shared by 2..L

@@ -39,6 +39,7 @@ def warm_start_dir(tmp_path_factory):
 @pytest.mark.parametrize("overrides", [{}, {"rl.staleness": 2}, {"lora.rank": 2},
                                        {"task.train_pool": 8, "selection.kind": "greso"}],
                          ids=["plain", "staleness", "lora", "finite_pool"])
+@pytest.mark.slow
 def test_run_from_a_shared_warm_start_equals_one_that_trained_its_own(
     warm_start_dir, tmp_path, overrides):
   own = launcher.run(_config(tmp_path / "own", **overrides))
@@ -71,6 +72,7 @@ def test_a_stopped_run_from_a_shared_warm_start_resumes_from_its_own_checkpoint(
   assert parts["final_accuracy"] == whole["final_accuracy"]
 
 
+@pytest.mark.slow
 def test_a_run_on_a_mesh_starts_from_a_single_device_warm_start(warm_start_dir, tmp_path):
   """The restored warm-start weights are placed in the mesh's sharding (data 2 x fsdp 4 on
   8 devices) and train as the single-device run from the same warm start does."""
