@@ -1,7 +1,32 @@
 """Speculative decoding (sampling/speculative.py): the drafts by hand, and exactness for
 every draft source: greedy outputs identical to plain decoding, sampled completions
 distributed as the policy's own (chi-square against the exact distribution), behaviour
-log-probs equal to a recomputed forward."""
+log-probs equal to a recomputed forward. Left-padded prompts of different lengths, stop
+tokens and top-p are checked against references that run each prompt alone, unpadded
+(full forwards, float64 NumPy sampling distributions), and the acceptance rule against
+its lossy variant (SPEC-RL's: no residual draw).
+
+Mutants these tests were run against (each on a scratch copy of sampling/speculative.py,
+never committed), and the tests that fail:
+- padding-blind verify, mask (`_verify_step`'s kv_mask all ones: the verify forward
+  attends to the left padding), and padding-blind verify, positions (the verify forward at
+  RoPE positions = slot indices, lp.last + j, instead of the row's own positions):
+    test_greedy_decoding_of_left_padded_prompts_matches_each_prompt_decoded_alone,
+    test_sampled_left_padded_prompts_with_top_p_and_a_stop_token_have_the_policys_distribution;
+- residual without the zeroed draft (`residual = final_weights`: after rejecting draft x
+  the next token is drawn from p with x kept, SPEC-RL's rule):
+    test_chi_square_rejects_the_lossy_residual_rule_and_accepts_the_exact_one,
+    test_sampled_left_padded_prompts_with_top_p_and_a_stop_token_have_the_policys_distribution,
+    test_sampled_completions_have_the_policys_distribution (all four cases);
+- the residual zeroing the first draft token instead of the rejected one:
+    test_chi_square_rejects_the_lossy_residual_rule_and_accepts_the_exact_one;
+- unshifted bonus token (after every draft is accepted, the final token drawn, and its
+  log-prob read, at position accepted - 1 instead of accepted), and the same with only the
+  draw shifted:
+    test_chi_square_rejects_the_lossy_residual_rule_and_accepts_the_exact_one,
+    test_sampled_left_padded_prompts_with_top_p_and_a_stop_token_have_the_policys_distribution,
+    test_sampled_completions_have_the_policys_distribution (some cases).
+"""
 
 import itertools
 
@@ -16,6 +41,7 @@ from models.config import ModelConfig
 from sampling import sampler
 from sampling import speculative
 from sampling.sampler import SamplingConfig
+from sampling.logits import inverse_cdf, sampled_weights
 from sampling.speculative import DraftConfig
 
 CONFIG = ModelConfig(vocab_size=8, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
@@ -186,6 +212,261 @@ def test_sampled_completions_have_the_policys_distribution(name, temperature, to
   completion = np.asarray(spec.completion_mask)[:, 1:]
   np.testing.assert_allclose(np.asarray(spec.behavior_logp)[:, 1:][completion],
                              picked[completion], atol=2e-4)
+
+
+# --- padded prompts, stop tokens, top-p: against references that run each row alone ------
+
+STOP = 2
+# Four prompts of 8, 5, 3 and 6 tokens, left-padded to 8 with pad id 0 (the sampler's
+# layout): with padding-blind attention or positions, every row but the first changes.
+PADDED = ([3, 4, 5, 3, 4, 5, 3, 4], [6, 3, 4, 6, 3], [5, 3, 5], [4, 6, 4, 6, 4, 6])
+
+
+def _left_padded(prompts, copies):
+  """([len(prompts) * copies, P] prompts left-padded with 0, their mask); a prompt's copies
+  are adjacent rows (a 'group' of `copies`)."""
+  width = max(map(len, prompts))
+  tokens = np.zeros((len(prompts) * copies, width), np.int32)
+  for i, prompt in enumerate(prompts):
+    tokens[i * copies:(i + 1) * copies, width - len(prompt):] = prompt
+  return jnp.asarray(tokens), jnp.asarray(tokens > 0)
+
+
+def _reference_logits(sequences, width=None):
+  """float64 logits [N, width, V] of each sequence (token lists, or the rows of an [N,
+  width] array) run alone from slot 0: positions 0, 1, ..., no padding mask, no cache
+  (slots after a sequence's end cannot reach its positions through causal attention).
+  The padding-free computation the sampler's must agree with."""
+  if width is None:
+    tokens = np.asarray(sequences, np.int32)
+    width = tokens.shape[1]
+  else:
+    tokens = np.zeros((len(sequences), width), np.int32)
+    for i, seq in enumerate(sequences):
+      tokens[i, :len(seq)] = seq
+  positions = jnp.broadcast_to(jnp.arange(width), tokens.shape)
+  logits, _ = transformer.forward(PARAMS, jnp.asarray(tokens), positions,
+                                  jnp.ones(tokens.shape, bool), CONFIG)
+  return np.asarray(logits, np.float64)
+
+
+def _sampled_logp(logits, temperature, top_p=1.0):
+  """float64 log-probs [..., V] of the distribution a sampler draws from: softmax(logits /
+  T) cut to its top-p nucleus (the most likely tokens, in order, while the mass before a
+  token is below top_p) and renormalised; -inf outside the nucleus."""
+  z = logits / temperature
+  p = np.exp(z - z.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  order = np.argsort(-p, axis=-1, kind="stable")
+  sorted_p = np.take_along_axis(p, order, -1)
+  kept = np.zeros(p.shape, bool)
+  np.put_along_axis(kept, order, np.cumsum(sorted_p, -1) - sorted_p < top_p, -1)
+  p = np.where(kept | (top_p >= 1.0), p, 0.0)
+  with np.errstate(divide="ignore"):
+    return np.log(p / p.sum(-1, keepdims=True))
+
+
+def _reference_greedy(prompts, new_tokens, stop_tokens):
+  """Greedy decoding of each prompt alone, one full forward per token (no cache, no
+  drafts): (completions, their temperature-1 log-probs, stopped)."""
+  seqs, logps, done = [list(p) for p in prompts], [[] for _ in prompts], [False] * len(prompts)
+  width = max(map(len, prompts)) + new_tokens
+  for _ in range(new_tokens):
+    logits = _reference_logits(seqs, width)
+    for r, seq in enumerate(seqs):
+      if not done[r]:
+        row = logits[r, len(seq) - 1]
+        token = int(np.argmax(row))
+        logps[r].append(_sampled_logp(row, 1.0)[token])
+        seq.append(token)
+        done[r] = token in stop_tokens
+  return [s[len(p):] for s, p in zip(seqs, prompts)], logps, done
+
+
+def test_greedy_decoding_of_left_padded_prompts_matches_each_prompt_decoded_alone():
+  """Prompts of 8, 5, 3 and 6 tokens left-padded into one batch, stop token 2 (three of the
+  four prompts stop, after 3 to 8 tokens): every row's tokens, stop flag and behaviour
+  log-probs are those of its prompt decoded alone without padding by full forwards."""
+  copies, new_tokens = 2, 16
+  prompts, mask = _left_padded(PADDED, copies)
+  config = SamplingConfig(max_new_tokens=new_tokens, temperature=0.0, stop_tokens=(STOP,))
+  spec = speculative.speculative_generate(
+      PARAMS, prompts, mask, jax.random.PRNGKey(1), CONFIG, config,
+      DraftConfig(tokens=3, sources=("prompt_lookup", "group"), ngram=2, group_size=copies))
+  rows = [p for p in PADDED for _ in range(copies)]
+  completions, logps, stopped = _reference_greedy(rows, new_tokens, (STOP,))
+  assert 0 < sum(stopped) < len(rows)  # stopped and unstopped rows
+  width = prompts.shape[1]
+  for r, (completion, logp) in enumerate(zip(completions, logps)):
+    n = int(spec.completion_len[r])
+    assert np.asarray(spec.tokens[r, width:width + n]).tolist() == completion, r
+    np.testing.assert_allclose(np.asarray(spec.behavior_logp[r, width:width + n]), logp,
+                               atol=1e-5, err_msg=f"row {r}")
+  np.testing.assert_array_equal(spec.stopped, stopped)
+  np.testing.assert_array_equal(spec.prompt_mask[:, :width], mask)
+  counts = spec.speculative
+  assert 0 < int(counts.accepted.sum()) < int(counts.drafted.sum())  # accepted and rejected
+
+
+def _exact_stopped_prefixes(prompt, temperature, top_p, length=3):
+  """{first `length` completion tokens, cut after a stop token: probability} under the
+  policy, from the logits of every continuation of `prompt` run alone (float64)."""
+  continuations = list(itertools.product(range(CONFIG.vocab_size), repeat=length))
+  logits = _reference_logits([list(prompt) + list(c) for c in continuations],
+                             len(prompt) + length)
+  logp = _sampled_logp(logits[:, len(prompt) - 1:-1], temperature, top_p)  # [N, length, V]
+  probs = {}
+  for logp_row, continuation in zip(logp, continuations):
+    total, prefix = 0.0, []
+    for position, token in enumerate(continuation):
+      total += logp_row[position, token]
+      prefix.append(token)
+      if token == STOP:
+        break
+    probs[tuple(prefix)] = np.exp(total)
+  return probs
+
+
+def _chi_square_cells_p(counts, probs):
+  """Goodness of fit of observed counts to cell probabilities (1-D arrays); cells with an
+  expected count < 5 are pooled; an observation in a cell of probability 0 gives p = 0."""
+  counts, probs = np.asarray(counts, np.float64), np.asarray(probs, np.float64)
+  if counts[probs == 0].sum() > 0:
+    return 0.0
+  expected = probs / probs.sum() * counts.sum()
+  small = expected < 5
+  observed = np.append(counts[~small], counts[small].sum())
+  expected = np.append(expected[~small], expected[small].sum())
+  keep = expected > 0
+  return scipy_stats.chisquare(observed[keep], expected[keep]).pvalue
+
+
+def test_sampled_left_padded_prompts_with_top_p_and_a_stop_token_have_the_policys_distribution():
+  """Two prompts (8 and 5 tokens, the second left-padded by 3), 4096 rows each,
+  temperature 0.9, top-p 0.9, stop token 2, k = 2 drafts. Against each prompt decoded alone
+  (float64 from full forwards): the first three completion tokens (cut at the stop token)
+  fit the exact distribution (chi-square p > 0.01 per prompt); every completion token lies
+  in the nucleus and its behaviour log-prob is the nucleus distribution's; rows end at
+  their first stop token, and only there."""
+  copies, new_tokens, temperature, top_p = 4096, 6, 0.9, 0.9
+  chosen = (PADDED[0], PADDED[1])
+  prompts, mask = _left_padded(chosen, copies)
+  width = prompts.shape[1]
+  config = SamplingConfig(max_new_tokens=new_tokens, temperature=temperature, top_p=top_p,
+                          stop_tokens=(STOP,), compact_min_rows=0)
+  spec = speculative.speculative_generate(
+      PARAMS, prompts, mask, jax.random.PRNGKey(7), CONFIG, config,
+      DraftConfig(tokens=2, sources=("prompt_lookup",), ngram=2))
+  counts = spec.speculative
+  drafted, accepted = int(counts.drafted.sum()), int(counts.accepted.sum())
+  assert 0.05 * drafted < accepted < 0.95 * drafted
+  tokens, completion = np.asarray(spec.tokens), np.asarray(spec.completion_mask)
+  for i, prompt in enumerate(chosen):
+    rows = slice(i * copies, (i + 1) * copies)
+    probs = _exact_stopped_prefixes(prompt, temperature, top_p)
+    cells = {prefix: j for j, prefix in enumerate(probs)}
+    observed = np.zeros(len(cells))
+    for toks, ok in zip(tokens[rows, width:width + 3], completion[rows, width:width + 3]):
+      observed[cells[tuple(int(t) for t in toks[ok])]] += 1  # KeyError: not a prefix
+    assert _chi_square_cells_p(observed, list(probs.values())) > 0.01, prompt
+  # Every completion token against its row run alone: in the nucleus, with its log-prob.
+  real = np.asarray(spec.prompt_mask | spec.completion_mask)
+  alone = np.take_along_axis(tokens, np.argsort(~real, axis=1, kind="stable"), 1)  # unpadded
+  starts = real.sum(1) - completion.sum(1)  # each row's prompt length
+  at = starts[:, None] - 1 + np.arange(new_tokens)[None]  # the positions predicting it
+  logits = np.take_along_axis(_reference_logits(alone), at[..., None], 1)
+  logp = _sampled_logp(logits, temperature, top_p)
+  picked = np.take_along_axis(logp, tokens[:, width:, None], -1)[..., 0]
+  written = completion[:, width:]
+  assert np.all(np.isfinite(picked[written]))  # no token outside the nucleus
+  np.testing.assert_allclose(np.asarray(spec.behavior_logp)[:, width:][written],
+                             picked[written], atol=1e-4)
+  # Rows end at their first stop token (the only one they write) or at the slots' end.
+  is_stop = (tokens[:, width:] == STOP) & written
+  lengths = written.sum(1)
+  np.testing.assert_array_equal(is_stop.sum(1), np.asarray(spec.stopped))
+  np.testing.assert_array_equal(is_stop[np.arange(len(lengths)), lengths - 1],
+                                np.asarray(spec.stopped))
+  assert np.all(np.asarray(spec.stopped) | (lengths == new_tokens))
+  assert 0.1 < np.mean(np.asarray(spec.stopped)) < 0.9
+
+
+def _lossy_accept(logits, drafts, length, uniforms, sampling_config):
+  """SPEC-RL's reference rule, a variant for the test below: as `speculative._accept`, but
+  after a rejection the token is drawn from p itself (the rejected draft included) rather
+  than from the residual p with the draft removed, renormalised."""
+  accepted, final, draft_logp, final_logp = speculative._accept(  # pylint: disable=protected-access
+      logits, drafts, length, uniforms, sampling_config)
+  c, k = sampling_config, drafts.shape[1]
+  weights, shifted = sampled_weights(logits, c.temperature, c.top_k, c.top_p)
+  at = lambda x: jnp.take_along_axis(x, accepted[:, None, None], 1)[:, 0]  # [B, V]
+  redrawn = inverse_cdf(at(weights), uniforms[:, k])
+  redrawn_logp = (jnp.take_along_axis(at(shifted), redrawn[:, None], 1)[:, 0]
+                  - jnp.log(at(weights).sum(-1)))
+  rejected = accepted < length
+  return (accepted, jnp.where(rejected, redrawn, final), draft_logp,
+          jnp.where(rejected, redrawn_logp, final_logp))
+
+
+def _verify_step_tokens(rule, logits, drafts, length, rows, seed, config):
+  """Each of `rows` verify steps of one draft under `rule`: [rows, k + 1] emitted tokens
+  (the accepted drafts, then the final token; -1 after it)."""
+  k = drafts.shape[0]
+  uniforms = jax.random.uniform(jax.random.PRNGKey(seed), (rows, k + 1))
+  accepted, final, _, _ = jax.jit(rule, static_argnums=4)(
+      jnp.broadcast_to(jnp.asarray(logits, jnp.float32), (rows,) + logits.shape),
+      jnp.broadcast_to(drafts, (rows, k)), jnp.full((rows,), length, jnp.int32), uniforms,
+      config)
+  accepted, final = np.asarray(accepted), np.asarray(final)
+  emitted = np.where(np.arange(k + 1)[None] < accepted[:, None], np.append(drafts, 0)[None], -1)
+  emitted[np.arange(rows), accepted] = final
+  return emitted
+
+
+def _chi_square_along_the_draft(emitted, drafts, length, probs):
+  """The chi-square test of verify steps' emitted tokens [N, k + 1] against the policy's
+  distributions probs [k + 1, V] (probs[j]: of the token after draft tokens 0..j-1):
+  position by position, the steps that accepted drafts 0..j-1 must emit at j a token
+  distributed as probs[j] (the accepted draft j or, after its rejection, the residual
+  draw; at j = length the bonus draw). Cells (j, token) pooled into one statistic."""
+  counts, cell_probs = [], []
+  for j in range(length + 1):
+    reached = np.all(emitted[:, :j] == np.asarray(drafts)[None, :j], axis=1) & (emitted[:, j] >= 0)
+    n = reached.sum()
+    counts.append(np.bincount(emitted[reached, j], minlength=probs.shape[1]))
+    cell_probs.append(probs[j] * n)
+  counts, expected = np.concatenate(counts), np.concatenate(cell_probs)
+  if counts[expected == 0].sum() > 0:
+    return 0.0
+  small = expected < 5
+  observed = np.append(counts[~small], counts[small].sum())
+  expected = np.append(expected[~small], expected[small].sum())
+  keep = expected > 0
+  return scipy_stats.chisquare(observed[keep], expected[keep],
+                               ddof=length).pvalue  # one constraint per position
+
+
+def test_chi_square_rejects_the_lossy_residual_rule_and_accepts_the_exact_one():
+  """20000 verify steps of the draft [2, 6] after PROMPT (temperature 0.9, top-p 0.9: p(2)
+  = 0.43 at the first position, p(6 | 2) = 0.51 at the second), by the library's rule and
+  by SPEC-RL's (`_lossy_accept`), each with all drafts tested and with only the first
+  (whose next token is then the bonus draw). The emitted tokens, position by position along
+  the draft, against the policy's distributions computed apart (float64, the prompt and
+  draft run alone): the library's rule fits (p > 0.01), the lossy one, which over-weights
+  the rejected draft token, does not (p < 1e-6)."""
+  temperature, top_p, drafts = 0.9, 0.9, np.asarray([2, 6], np.int32)
+  config = SamplingConfig(max_new_tokens=4, temperature=temperature, top_p=top_p)
+  logits = _reference_logits([PROMPT + drafts.tolist()], len(PROMPT) + 2)[0, len(PROMPT) - 1:]
+  probs = np.exp(_sampled_logp(logits, temperature, top_p))  # [3, V]
+  assert 0.2 < probs[0, 2] < 0.8 and 0.2 < probs[1, 6] < 0.8  # both outcomes are frequent
+  p_values = {}
+  exact = speculative._accept  # pylint: disable=protected-access
+  for name, rule in (("exact", exact), ("lossy", _lossy_accept)):
+    for length in (2, 1):
+      emitted = _verify_step_tokens(rule, logits, drafts, length, 20000, 10 + length, config)
+      p_values[name, length] = _chi_square_along_the_draft(emitted, drafts, length, probs)
+  assert min(p_values["exact", 2], p_values["exact", 1]) > 0.01, p_values
+  assert max(p_values["lossy", 2], p_values["lossy", 1]) < 1e-6, p_values
 
 
 def test_speculative_rollouts_through_the_launcher(tmp_path):
