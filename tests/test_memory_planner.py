@@ -1,12 +1,49 @@
-"""Tests for experiments.memory: the planner's parts add up, chunked log-probs and remat
-shrink what it reports by what they should, and a HF config.json is read."""
+"""Tests for experiments.memory: the planner against the programs it plans for.
+
+Each plan is compared with the real train step and sampler built here apart from the
+planner (the model config written out rather than read from the config.json, concrete
+arrays, this file's own GRPO config and batch), compiled, and with the arrays they take
+and return: the plan must be those programs' memory, byte for byte. Mixed precision is
+checked on the step's matmuls themselves (the dtypes of every dot_general in its jaxpr).
+
+What these tests catch (each checked on a scratch copy of the code, never committed):
+- the planner dropping compute_dtype (it plans the float32 step for a bfloat16 run):
+  test_mixed_precision_plans_the_bfloat16_step_over_float32_masters (its temporaries are
+  not the bfloat16 step's);
+- a compute dtype that reaches no matmul (`ModelConfig.compute_jnp_dtype` returning the
+  parameters' dtype): the same test's dot_general dtype checks;
+- optimiser bytes counted as twice the parameters (AdamW's moments without their step
+  counts, 8 bytes off): both tests that compare them with the initialised state;
+- a sampler planned for prompts of seq_len slots instead of seq_len - new_tokens:
+  test_the_plan_is_the_compiled_train_step_and_samplers_memory.
+"""
 
 import json
 
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
 from experiments import memory
+from models import transformer
+from models.config import ModelConfig
+from rl import train
+from rl.types import Rollout
+from sampling import sampler
+
+BATCH, SEQ_LEN, NEW_TOKENS, VOCAB = 4, 128, 16, 8192
+# The model of `_config_json`, written out (the planner reads it from the file).
+CONFIG = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                     head_dim=8, mlp_dim=64, max_seq_len=256, tie_embeddings=True)
+# The planner's objective (module docstring: GRPO, token mean, no KL).
+GRPO = ml_collections.FrozenConfigDict(dict(
+    name="grpo", eps_low=0.2, eps_high=0.2, aggregation="token_mean", norm_len=1.0,
+    kl_coef=0.0))
 
 
-def _config_json(tmp_path, vocab):
+def _config_json(tmp_path, vocab=VOCAB):
   path = tmp_path / "config.json"
   path.write_text(json.dumps({
       "model_type": "llama", "vocab_size": vocab, "hidden_size": 32, "num_hidden_layers": 2,
@@ -15,38 +52,147 @@ def _config_json(tmp_path, vocab):
   return str(path)
 
 
-def test_chunked_logprobs_drop_the_logits_buffers_and_remat_the_activations(tmp_path):
-  spec = _config_json(tmp_path, vocab=8192)
-  common = dict(batch=4, seq_len=128, new_tokens=16, mesh_sizes=(1, 1, 1), dtype="float32")
-  dense = memory.plan(spec, logprob_chunk=0, remat="none", **common)
-  chunked = memory.plan(spec, logprob_chunk=32, remat="none", **common)
-  remat = memory.plan(spec, logprob_chunk=32, remat="full", **common)
-  logits = 4 * 128 * 8192 * 4  # one [B, T, V] float32 buffer
-  assert dense["logits_buffer_bytes"] == logits
-  assert dense["train_step"]["temp_bytes"] - chunked["train_step"]["temp_bytes"] >= logits
+def _plan(tmp_path, **overrides):
+  tmp_path.mkdir(parents=True, exist_ok=True)
+  args = dict(batch=BATCH, seq_len=SEQ_LEN, new_tokens=NEW_TOKENS, mesh_sizes=(1, 1, 1),
+              dtype="float32", logprob_chunk=0, remat="none")
+  return memory.plan(_config_json(tmp_path), **{**args, **overrides})
+
+
+def _nbytes(tree) -> int:
+  return sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
+
+
+def _rollout():
+  rng = np.random.default_rng(0)
+  completion = np.arange(SEQ_LEN)[None].repeat(BATCH, 0) >= SEQ_LEN // 2
+  return Rollout(
+      tokens=jnp.asarray(rng.integers(0, VOCAB, (BATCH, SEQ_LEN)), jnp.int32),
+      prompt_mask=jnp.asarray(~completion), completion_mask=jnp.asarray(completion),
+      behavior_logp=jnp.asarray(-2.0 * completion, jnp.float32),
+      version=jnp.zeros((BATCH, SEQ_LEN), jnp.int32), group=jnp.arange(BATCH) // 2,
+      reward=jnp.zeros((BATCH,)), advantages=jnp.asarray(completion, jnp.float32))
+
+
+def _train_step(config):
+  """(the real train step for `config`, a fresh state of it, a batch): concrete arrays."""
+  optimizer = train.make_optimizer(1e-6)
+  state = train.init_train_state(transformer.init_params(config, jax.random.PRNGKey(0)),
+                                 optimizer)
+  return train.make_train_step(config, optimizer, GRPO), state, _rollout()
+
+
+def _analysis(compiled) -> dict:
+  m = compiled.memory_analysis()
+  return dict(argument_bytes=m.argument_size_in_bytes, output_bytes=m.output_size_in_bytes,
+              temp_bytes=m.temp_size_in_bytes, alias_bytes=m.alias_size_in_bytes)
+
+
+def _dot_dtypes(fn, *args) -> list[tuple[str, str, str]]:
+  """(lhs, rhs, result) dtypes of every dot_general in fn's jaxpr, sub-jaxprs included
+  (scans, remat, custom VJPs, the backward): the matmuls as written, before a backend's
+  rewrites (XLA:CPU runs bfloat16 matmuls on float32 copies)."""
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "dot_general":
+        found.append(tuple(str(v.aval.dtype) for v in (*eqn.invars, eqn.outvars[0])))
+      for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+          if isinstance(item, jax.extend.core.ClosedJaxpr):
+            walk(item.jaxpr)
+          elif isinstance(item, jax.extend.core.Jaxpr):
+            walk(item)
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return found
+
+
+@pytest.fixture(scope="module")
+def dense_plan(tmp_path_factory):
+  return _plan(tmp_path_factory.mktemp("dense"))
+
+
+def test_the_plan_is_the_compiled_train_step_and_samplers_memory(dense_plan):
+  """The dense float32 plan against the train step and the sampler compiled here for
+  concrete arrays of the same shapes, and against those arrays: the same XLA memory
+  analysis; parameters and AdamW moments of the initialised state's size; the donated
+  state is what is aliased; the outputs are the new state and the metrics the step
+  returns (and their tuple); the arguments are the state and the batch; the temporaries
+  hold the [B, T, V] float32 logits the backward needs."""
+  plan, t = dense_plan, dense_plan["train_step"]
+  step, state, batch = _train_step(CONFIG)
+  compiled = step.lower(state, batch).compile()
+  assert {k: t[k] for k in _analysis(compiled)} == _analysis(compiled)
+  assert plan["parameter_bytes_per_device"] == _nbytes(state.params) > 0
+  assert plan["optimizer_bytes_per_device"] == _nbytes(state.opt_state)
+  state_bytes = _nbytes(state)
+  assert t["alias_bytes"] == state_bytes
+  # jit passes only the inputs the step reads: every [B, T] array of the batch, not the
+  # per-row group and reward that GRPO's step never reads.
+  per_token = _nbytes([batch.tokens, batch.prompt_mask, batch.completion_mask,
+                       batch.behavior_logp, batch.version, batch.advantages])
+  assert state_bytes + per_token <= t["argument_bytes"] <= state_bytes + _nbytes(batch)
+  outputs = compiled(state, batch, None)  # (the new state, the metrics)
+  # XLA also counts the output tuple: one 8-byte pointer per array.
+  assert t["output_bytes"] == _nbytes(outputs) + 8 * len(jax.tree.leaves(outputs))
+  assert t["temp_bytes"] >= BATCH * SEQ_LEN * VOCAB * 4 == plan["logits_buffer_bytes"]
+  assert t["peak_bytes"] == (t["argument_bytes"] + t["temp_bytes"] + t["output_bytes"]
+                             - t["alias_bytes"])
+  # The sampler: its program for prompts of SEQ_LEN - NEW_TOKENS slots, its arguments the
+  # parameters and the prompts (and the RNG key and version), its KV cache inside it.
+  prompt_len = SEQ_LEN - NEW_TOKENS
+  prompts = jnp.zeros((BATCH, prompt_len), jnp.int32)
+  mask = jnp.ones((BATCH, prompt_len), bool)
+  params = transformer.init_params(CONFIG, jax.random.PRNGKey(0))
+  s = plan["sampler"]
+  sampling = sampler.SamplingConfig(max_new_tokens=NEW_TOKENS, temperature=1.0)
+  compiled = sampler.generate.lower(params, prompts, mask, jax.random.PRNGKey(0), CONFIG,
+                                    sampling, 0).compile()  # version 0: the launcher's call
+  assert {k: s[k] for k in _analysis(compiled)} == _analysis(compiled)
+  inputs = _nbytes((params, prompts, mask))
+  assert s["argument_bytes"] == inputs + 8 + 4  # + the uint32[2] key and the int32 version
+  kv_cache = 2 * CONFIG.n_layers * BATCH * SEQ_LEN * CONFIG.n_kv_heads * CONFIG.head_dim * 4
+  assert s["temp_bytes"] >= kv_cache
+
+
+def test_chunked_logprobs_drop_the_logits_buffers_and_remat_the_activations(tmp_path,
+                                                                           dense_plan):
+  chunked = _plan(tmp_path / "chunked", logprob_chunk=32)
+  remat = _plan(tmp_path / "remat", logprob_chunk=32, remat="full")
+  logits = BATCH * SEQ_LEN * VOCAB * 4  # one [B, T, V] float32 buffer
+  assert dense_plan["train_step"]["temp_bytes"] - chunked["train_step"]["temp_bytes"] >= logits
   assert remat["train_step"]["temp_bytes"] < chunked["train_step"]["temp_bytes"]
-  for row in (dense, chunked, remat):
-    t = row["train_step"]
-    assert t["peak_bytes"] == (t["argument_bytes"] + t["temp_bytes"] + t["output_bytes"]
-                               - t["alias_bytes"])
-    # Parameters (embedding 8192 x 32, 2 layers) and AdamW's two moments of them.
-    assert row["parameters"] == row["parameter_bytes_per_device"]
-    assert row["optimizer_bytes_per_device"] >= 2 * row["parameters"]
-  table = memory.table([dense, remat])
+  table = memory.table([dense_plan, remat])
   assert table.count("\n") == 3 and "| dense | none |" in table and "| 32 | full |" in table
 
 
-def test_mixed_precision_plans_float32_masters_and_bfloat16_compute(tmp_path):
-  """compute_dtype='bfloat16' over float32 parameters: the same parameter and moment bytes,
-  the compute dtype in the row and the table. (Its temporaries are not compared: XLA:CPU
-  runs bfloat16 matmuls on float32 copies of their operands, so on this backend they grow.)"""
-  spec = _config_json(tmp_path, vocab=8192)
-  common = dict(batch=4, seq_len=128, new_tokens=16, mesh_sizes=(1, 1, 1), dtype="float32",
-                logprob_chunk=32, remat="none")
-  full = memory.plan(spec, **common)
-  mixed = memory.plan(spec, compute_dtype="bfloat16", **common)
-  assert mixed["parameter_bytes_per_device"] == full["parameter_bytes_per_device"]
-  assert mixed["optimizer_bytes_per_device"] == full["optimizer_bytes_per_device"]
-  assert mixed["train_step"]["temp_bytes"] != full["train_step"]["temp_bytes"]  # it reached XLA
-  assert "| 32 | none | bfloat16 |" in memory.table([mixed])
-  assert "| 32 | none | float32 |" in memory.table([full])
+def test_mixed_precision_plans_the_bfloat16_step_over_float32_masters(tmp_path, dense_plan):
+  """compute_dtype='bfloat16' over float32 parameters: the plan is the memory of the
+  step compiled here with bfloat16 compute (not the float32 step's), whose matmuls take
+  bfloat16 operands (every dot_general has one; those with a bfloat16 result have only
+  those; the rest are the float32-accumulated logits and attention scores and their
+  backward), while its parameters and AdamW moments, given and returned, stay float32 (the
+  plan's parameter and optimiser bytes are the float32 state's). The float32 step's
+  matmuls are all float32: the dtype check tells the two apart."""
+  mixed = _plan(tmp_path, compute_dtype="bfloat16")
+  step, state, batch = _train_step(CONFIG.replace(compute_dtype="bfloat16"))
+  dots = _dot_dtypes(step, state, batch)
+  full_dots = _dot_dtypes(*_train_step(CONFIG))
+  assert len(dots) == len(full_dots) > 0
+  assert all(dtypes == ("float32",) * 3 for dtypes in full_dots), full_dots
+  assert all("bfloat16" in dtypes[:2] for dtypes in dots), dots
+  assert all(dtypes == ("bfloat16",) * 3 for dtypes in dots if dtypes[2] == "bfloat16"), dots
+  assert sum(dtypes == ("bfloat16",) * 3 for dtypes in dots) > len(dots) / 2, dots
+  compiled = step.lower(state, batch).compile()
+  t = mixed["train_step"]
+  assert {k: t[k] for k in _analysis(compiled)} == _analysis(compiled)
+  assert t["temp_bytes"] != dense_plan["train_step"]["temp_bytes"]  # another program
+  assert mixed["parameter_bytes_per_device"] == _nbytes(state.params)
+  assert mixed["optimizer_bytes_per_device"] == _nbytes(state.opt_state)
+  new_state, _ = compiled(state, batch, None)
+  assert {x.dtype for x in jax.tree.leaves((new_state.params, new_state.opt_state))
+          if jnp.issubdtype(x.dtype, jnp.floating)} == {jnp.dtype("float32")}
+  assert "| dense | none | bfloat16 |" in memory.table([mixed])
+  assert "| dense | none | float32 |" in memory.table([dense_plan])
