@@ -523,7 +523,8 @@ def test_history_drafts_from_the_previous_visit_and_resumes(tmp_path):
   whole = steps(tmp_path / "whole")
   assert len(whole) == 4 and whole[0]["spec_drafted"] == 0 and whole[1]["spec_drafted_history"] > 0
   launcher.run(tiny_run_config(tmp_path / "resumed", {**flags, "rl.steps": 2}))
-  launcher.run(tiny_run_config(tmp_path / "resumed", {**flags, "rl.steps": 4}))
+  launcher.run(tiny_run_config(tmp_path / "resumed", {**flags, "rl.steps": 4,
+                                                      "resume.allow_changes": "rl.steps"}))
   resumed = steps(tmp_path / "resumed")
   assert [r["spec_drafted"] for r in resumed] == [r["spec_drafted"] for r in whole]
   np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in whole],
