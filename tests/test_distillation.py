@@ -254,7 +254,8 @@ def teacher_run(tmp_path_factory):
   return str(workdir)
 
 
-@pytest.mark.parametrize("objective", ["reverse_kl", "k1", "k3", "forward_kl_topk"])
+@pytest.mark.parametrize("objective", ["reverse_kl"] + [
+    pytest.param(name, marks=pytest.mark.slow) for name in ("k1", "k3", "forward_kl_topk")])
 def test_each_objective_trains_through_the_launcher(tmp_path, teacher_run, objective):
   """config.distill.objective reaches the step (token_mean aggregation, so that a
   distillation loss and the token-mean metrics average the same tokens): reverse_kl's loss
@@ -283,6 +284,7 @@ def test_each_objective_trains_through_the_launcher(tmp_path, teacher_run, objec
     assert ("clip_fraction" in r) == (objective != "k1")
 
 
+@pytest.mark.slow
 def test_the_teacher_is_sharded_like_the_policy_on_a_mesh_and_chunks(tmp_path, teacher_run):
   """A 2 x 4 (data x fsdp) mesh: the teacher's parameters are laid out by the trainer's
   rules inside the sharded step, and the run trains as on one device; so does the run
@@ -414,6 +416,7 @@ def test_chunked_distillation_equals_the_dense_step(objective):
   assert metrics[0]["grad_norm"] > 0 and metrics[0]["distill_reverse_kl"] > 0.01
 
 
+@pytest.mark.slow
 def test_chunked_distillation_never_holds_the_full_distributions():
   """XLA's memory analysis of the compiled step: chunking drops at least the student's and
   the teacher's [B, T, V] float32 log-softmax (2 x 8 x 64 x 8192 x 4 bytes)."""

@@ -212,9 +212,6 @@ _FENCE = re.compile(r"^```.*?^```", re.S | re.M)
 _LIST_ITEM = re.compile(r"^\s*([-*+]|\d+\.)\s")
 # A frozen log of past measurements: the tests it names may have been renamed since.
 _NOT_CHECKED = ("benchmarks_history.md",)
-# Pages whose claims about test files do not name the tests yet (the names they do give are
-# checked). speculative.md is being rewritten under issue 47: remove it from here then.
-_UNNAMED_ALLOWED = ("speculative.md",)
 
 
 def _pages() -> list[pathlib.Path]:
@@ -296,7 +293,7 @@ def test_every_test_a_doc_names_exists():
 
 
 def test_a_doc_that_claims_what_a_test_file_checks_names_its_tests():
-  problems = [problem for page in _pages() if page.name not in _UNNAMED_ALLOWED
+  problems = [problem for page in _pages()
               for problem in unnamed_test_problems(page.name, page.read_text())]
   assert not problems, "\n".join(problems)
   # The check can fail; a file that is only mentioned, or named with a test, passes.

@@ -38,6 +38,12 @@ KINDS = ("independent", "tree", "partial")
 SELECTIONS = ("uniform", "dynamic", "greso", "adaptive")
 STALENESS = 2
 COMBOS = list(itertools.product(KINDS, SELECTIONS, (False, True), (0, STALENESS)))
+# The quick tier's combinations: each rollout kind, selection rule, async and staleness
+# value at least once (and each on one device and on the mesh, where it runs there); the
+# slow tier runs the rest.
+QUICK = {("independent", "uniform", False, 0), ("tree", "uniform", False, STALENESS),
+         ("partial", "uniform", True, 0), ("independent", "dynamic", False, STALENESS),
+         ("independent", "greso", True, 0), ("independent", "adaptive", False, 0)}
 
 
 def index_reward(answer, entry):
@@ -134,8 +140,8 @@ def _check_effect(records, kind, selection, async_, staleness):
     assert [r["staleness"] for r in records] == simulated
 
 
-@pytest.mark.parametrize("kind,selection,async_,staleness", COMBOS)
-@pytest.mark.slow
+@pytest.mark.parametrize("kind,selection,async_,staleness", [
+    pytest.param(*combo, marks=() if combo in QUICK else pytest.mark.slow) for combo in COMBOS])
 def test_switches_compose_or_are_refused(tmp_path, kind, selection, async_, staleness):
   if jax.device_count() != 8:
     pytest.fail("Needs the 8 virtual CPU devices tests/conftest.py configures.")

@@ -116,7 +116,7 @@ def test_group_and_history_sources_and_their_priority():
 
 
 @pytest.mark.parametrize("name, compact", [(name, False) for name in SOURCES]
-                         + [("all", True)])
+                         + [pytest.param("all", True, marks=pytest.mark.slow)])
 def test_greedy_speculative_decoding_is_plain_greedy_decoding(name, compact):
   """compact: 32 rows in rounds of 2 steps, live rows gathered into 16 or 8 (stop tokens 2
   and 5 end 19 of them at lengths 1 to 14)."""
@@ -174,7 +174,8 @@ def _chi_square_p(samples, seqs, probs):
 
 
 @pytest.mark.parametrize("name, temperature, top_k", [
-    ("prompt_lookup", 1.0, 0), ("group", 1.0, 0), ("history", 1.0, 0), ("all", 0.8, 5)])
+    ("all", 0.8, 5)] + [pytest.param(name, 1.0, 0, marks=pytest.mark.slow)
+                        for name in ("prompt_lookup", "group", "history")])
 def test_sampled_completions_have_the_policys_distribution(name, temperature, top_k):
   """10^4 completions: their first three tokens fit the exact distribution (p > 0.01), the
   drafts are both accepted and rejected, and every behaviour log-prob is the sampled
@@ -508,6 +509,7 @@ def test_speculative_settings_the_launcher_cannot_run_are_refused(tmp_path, over
     wiring.validate(config)
 
 
+@pytest.mark.slow
 def test_history_drafts_from_the_previous_visit_and_resumes(tmp_path):
   """sources=('history',) with a pool of 2 prompts: step 1 visits both (nothing to draft
   from yet), step 2 drafts from step 1's completions; the kept completions are part of
@@ -531,6 +533,7 @@ def test_history_drafts_from_the_previous_visit_and_resumes(tmp_path):
                              rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_speculative_benchmark_smoke_run_compares_with_plain(tmp_path):
   """experiments.bench_speculative --smoke: every case times plain and speculative decoding
   of the same prompts; with the plain run's own output as history every draft is right."""
