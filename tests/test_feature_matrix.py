@@ -191,3 +191,36 @@ def test_simulated_staleness_counts_optimiser_updates_with_minibatches(tmp_path)
   launcher.run(config)
   records = _rl_records(str(tmp_path))
   assert [r["staleness"] for r in records] == [0, 2, 4, 4]
+
+
+def test_model_side_switches_compose_through_the_launcher(tmp_path):
+  """The quick tier's one run of the model-side switches together: LoRA adapters
+  (lora.rank), mixed precision (model.compute_dtype), rematerialisation (model.remat),
+  chunked log-probs (rl.logprob_chunk), several updates per batch (rl.num_minibatches)
+  and another objective (loss.name). Each reaches the run: the checkpoint's trained
+  parameters are the adapters alone over a frozen float32 base, the sampler-trainer gap
+  is bfloat16's, two updates per step, and mu_grpo's metrics. (Each switch has its own
+  slower tests of what it computes.)"""
+  from models import lora as lora_lib  # pylint: disable=import-outside-toplevel
+  from rl import checkpoint  # pylint: disable=import-outside-toplevel
+  config = tiny_run_config(tmp_path, {
+      "lora.rank": 2, "model.compute_dtype": "bfloat16", "model.remat": "full",
+      "rl.logprob_chunk": 3, "rl.num_minibatches": 2, "loss.name": "mu_grpo"})
+  launcher.run(config)
+  records = _rl_records(str(tmp_path))
+  assert len(records) == 2 and all(np.isfinite(r["loss"]) for r in records)
+  assert all(r["rollout_train_mismatch_kl"] > 1e-10 for r in records)  # bf16's gap, not 0
+  assert all("vetoed_fraction" in r for r in records)  # mu_grpo's veto ran
+  saved = json.load(open(tmp_path / "config.json"))
+  assert (saved["model"]["remat"], saved["rl"]["logprob_chunk"]) == ("full", 3)
+  manager = checkpoint.make_manager(str(tmp_path / "checkpoints"))
+  tree, meta = checkpoint.restore_tree(manager, manager.latest_step())
+  assert meta["phase"] == "rl"
+  state = tree["train"]
+  assert int(state["step"]) == 2 * config.rl.steps  # two optimiser updates per RL step
+  adapters = sum(np.asarray(x).size for x in jax.tree.leaves(state["params"]))
+  assert adapters == lora_lib.adapter_count(wiring.load_policy(config, jax.random.PRNGKey(0))[1],
+                                            wiring.lora_config(config))
+  assert all(np.asarray(x).dtype == np.float32
+             for x in jax.tree.leaves((state["params"], state["frozen"])))
+

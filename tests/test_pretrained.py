@@ -126,7 +126,6 @@ def _pretrained_run_config(tmp_path, checkpoint_spec):
   return c
 
 
-@pytest.mark.slow
 def test_launcher_trains_a_pretrained_checkpoint_and_eval_restores_it(tmp_path):
   folder = _hf_folder(tmp_path / "hf")
   c = _pretrained_run_config(tmp_path, folder)

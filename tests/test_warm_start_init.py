@@ -65,7 +65,8 @@ def test_a_stopped_run_from_a_shared_warm_start_resumes_from_its_own_checkpoint(
   whole = launcher.run(_config(tmp_path / "whole", **{"warm_start.init_from": warm_start_dir}))
   launcher.run(_config(tmp_path / "parts", **{"warm_start.init_from": warm_start_dir,
                                               "rl.steps": 1}))
-  parts = launcher.run(_config(tmp_path / "parts", **{"warm_start.init_from": warm_start_dir}))
+  parts = launcher.run(_config(tmp_path / "parts", **{"warm_start.init_from": warm_start_dir,
+                                                      "resume.allow_changes": "rl.steps"}))
   # The first launch ended with an evaluation at its last step; the training records match.
   steps = lambda workdir: [r for r in _records(workdir) if "loss" in r]
   assert steps(tmp_path / "parts") == steps(tmp_path / "whole")
