@@ -480,10 +480,10 @@ def _rl_steps(workdir):
 
 
 @pytest.mark.parametrize("overrides", [
-    pytest.param({}, marks=pytest.mark.slow),
-    {"rollout.kind": "partial", "rollout.resume": "reprefill", "rollout.num_slots": 16,
-     "rl.async_": True}],
+    {}, {"rollout.kind": "partial", "rollout.resume": "reprefill", "rollout.num_slots": 16,
+         "rl.async_": True}],
     ids=["independent", "partial-async"])
+@pytest.mark.slow
 def test_launcher_trains_with_the_adder(tmp_path, overrides):
   launcher.run(_tool_run_config(tmp_path, overrides))
   steps = _rl_steps(tmp_path)

@@ -65,6 +65,7 @@ def test_partial_run_resumed_from_checkpoint_equals_uninterrupted_run(tmp_path):
   assert rl_records[-1]["groups_in_flight"] == in_flight
 
 
+@pytest.mark.slow
 def test_async_partial_run_keeps_the_bound(tmp_path):
   config = _config(tmp_path, 4, resume="kept_kv")
   config.rl.async_ = True

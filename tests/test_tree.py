@@ -126,7 +126,9 @@ def _owners(gen, leaves):
   return {(owner(row, j), j) for row in _rows(gen) for j in range(gen.completion_len[row])}
 
 
-@pytest.mark.parametrize("policy", [ENTROPY, SEGMENTS, LOOKAHEAD], ids=lambda p: type(p).__name__)
+@pytest.mark.parametrize("policy", [
+    pytest.param(ENTROPY, marks=pytest.mark.slow), SEGMENTS,
+    pytest.param(LOOKAHEAD, marks=pytest.mark.slow)], ids=lambda p: type(p).__name__)
 def test_decoded_tokens_equal_distinct_tree_tokens(policy):
   gen = _generate(policy)
   distinct = len(_owners(gen, policy.leaves))

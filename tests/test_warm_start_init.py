@@ -60,6 +60,7 @@ def test_run_from_a_shared_warm_start_equals_one_that_trained_its_own(
   assert rl_steps == [4, 5, 6]
 
 
+@pytest.mark.slow
 def test_a_stopped_run_from_a_shared_warm_start_resumes_from_its_own_checkpoint(
     warm_start_dir, tmp_path):
   whole = launcher.run(_config(tmp_path / "whole", **{"warm_start.init_from": warm_start_dir}))
