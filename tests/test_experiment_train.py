@@ -35,7 +35,9 @@ def test_default_run_writes_metrics_plot_checkpoint_and_resumes(tmp_path):
   check_tensorboard(tmp_path, records, config_steps=[0])
 
   # Asking for more GRPO steps in the same workdir continues from the checkpoint at step 5.
-  summary = train_launcher.run(tiny_config(tmp_path, steps=4))
+  longer = tiny_config(tmp_path, steps=4)
+  longer.resume.allow_changes = "rl.steps"  # a meant change, named on relaunch
+  summary = train_launcher.run(longer)
   assert summary["steps"] == 7
   records = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6, 7]

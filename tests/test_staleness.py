@@ -169,7 +169,7 @@ def test_launcher_runs_and_resumes_with_simulated_staleness(tmp_path):
     return tiny_run_config(tmp_path, {
         "task.eval_size": 8, "eval.batch_size": 8, "warm_start.steps": 2,
         "warm_start.batch_size": 4, "rollout.group_size": 2, "rl.steps": steps,
-        "rl.staleness": 2, "loss.name": "m2po"})
+        "rl.staleness": 2, "loss.name": "m2po", "resume.allow_changes": "rl.steps"})
 
   launcher.run(config(3))
   summary = launcher.run(config(4))

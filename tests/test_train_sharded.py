@@ -49,7 +49,8 @@ def test_sharded_run_matches_single_device_run(overrides, tmp_path):
         assert g[key] == value, key
   assert os.path.exists(os.path.join(sharded, "summary.json"))
   if overrides:  # the RL checkpoint restores into the sharded layout and training goes on
-    longer = _config(sharded, 2, 2, 2, dict(overrides, **{"rl.steps": 2}))
+    longer = _config(sharded, 2, 2, 2, dict(overrides, **{"rl.steps": 2,
+                                                          "resume.allow_changes": "rl.steps"}))
     assert launcher.run(longer)["steps"] == 3
 
 
