@@ -38,6 +38,7 @@ from rl.rollouts import partial as partial_rollout
 from rl.rollouts import producers
 from rl.rollouts import selection
 from rl.rollouts import turns as turns_lib
+from rl.tasks import dataset as dataset_task
 from sampling import sampler as sampler_lib
 from sampling import speculative
 from sharding import mesh as mesh_lib
@@ -399,7 +400,9 @@ WARM_START_FIELDS = ("seed", "task", "model", "warm_start", "rollout.prompt_len"
 # Fields of WARM_START_FIELDS added after runs were made: a config.json without one was
 # trained with its default.
 _ADDED_WARM_START_DEFAULTS = {"model.compute_dtype": "", "tools.name": "",
-                              "task.difficulty.tool_share": 0.0}
+                              "task.difficulty.tool_share": 0.0,
+                              **{f"task.{field}": default for field, default
+                                 in dataset_task.CONFIG_DEFAULTS.items()}}
 
 
 def _flat(value, prefix: str) -> dict:
@@ -455,9 +458,12 @@ def check_warm_start_source(config: ml_collections.ConfigDict) -> None:
 
 def build_task(config: ml_collections.ConfigDict):
   """The run's task: config.task.name with its prompt style, seed, eval_size and difficulty
-  fields (rl.tasks.make_task; a bad field or value is a ValueError naming it)."""
+  fields, and for the dataset task its files and fields (config.task.path, ...;
+  rl.tasks.dataset.config_settings, which refuses them set for another task). A bad field
+  or value is a ValueError naming it (rl.tasks.make_task)."""
+  files = dataset_task.config_settings(config.task)
   return tasks.make_task(config.task.name, config.task.prompt_style, seed=config.seed,
-                         eval_size=config.task.eval_size, **config.task.difficulty)
+                         eval_size=config.task.eval_size, **files, **config.task.difficulty)
 
 
 def build_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh | None:

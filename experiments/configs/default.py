@@ -27,9 +27,10 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.task = ml_collections.ConfigDict()
   c.task.name = "running_sum"         # running_sum (rl/tasks/running_sum.py), gsm_symbolic (math
-                                      # word problems, rl/tasks/gsm.py; configs/smollm2_gsm.py) or
-                                      # a reasoning-gym dataset (rl/tasks/gym.py;
-                                      # configs/chain_sum_compact.py)
+                                      # word problems, rl/tasks/gsm.py; configs/smollm2_gsm.py),
+                                      # dataset (a local file, rl/tasks/dataset.py;
+                                      # docs/datasets.md) or a reasoning-gym dataset
+                                      # (rl/tasks/gym.py; configs/chain_sum_compact.py)
   c.task.prompt_style = "compact"     # "compact" ("4-1=") for the char tokenizer; "full"
   c.task.eval_size = 500              # held-out items (greedy exact match)
   # The task's difficulty fields (running_sum: rl/tasks/running_sum.py Difficulty; gsm_symbolic:
@@ -38,6 +39,20 @@ def get_config() -> ml_collections.ConfigDict:
       min_steps=1, max_steps=9, length_tail=1.9, digits=7, step=5,
       teacher_carry_slip=(0.55, 0.9), state_credit=0.0, tool_share=0.0))
   c.task.train_pool = 0               # GRPO cycles over train positions [0, pool) (0 = unbounded)
+  # The dataset task's files and fields (task.name = "dataset"; docs/datasets.md): another
+  # task refuses any of them changed from its default. Its difficulty must be empty
+  # (--config.task.difficulty={} on this config).
+  c.task.path = ""                    # JSON Lines (one object per line) or Parquet file of rows
+  c.task.eval_path = ""               # held-out rows' file ("" = hold out eval_size rows of
+                                      # path: those whose prompt has the smallest SHA-256)
+  c.task.prompt_field = "question"    # the rows' field holding the question text
+  c.task.answer_field = "answer"      # the rows' field holding the reference answer: a GSM8K
+                                      # solution ending "#### 42", a \boxed{} solution, a number
+                                      # or a LaTeX answer
+  c.task.instruction = config_dict.placeholder(str)  # {instruction} in the template (unset:
+                                      # rl/tasks/gsm.py DEFAULT_INSTRUCTION; "" = none)
+  c.task.template = "{question} {instruction}"  # the prompt ({question}: the prompt field's
+                                      # text), spaces stripped
 
   c.model = ml_collections.ConfigDict()
   c.model.preset = "tiny2"            # models/config.py PRESETS (two layers, RoPE base 100)

@@ -7,6 +7,8 @@ the `TASKS` registry (config.task.name):
   verifiable task where RL from a warm start measurably helps;
 - `gsm_symbolic` (`rl.tasks.gsm`): GSM8K-style word problems scored on the final answer
   of a chain of thought (`rl.tasks.math_answer`);
+- `dataset` (`rl.tasks.dataset`): problems from a local JSONL or Parquet file (GSM8K,
+  MATH-500, your own), scored as gsm_symbolic is (docs/datasets.md);
 - reasoning-gym datasets (`rl.tasks.gym`): chain_sum, basic_arithmetic, countdown (scored
   by `rl.tasks.countdown`'s safe verifier), and any other dataset `register_task` adds.
 
@@ -19,7 +21,10 @@ from rl.tasks import running_sum  # registers running_sum
 from rl.tasks.base import PROMPT_STYLES, TASKS, Example, Task, make_task, task_names
 from rl.tasks.gym import ReasoningGymTask, parse_completion, register_task
 
-TASK_NAMES = task_names()  # the built-in tasks
+TASK_NAMES = task_names()  # the built-in tasks that build from their defaults alone
+
+# pylint: disable=wrong-import-position
+from rl.tasks import dataset  # registers dataset: built in, but it needs a file (config.task.path)
 
 __all__ = ["PROMPT_STYLES", "TASKS", "TASK_NAMES", "Example", "ReasoningGymTask", "Task",
            "make_task", "parse_completion", "register_task", "task_names"]

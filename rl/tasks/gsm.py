@@ -50,7 +50,6 @@ DEFAULT_INSTRUCTION = ("Solve the problem step by step. At the end, write the fi
 _EVAL_SEED_OFFSET = 2**62
 _TRAIN_SEED_STRIDE = 2**40
 _MAX_TRAIN_DRAWS = 64
-_EOS_MARKERS = ("<|endoftext|>", "<|im_end|>", "</s>")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,16 +89,11 @@ def question_key(entry: dict) -> str:
 
 def reference_solution(entry: dict) -> str:
   """The generator's worked solution with its '#### n' line replaced by '\\boxed{n}'."""
-  cot = entry["metadata"].get("answer_cot") or ""
-  steps = cot[:cot.rfind("####")] if "####" in cot else cot
-  return (steps.rstrip() + "\n" if steps.strip() else "") + f"\\boxed{{{entry['answer']}}}"
+  return math_answer.solution_with_box(entry["metadata"].get("answer_cot") or "",
+                                       entry["answer"])
 
 
-def until_eos(completion: str) -> str:
-  """The completion up to the first end-of-sequence marker left in decoded text."""
-  for marker in _EOS_MARKERS:
-    completion = completion.split(marker, 1)[0]
-  return completion
+until_eos = math_answer.until_eos  # the completion up to the first end-of-sequence marker
 
 
 @functools.lru_cache(maxsize=64)  # the worker asks reward, then exact_match, of each completion

@@ -10,7 +10,8 @@ it in the whole completion. `extract_answer` takes, in this order of precedence:
   3. `number`: else the last number in the text (`1,234`, `-5`, `2.5`, `3/4`, `\\frac{3}{4}`,
      `75%`); none at all is no answer.
 
-`equivalent(answer, gold)` compares an answer with a numeric reference. A plain numeral
+`equivalent(answer, gold)` compares an answer with a numeric reference (`matches_reference`
+also takes a LaTeX one, such as MATH's `\\frac{\\pi}{2}`: math-verify parses it). A plain numeral
 (after removing `\\$`, `\\text{...}` units, thousands commas, a trailing period, `x =`) is
 read exactly by `parse_number` into a Fraction (so "0.75", "3/4", "\\dfrac{3}{4}" are equal
 and "75%" is 75: GSM answers give a percentage as its number); anything else in a box
@@ -55,6 +56,7 @@ VERIFY_TIMEOUT_S = 1.0  # wall-clock seconds for math-verify's parse and compari
 _REPEAT_S = 0.05        # the alarm fires again this often until the call has ended
 
 SOURCES = ("boxed", "####", "number")
+EOS_MARKERS = ("<|endoftext|>", "<|im_end|>", "</s>")  # end-of-sequence text a decode may keep
 _MAX_BOX_TRIES = 16      # boxes tried, from the last one back
 _NUMBER_WINDOW = 2 * MAX_ANSWER_CHARS  # characters around the last digit searched for it
 
@@ -104,10 +106,11 @@ def last_boxed(text: str) -> str | None:
   return None
 
 
-def _braced(text: str, start: int) -> str | None:
+def _braced(text: str, start: int, limit: int | None = MAX_ANSWER_CHARS) -> str | None:
   """The text from `start` up to the brace closing the one before it, or None when it does
-  not close within MAX_ANSWER_CHARS characters."""
-  depth, i, end = 1, start, min(len(text), start + MAX_ANSWER_CHARS + 1)
+  not close within `limit` characters (None: anywhere)."""
+  end = len(text) if limit is None else min(len(text), start + limit + 1)
+  depth, i = 1, start
   while i < end:
     char = text[i]
     if char == "\\":
@@ -145,6 +148,13 @@ def last_number(text: str) -> str | None:
   return last.group(0) if last else None
 
 
+def until_eos(completion: str) -> str:
+  """The completion up to the first end-of-sequence marker left in decoded text."""
+  for marker in EOS_MARKERS:
+    completion = completion.split(marker, 1)[0]
+  return completion
+
+
 def extract_answer(text: str) -> Answer | None:
   """The final answer of a completion: last box, else last '####' line, else last number."""
   for source, find in (("boxed", last_boxed), ("####", after_last_hashes),
@@ -153,6 +163,30 @@ def extract_answer(text: str) -> Answer | None:
     if found is not None:
       return Answer(found, source)
   return None
+
+
+def reference_answer(text: str) -> str | None:
+  """The final answer of a trusted reference text (a data set's answer field): the rest of
+  the last '####' line (GSM8K's worked solutions), else the content of the last closing
+  \\boxed{...} (any length: MATH's solutions), else the whole text; stripped, None when empty.
+  A bare answer ('42', '\\frac{3}{4}') is its own final answer."""
+  position = text.rfind(_HASHES)
+  if position >= 0:
+    line = text[position + len(_HASHES):].split("\n", 1)[0].strip()
+    if line:
+      return line
+  for opening in list(_BOX_OPEN.finditer(text))[::-1]:
+    content = _braced(text, opening.end(), limit=None)
+    if content and content.strip():
+      return content.strip()
+  return text.strip() or None
+
+
+def solution_with_box(solution: str, answer: str) -> str:
+  """A worked solution ending in \\boxed{answer}: its text before the last '####' marker (all
+  of it when there is none), then the box on a line of its own."""
+  steps = solution[:solution.rfind(_HASHES)] if _HASHES in solution else solution
+  return (steps.rstrip() + "\n" if steps.strip() else "") + f"\\boxed{{{answer}}}"
 
 
 def clean(text: str) -> str:
@@ -253,6 +287,34 @@ def equivalent(answer: Answer, gold: str) -> bool:
     raise ValueError(f"Reference answer {gold!r} is not a numeral; the math task compares "
                      "numeric answers only.")
   return _within(VERIFY_TIMEOUT_S, _equals, answer, reference)
+
+
+def matches_reference(answer: Answer, gold: str) -> bool:
+  """True when `answer` equals the trusted reference `gold`, as math-verify decides: a gold
+  that is a plain numeral once cleaned (`clean`; '1,234', '\\$18', '75\\%', '\\frac{3}{4}'; no
+  '=') is compared exactly as `equivalent` compares it; any other gold ('\\sqrt{2}',
+  '(3, \\frac{\\pi}{2})', 'x^2+1') is read by math-verify's LaTeX parser and compared with what
+  it reads from the answer. TimeoutError when the whole check takes more than
+  VERIFY_TIMEOUT_S."""
+  number = None if "=" in gold else parse_number(clean(gold))
+  if number is not None:
+    return _within(VERIFY_TIMEOUT_S, _equals, answer, number)
+  return _within(VERIFY_TIMEOUT_S, _equals_latex, answer, gold)
+
+
+@functools.lru_cache(maxsize=256)
+def _parsed_reference(gold: str) -> list:
+  """What math-verify's LaTeX parser reads from a reference (empty: nothing)."""
+  return parse("\\boxed{" + gold + "}", extraction_config=[LatexExtractionConfig()],
+               parsing_timeout=None)
+
+
+def _equals_latex(answer: Answer, gold: str) -> bool:
+  reference = _parsed_reference(gold)
+  target = _as_verifiable(answer)
+  if not reference or (isinstance(target, list) and not target):
+    return False
+  return bool(verify(reference, target, timeout_seconds=None))
 
 
 def _equals(answer: Answer, reference: fractions.Fraction) -> bool:
