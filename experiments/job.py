@@ -90,19 +90,21 @@ class Job:
     the source commit and the hash of its uncommitted code, the config's fingerprint)."""
     config = self.config
     latest = self.manager.latest_step()
-    allowed = {}
+    allowed, previous = {}, None
     if latest is not None:
       if not config.resume.enabled:
         raise ValueError(f"config.resume.enabled=False but {config.workdir} already holds "
                          f"checkpoints (latest step {latest}); use a new config.workdir or "
                          "resume.enabled=True.")
-      allowed = provenance.check_resume(config, provenance.read_launches(config.workdir))
+      launches = provenance.read_launches(config.workdir)
+      allowed = provenance.check_resume(config, launches)
+      previous = launches[-1] if launches else None
     if self.primary:
       with open(os.path.join(config.workdir, "config.json"), "w") as f:
         f.write(self.config_json)
       source = provenance.source_state(os.path.dirname(os.path.dirname(__file__)))
       provenance.append_launch(config.workdir,
-                               provenance.launch_record(config, source, allowed))
+                               provenance.launch_record(config, source, allowed, previous))
 
   def new_train_state(self, params, phase: str):
     """The fresh TrainState of `phase` over `params` (`rl.wiring.new_train_state`)."""

@@ -107,12 +107,12 @@ def fingerprint(config) -> str:
 
 
 def changed_fields(before: dict, after: dict) -> dict[str, tuple]:
-  """{path: (before's value, after's value)} for each field whose values differ (a field
-  only one side has counts, with the missing side's value shown as "<absent>")."""
-  absent = "<absent>"
-  return {path: (before.get(path, absent), after.get(path, absent))
-          for path in sorted(set(before) | set(after))
-          if before.get(path, absent) != after.get(path, absent)}
+  """{path: (before's value, after's value)} for each field both sides have whose values
+  differ. A field only one side has is a field the code added or removed between the two
+  launches (`launch_record` lists them as not compared): its default is taken to be what
+  the older code did, so it alone does not refuse a resume."""
+  return {path: (before[path], after[path]) for path in sorted(set(before) & set(after))
+          if before[path] != after[path]}
 
 
 def allowed_changes(config) -> tuple[str, ...]:
@@ -161,15 +161,20 @@ def check_resume(config, launches: list[dict]) -> dict[str, tuple]:
   return changes
 
 
-def launch_record(config, source: dict, allowed: dict[str, tuple]) -> dict:
+def launch_record(config, source: dict, allowed: dict[str, tuple],
+                  previous: dict | None = None) -> dict:
   """One line of launches.jsonl: when, the command line, the source tree (commit and the
   hash of its uncommitted code), the fingerprint and result fields, the changes this launch
-  was allowed to make, and the whole resolved config."""
+  was allowed to make, the fields that `previous` (the launch it resumes) lacks or has
+  beyond this config's (not compared: the code changed), and the whole resolved config."""
+  fields = result_fields(config)
+  not_compared = ([] if previous is None else
+                  sorted(set(fields) ^ set(previous["result_fields"])))
   return {"time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
           "argv": list(sys.argv), "commit": commit_label(source),
           "fingerprint": fingerprint(config), "allowed_changes": {
               path: list(values) for path, values in allowed.items()},
-          "result_fields": result_fields(config),
+          "fields_not_compared": not_compared, "result_fields": fields,
           "config": json.loads(config.to_json_best_effort())}
 
 

@@ -236,3 +236,19 @@ def test_a_checkpoint_of_the_older_layout_is_refused_with_the_way_out(tmp_path):
   with pytest.raises(ValueError, match="older Arbor .* start a new config.workdir"):
     launcher.run(config)
   assert not any(name.endswith(".corrupt") for name in os.listdir(tmp_path / "checkpoints"))
+
+
+def test_a_field_added_since_the_recorded_launch_is_not_compared(tmp_path):
+  """Code that gained a config field since a run was launched still resumes it (the new
+  field's default is taken to be what the older code did); the new launch lists the field
+  as not compared. A field both launches have is still compared."""
+  config = _tiny_config(tmp_path)
+  older = provenance.launch_record(config, {"commit": "abc", "dirty": False,
+                                            "diff_sha256": "", "diff": ""}, {})
+  del older["result_fields"]["task.template"]  # launched before the field existed
+  assert provenance.check_resume(config, [older]) == {}
+  record = provenance.launch_record(config, provenance.source_state(), {}, older)
+  assert record["fields_not_compared"] == ["task.template"]
+  config.rl.learning_rate = 0.5
+  with pytest.raises(ValueError, match="config.rl.learning_rate: .* -> 0.5"):
+    provenance.check_resume(config, [older])
