@@ -85,3 +85,19 @@ def save_bpe_tokenizer(path, add_bos: bool) -> transformers.PreTrainedTokenizerF
   fast.chat_template = CHAT_TEMPLATE
   fast.save_pretrained(path)
   return transformers.PreTrainedTokenizerFast.from_pretrained(path)
+
+
+def save_tiny_hf_model(path, family: str, add_bos: bool, max_position_embeddings: int = 256):
+  """A tiny random `family` ("llama" or "qwen2") causal LM (one layer, width 32) with the
+  `save_bpe_tokenizer` tokenizer, saved to `path` as Hugging Face saves it; returns `path`."""
+  tokenizer = save_bpe_tokenizer(path, add_bos=add_bos)
+  config_class, model_class = {
+      "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+      "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}[family]
+  config = config_class(
+      vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+      num_attention_heads=2, num_key_value_heads=1,
+      max_position_embeddings=max_position_embeddings, tie_word_embeddings=True,
+      bos_token_id=0, eos_token_id=1, pad_token_id=2)
+  model_class(config).save_pretrained(path)
+  return path

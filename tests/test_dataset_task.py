@@ -390,16 +390,10 @@ def test_the_launcher_reads_the_dataset_flags_and_refuses_before_any_work(tmp_pa
 @pytest.fixture(scope="module")
 def qwen2_folder(tmp_path_factory):
   """A tiny random Qwen2 model with a byte-level BPE tokenizer, as Hugging Face saves it."""
-  import transformers  # pylint: disable=import-outside-toplevel
-  from tests.hf_reference import save_bpe_tokenizer  # pylint: disable=import-outside-toplevel
-  path = tmp_path_factory.mktemp("qwen2")
-  tokenizer = save_bpe_tokenizer(path, add_bos=False)  # Qwen prepends no BOS
-  config = transformers.Qwen2Config(
-      vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-      tie_word_embeddings=True, bos_token_id=0, eos_token_id=1, pad_token_id=2)
-  transformers.Qwen2ForCausalLM(config).save_pretrained(path)
-  return path
+  from tests.hf_reference import save_tiny_hf_model  # pylint: disable=import-outside-toplevel
+  # Qwen prepends no BOS.
+  return save_tiny_hf_model(tmp_path_factory.mktemp("qwen2"), "qwen2", add_bos=False,
+                            max_position_embeddings=512)
 
 
 def test_the_qwen_recipe_validates_and_reads_gsm8k_files(tmp_path, qwen2_folder):

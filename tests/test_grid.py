@@ -174,15 +174,21 @@ def _git(*args, cwd):
                         check=True, capture_output=True, text=True).stdout.strip()
 
 
+def _committed_repo(path, files: dict[str, str]) -> str:
+  """A git repository at `path` holding `files` ({relative path: text}) in one commit; its
+  commit hash."""
+  _git("init", "-q", cwd=path)
+  for name, text in files.items():
+    (path / name).parent.mkdir(parents=True, exist_ok=True)
+    (path / name).write_text(text)
+  _git("add", ".", cwd=path)
+  _git("commit", "-qm", "x", cwd=path)
+  return _git("rev-parse", "HEAD", cwd=path)
+
+
 def test_source_state_names_the_commit_and_hashes_uncommitted_code(tmp_path):
   assert provenance.source_state(str(tmp_path))["commit"] == "unknown"  # not a checkout
-  _git("init", "-q", cwd=tmp_path)
-  (tmp_path / "f.py").write_text("a = 1\n")
-  (tmp_path / "docs").mkdir()
-  (tmp_path / "docs" / "page.md").write_text("x\n")
-  _git("add", ".", cwd=tmp_path)
-  _git("commit", "-qm", "x", cwd=tmp_path)
-  head = _git("rev-parse", "HEAD", cwd=tmp_path)
+  head = _committed_repo(tmp_path, {"f.py": "a = 1\n", "docs/page.md": "x\n"})
   clean = provenance.source_state(str(tmp_path))
   assert clean == {"commit": head, "dirty": False, "diff_sha256": "", "diff": ""}
   assert provenance.commit_label(clean) == head
@@ -209,13 +215,7 @@ def test_a_cell_records_the_commit_it_started_from_and_its_diff(tmp_path):
   tree is refused unless --allow_dirty."""
   repo = tmp_path / "repo"
   repo.mkdir()
-  _git("init", "-q", cwd=repo)
-  (repo / "code.py").write_text("x = 1\n")
-  (repo / "results").mkdir()
-  (repo / "results" / "README").write_text("committed results\n")
-  _git("add", ".", cwd=repo)
-  _git("commit", "-qm", "one", cwd=repo)
-  first = _git("rev-parse", "HEAD", cwd=repo)
+  first = _committed_repo(repo, {"code.py": "x = 1\n", "results/README": "committed results\n"})
   hold = tmp_path / "release"
   spec = write_spec(tmp_path, [stand_in("c", 1.0, hold, seed=1)])
 

@@ -18,19 +18,13 @@ from experiments.configs import chain_sum_compact
 from models import gguf_checkpoint
 from models import hf_checkpoint
 from models.pretrained import load_pretrained
-from tests.hf_reference import save_bpe_tokenizer
+from tests.hf_reference import save_tiny_hf_model
 from rl import wiring
 
 
 def _hf_folder(path):
   """A tiny random Llama with a byte-level BPE tokenizer and chat template, as HF saves it."""
-  reference = save_bpe_tokenizer(path, add_bos=True)
-  config = transformers.LlamaConfig(
-      vocab_size=len(reference), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
-      tie_word_embeddings=True, bos_token_id=0, eos_token_id=1, pad_token_id=2)
-  transformers.LlamaForCausalLM(config).save_pretrained(path)
-  return path
+  return save_tiny_hf_model(path, "llama", add_bos=True)
 
 
 def test_load_pretrained_dispatches_on_the_spec(tmp_path):
