@@ -70,14 +70,12 @@ _BATCHES = flags.DEFINE_list("batch_sizes", ["16", "64"], "B1 batch sizes.")
 _NEW_TOKENS = flags.DEFINE_list("new_tokens", ["64", "256", "1024"], "B1 completion lengths.")
 _LONG_TAIL = flags.DEFINE_integer("long_tail_batch", 64, "Rows of the long-tailed batch (0: skip).")
 _ROUNDS = flags.DEFINE_integer("rounds", 1, "Rounds of (Arbor, peers), order alternating.")
-_PEER_ENVS = flags.DEFINE_string("peer_envs", "runs/peer_envs", "Where peer virtualenvs live.")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "", "Time these weights (HF folder, .gguf or "
                                   "'smollm2'; Arbor and the torch peer) instead of the B1 "
                                   "decoder.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 16, "Prompt tokens per row.")
 _TEMPERATURES = flags.DEFINE_list("temperatures", ["0", "1"], "Sampling temperatures (0: greedy).")
-_PEER_WEIGHTS = flags.DEFINE_string("peer_weights", "runs/peer_weights",
-                                    "Where --checkpoint's weights are written for the peers.")
+_PEER_ENVS, _PEER_WEIGHTS = peers.location_flags()
 
 
 def peak_bytes(compiled) -> int:

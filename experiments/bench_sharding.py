@@ -18,11 +18,11 @@ from absl import app
 from absl import flags
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from models import transformer
 from models.config import get_preset
+from rl.objectives import losses
 from rl.rollouts import batches as rollout_lib
 from rl import train
 from rl.types import Rollout
@@ -57,9 +57,7 @@ def main(argv):
   model_config = get_preset(_PRESET.value, max_seq_len=seq)
   mesh = mesh_lib.make_mesh(mesh_lib.MeshConfig(_DATA.value, _FSDP.value, _TENSOR.value))
   optimizer = train.make_optimizer(1e-4)
-  loss_config = ml_collections.FrozenConfigDict(dict(
-      name="grpo", eps_low=0.2, eps_high=0.2, aggregation="token_mean", norm_len=1.0,
-      kl_coef=0.0))
+  loss_config = losses.LossSettings(name="grpo", aggregation="token_mean")
   rng = np.random.default_rng(0)
   b, p = _BATCH.value, _PROMPT_LEN.value
   completion = np.zeros((b, seq), bool)

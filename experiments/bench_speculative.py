@@ -127,9 +127,10 @@ def testbed_part(workdir: str, repeats: int) -> list[dict]:
   """The RL batch of the default run, sampled by the policy in `workdir`."""
   import ml_collections  # pylint: disable=import-outside-toplevel
   import json  # pylint: disable=import-outside-toplevel
+  from rl import policy  # pylint: disable=import-outside-toplevel
   from rl import wiring  # pylint: disable=import-outside-toplevel
   from rl.rollouts import batches  # pylint: disable=import-outside-toplevel
-  tokenizer, model_config, params = wiring.run_policy(workdir)
+  tokenizer, model_config, params = policy.run_policy(workdir)
   with open(os.path.join(workdir, "config.json")) as f:
     run = ml_collections.ConfigDict(json.load(f))
   task = wiring.build_task(run)
@@ -152,8 +153,8 @@ def testbed_part(workdir: str, repeats: int) -> list[dict]:
 
 def profile_part(workdir: str, iterations: int = 100) -> dict:
   """Milliseconds per call of a speculative step's pieces on the policy in `workdir`."""
-  from rl import wiring  # pylint: disable=import-outside-toplevel
-  _, config, params = wiring.run_policy(workdir)
+  from rl import policy  # pylint: disable=import-outside-toplevel
+  _, config, params = policy.run_policy(workdir)
   batch, slots, k = 64, config.max_seq_len, 4
   layers = transformer.unstack_layers(params, config, slots + k)
   cache = transformer.to_decode_cache(transformer.init_cache(config, batch, slots + k))

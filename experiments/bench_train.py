@@ -52,16 +52,17 @@ from absl import app
 from absl import flags
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from experiments import peers
-from experiments.measure import load, matmul_peak_flops, timed, write_results
+from experiments.decode_cost import train_flops_per_token
+from experiments.measure import load, matmul_peak_flops, random_rollout, timed, write_results
 from experiments.peers import PEER_LABELS, peer_shape
 from models import lora as lora_lib
 from models import transformer
 from models.config import ModelConfig, get_preset
 from rl.objectives import advantages
+from rl.objectives import losses
 from rl import loop
 from rl import train
 from rl.rollouts import producers
@@ -73,48 +74,17 @@ _SMOKE = flags.DEFINE_bool("smoke", False, "Tiny shapes, one repetition (for CI)
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repetitions per case (best is reported).")
 _OUT = flags.DEFINE_string("out", "runs/bench_train", "Output directory.")
 _PEERS = flags.DEFINE_list("peers", ["tunix", "torch"], "Peers to run (tunix, torch); empty: none.")
-_PEER_ENVS = flags.DEFINE_string("peer_envs", "runs/peer_envs", "Where peer virtualenvs live.")
 _ONLY = flags.DEFINE_enum("only", "", ["", "lora", "distill"],
                           "Run one measurement alone (lora: item 5; distill: item 6).")
 _LORA_RANKS = flags.DEFINE_list("lora_ranks", ["8", "64"], "Adapter ranks of the LoRA cases.")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "", "B8: time the GRPO step alone on these "
                                   "weights (HF folder, .gguf or 'smollm2'), Arbor vs TRL.")
-_PEER_WEIGHTS = flags.DEFINE_string("peer_weights", "runs/peer_weights",
-                                    "Where --checkpoint's weights are written for the peers.")
+_PEER_ENVS, _PEER_WEIGHTS = peers.location_flags()
 _ROUNDS = flags.DEFINE_integer("rounds", 1, "--checkpoint: rounds of (Arbor, peers), order "
                                "alternating; each side's best round is reported.")
 
 GRPO_LABELS = dict(PEER_LABELS, torch="TRL")  # the torch peer's GRPO step is TRL's trainer
-GRPO = ml_collections.FrozenConfigDict(dict(
-    name="grpo", eps_low=0.2, eps_high=0.2, aggregation="seq_mean_token_mean", norm_len=1.0,
-    kl_coef=0.0))
-
-
-def train_flops_per_token(config: ModelConfig, context: float) -> float:
-  """Matmul FLOPs of forward + backward (3x forward) per token at mean `context`."""
-  c = config
-  attn_proj = c.d_model * (2 * c.n_heads + 2 * c.n_kv_heads) * c.head_dim
-  mlp = 3 * c.d_model * c.mlp_dim
-  attention = 2 * c.n_heads * c.head_dim * context
-  return 3 * 2 * (c.n_layers * (attn_proj + mlp + attention) + c.d_model * c.vocab_size)
-
-
-def random_rollout(config: ModelConfig, groups: int, group_size: int, prompt_len: int,
-                   completion_len: int, seed: int = 0) -> Rollout:
-  """Groups of `group_size` rows sharing a random full-length prompt, random completions."""
-  rng = np.random.default_rng(seed)
-  size, length = groups * group_size, prompt_len + completion_len
-  prompts = np.repeat(rng.integers(3, config.vocab_size, (groups, prompt_len)), group_size, 0)
-  completions = rng.integers(3, config.vocab_size, (size, completion_len))
-  completion_mask = np.arange(length)[None].repeat(size, 0) >= prompt_len
-  adv = rng.normal(size=(size, 1)) * completion_mask
-  return Rollout(
-      tokens=jnp.asarray(np.concatenate([prompts, completions], 1), jnp.int32),
-      prompt_mask=jnp.asarray(~completion_mask), completion_mask=jnp.asarray(completion_mask),
-      behavior_logp=jnp.asarray(-7.0 * completion_mask, jnp.float32),
-      version=jnp.zeros((size, length), jnp.int32),
-      group=jnp.repeat(jnp.arange(groups), group_size), reward=jnp.zeros((size,)),
-      advantages=jnp.asarray(adv, jnp.float32))
+GRPO = losses.LossSettings(name="grpo")
 
 
 def time_train_step(config: ModelConfig, batch: Rollout, repeats: int,

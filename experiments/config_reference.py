@@ -1,4 +1,5 @@
-"""Generate docs/configuration.md from the comments in experiments/configs/default.py.
+"""Generate docs/configuration.md from experiments/configs/default.py and the settings
+classes it takes sections from.
 
     python -m experiments.config_reference            # rewrite docs/configuration.md
     python -m experiments.config_reference --check    # exit 1 if the doc is out of date
@@ -8,6 +9,8 @@ the field's dotted name, its default (the value `get_config()` returns) and the 
 A comment continues on the following comment-only lines indented past the statement; a
 comment block just above a statement is put in front of its description. An assignment
 of an empty `ConfigDict()` opens a section (its comment, if any, introduces the section).
+A section assigned from a settings class (`c.loss = loss.LossSettings.config_section()`,
+rl/settings/) is documented from the class: a row per field, with the field's `doc`.
 tests/test_docs.py checks that the doc is current and that every field has a comment.
 """
 
@@ -29,10 +32,12 @@ DOC_PATH = os.path.join(_REPO, "docs", "configuration.md")
 
 @dataclasses.dataclass
 class Entry:
-  """One assignment in get_config(): `name` without the leading 'c.'."""
+  """One assignment in get_config(): `name` without the leading 'c.'; `settings` the
+  dotted name of the settings class a section is taken from ("losses.LossSettings")."""
   name: str
   is_section: bool
   description: str
+  settings: str = ""
 
 
 def _target_name(node: ast.expr) -> str | None:
@@ -46,11 +51,38 @@ def _target_name(node: ast.expr) -> str | None:
   return ".".join(reversed(parts))
 
 
+def _settings_class(value: ast.expr) -> str:
+  """'losses.LossSettings' for `losses.LossSettings.config_section()`, else ''."""
+  if (isinstance(value, ast.Call) and isinstance(value.func, ast.Attribute)
+      and value.func.attr == "config_section"):
+    return ast.unparse(value.func.value)
+  return ""
+
+
+def _is_settings_update(statement: ast.stmt) -> bool:
+  """`c.<section>.update(<Settings class>.config_section())`: fields of a settings class
+  added to a section that has others."""
+  return (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Call)
+          and isinstance(statement.value.func, ast.Attribute)
+          and statement.value.func.attr == "update" and len(statement.value.args) == 1
+          and bool(_settings_class(statement.value.args[0])))
+
+
 def _is_empty_config_dict(value: ast.expr) -> bool:
   if not isinstance(value, ast.Call) or value.args or value.keywords:
     return False
   func = value.func
   return getattr(func, "attr", getattr(func, "id", None)) == "ConfigDict"
+
+
+def _comments_above(statement: ast.stmt, comments: dict, lines: list[str]) -> list[str]:
+  """The comment block directly above a statement, at its indentation."""
+  above, line = [], statement.lineno - 1
+  while (line in comments and lines[line - 1].strip().startswith("#")
+         and comments[line][0] == statement.col_offset):
+    above.insert(0, comments[line][1])
+    line -= 1
+  return above
 
 
 def parse_entries(source: str) -> list[Entry]:
@@ -64,18 +96,19 @@ def parse_entries(source: str) -> list[Entry]:
                   if isinstance(n, ast.FunctionDef) and n.name == "get_config")
   entries = []
   for statement in function.body:
+    if _is_settings_update(statement):  # c.task.update(dataset.DatasetSettings.config_section()), rl/settings/dataset.py
+      call = statement.value
+      entries.append(Entry(name=_target_name(call.func.value), is_section=False,
+                           description=" ".join(_comments_above(statement, comments, lines)),
+                           settings=_settings_class(call.args[0])))
+      continue
     if not isinstance(statement, ast.Assign) or len(statement.targets) != 1:
       continue
     name = _target_name(statement.targets[0])
     if name is None:
       continue
     first, last = statement.lineno, statement.end_lineno
-    # A comment block directly above, at the statement's indentation.
-    above, line = [], first - 1
-    while (line in comments and lines[line - 1].strip().startswith("#")
-           and comments[line][0] == statement.col_offset):
-      above.insert(0, comments[line][1])
-      line -= 1
+    above = _comments_above(statement, comments, lines)
     # Comments on the statement's own lines, then comment-only lines indented past it.
     own = [comments[l][1] for l in range(first, last + 1) if l in comments]
     line = last + 1
@@ -83,8 +116,9 @@ def parse_entries(source: str) -> list[Entry]:
            and comments[line][0] > statement.col_offset):
       own.append(comments[line][1])
       line += 1
-    entries.append(Entry(name=name, is_section=_is_empty_config_dict(statement.value),
-                         description=" ".join(above + own)))
+    settings = _settings_class(statement.value)
+    entries.append(Entry(name=name, is_section=_is_empty_config_dict(statement.value) or
+                         bool(settings), description=" ".join(above + own), settings=settings))
   return entries
 
 
@@ -92,6 +126,14 @@ def _lookup(config, name: str):
   for part in name.split("."):
     config = config[part]
   return config
+
+
+def _settings_rows(entry: Entry) -> list[tuple[str, str]]:
+  """(field name, doc) of the settings class a section is taken from."""
+  cls = default
+  for part in entry.settings.split("."):
+    cls = getattr(cls, part)
+  return [(f"{entry.name}.{field}", doc) for field, _, doc in cls.docs()]
 
 
 def _format_value(value) -> str:
@@ -116,7 +158,8 @@ def render(source: str | None = None) -> str:
          "or write a config file that starts from `default.get_config()` and pass it with",
          "`--config=path/to/file.py`.", "",
          "The launcher validates the whole config up front, before it loads a model or takes",
-         "a step (`rl/wiring.py` `validate`): every size must be positive and every",
+         "a step (`rl/wiring.py` `validate`, which runs `RunSettings.check` of",
+         "`rl/settings/run.py`): every size must be positive and every",
          "rate or bound in its range, and every name (task, model preset, objective,",
          "aggregation, corrections, proximal estimate, advantage estimator, tree policy and",
          "advantage, selection kind) must be one its registry knows; a bad value is a",
@@ -130,11 +173,21 @@ def render(source: str | None = None) -> str:
       out += ["", f"## `{entry.name}`", ""]
       if description:
         out += [description[0].upper() + description[1:] + ("" if description.endswith(".") else "."), ""]
-      in_table = False
+      in_table = bool(entry.settings)  # fields assigned after a class's stay in its table
+      if entry.settings:
+        out += ["| field | default | meaning |", "|---|---|---|"]
+        out += [f"| `{name}` | {_format_value(_lookup(config, name))} | {doc.replace('|', chr(92) + '|')} |"
+                for name, doc in _settings_rows(entry)]
       continue
     if not in_table:
       out += ["| field | default | meaning |", "|---|---|---|"]
       in_table = True
+    if entry.settings:  # a settings class's fields, in the section's table
+      rows = _settings_rows(entry)
+      out += [f"| `{name}` | {_format_value(_lookup(config, name))} | "
+              + (f"{description} " if i == 0 and description else "")
+              + doc.replace("|", "\\|") + " |" for i, (name, doc) in enumerate(rows)]
+      continue
     out.append(f"| `{entry.name}` | {_format_value(_lookup(config, entry.name))} | {description} |")
   return "\n".join(out + composition_table()) + "\n"
 
@@ -198,7 +251,8 @@ def undocumented(source: str | None = None) -> list[str]:
   if source is None:
     with open(CONFIG_PATH) as f:
       source = f.read()
-  return [e.name for e in parse_entries(source) if not e.is_section and not e.description]
+  return [e.name for e in parse_entries(source)
+          if not e.is_section and not e.settings and not e.description]
 
 
 def main(argv: list[str]) -> int:

@@ -1,5 +1,6 @@
-"""The arithmetic behind benchmark B1 (experiments/bench_sampler.py): matmul FLOPs and
-KV-cache bytes per generated token, and the flat-cost ratio next to the ceiling that the
+"""The arithmetic behind the benchmarks: matmul FLOPs per generated token (B1,
+experiments/bench_sampler.py) and per trained token (B2, B10), KV-cache bytes per
+generated token, and the flat-cost ratio next to the ceiling that the
 machine's memory bandwidth allows. Kept apart from the benchmark so that it imports no
 flags (tests check it against hand-computed cases)."""
 
@@ -19,6 +20,15 @@ def decode_flops_per_token(config: ModelConfig, context: float) -> float:
   mlp = 3 * c.d_model * c.mlp_dim
   attention = 2 * c.n_heads * c.head_dim * context
   return 2 * (c.n_layers * (attn_proj + mlp + attention) + c.d_model * c.vocab_size)
+
+
+def train_flops_per_token(config: ModelConfig, context: float) -> float:
+  """Matmul FLOPs of forward + backward (3x forward) per token at mean `context`."""
+  c = config
+  attn_proj = c.d_model * (2 * c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+  mlp = 3 * c.d_model * c.mlp_dim
+  attention = 2 * c.n_heads * c.head_dim * context
+  return 3 * 2 * (c.n_layers * (attn_proj + mlp + attention) + c.d_model * c.vocab_size)
 
 
 def kv_bytes_per_token(config: ModelConfig) -> int:

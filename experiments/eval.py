@@ -2,6 +2,8 @@
 
     python -m experiments.eval --config.workdir=runs/default                 # newest checkpoint
     python -m experiments.eval --config.workdir=runs/short --steps=all --num_samples=16 --k=1,4,16
+    python -m experiments.eval --config=experiments/configs/smollm2_chain_sum.py --steps=initial \
+        --num_samples=8 --k=1,8 --temperature=1      # the untrained policy: a task's headroom
 
 Takes the same `--config` (file and overrides) as experiments/train.py, so the task,
 model and prompt settings are the run's: the policy is resolved as the launcher resolves it
@@ -9,10 +11,29 @@ model and prompt settings are the run's: the policy is resolved as the launcher 
 tokenizer and chat template), and the run's checkpoints, read from
 `<config.workdir>/checkpoints` (written by experiments/train.py through rl/checkpoint.py), are
 restored on top. With no checkpoint there it prints a usage line and exits with status 1.
+`--adapter=<folder>` evaluates a PEFT LoRA folder (what a LoRA run leaves in <workdir>/adapter,
+models/peft_adapter.py) merged into the config's base policy, as step "adapter", with no
+checkpoint: committed adapters can be re-evaluated on held-out problems of another seed
+(`--config.seed`). `--steps=initial` evaluates the policy before any training instead (the preset initialised
+from config.seed as the launcher does, or the pretrained checkpoint), as step 0, and needs
+no checkpoint: how much a task leaves to learn, before a run is started.
 For each checkpoint it reports greedy exact match (the launcher's held-out accuracy),
 and from `num_samples` completions per example at `--temperature` the unbiased pass@k
-(Chen et al. 2021), mean reward and mean completion length. Results go to
+(Chen et al. 2021), mean reward, mean completion length, and `mixed`: the share of examples
+whose samples are neither all correct nor all wrong. With a right-or-wrong reward those
+are the groups of `num_samples` completions that give GRPO a gradient (the others have
+advantage 0 everywhere). Results go to
 `<workdir>/eval/eval.json` and `eval.md` (a markdown table), and the table is printed.
+
+What the policy wrote: each checkpoint's greedy answers are counted by failure category
+(`greedy_categories` in eval.json: correct, no_answer, malformed, wrong_value, truncated,
+tool_error, scorer_failed; rl/verdicts.py), and the greedy completions of a fixed spread
+of held-out problems (config.metrics.eval_samples of them, the run's own sample problems)
+go to `<workdir>/eval/samples_<step>.jsonl`. `--show=8` prints the first 8 of them as a
+table (prompt, completion, the answer read, the target, reward, category):
+
+    python -m experiments.eval --config=experiments/configs/smollm2_basic_arithmetic.py \
+        --steps=initial --show=8
 """
 
 from __future__ import annotations
@@ -28,20 +49,25 @@ from absl import flags
 from absl import logging
 import jax
 import ml_collections
+import numpy as np
 
 from experiments import config_flag
+from models import lora as lora_lib
+from models import peft_adapter
 from models.config import ModelConfig
 from models.hf_tokenizer import HFTokenizer
 from models.tokenizer import CharTokenizer
 from rl import checkpoint
 from rl import evaluation
+from rl import samples as samples_lib
 from rl import wiring
 from rl.tasks import Task
 from sampling.sampler import SamplingConfig
 
 CONFIG = config_flag.run_config()
 _STEPS = flags.DEFINE_string("steps", "latest",
-                             "Checkpoint steps: 'latest', 'all', or a comma list such as 300,350.")
+                             "Checkpoint steps: 'latest', 'all', a comma list such as 300,350, "
+                             "or 'initial' (the untrained policy, as step 0).")
 _NUM_SAMPLES = flags.DEFINE_integer("num_samples", 16, "Sampled completions per example (n).")
 _K = flags.DEFINE_list("k", ["1", "4", "16"], "k values of pass@k; each at most num_samples.")
 _TEMPERATURE = flags.DEFINE_float("temperature", None,
@@ -49,11 +75,18 @@ _TEMPERATURE = flags.DEFINE_float("temperature", None,
 _NUM_EXAMPLES = flags.DEFINE_integer("num_examples", None,
                                      "Held-out examples (default: all config.task.eval_size).")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_ADAPTER = flags.DEFINE_string("adapter", None, "A PEFT LoRA folder to evaluate on the "
+                               "config's base policy instead of the run's checkpoints.")
+_SHOW = flags.DEFINE_integer("show", 0, "Print this many greedy samples of each checkpoint "
+                             "(prompt, completion, answer, target, reward, category).")
 
 
 USAGE = ("usage: python -m experiments.eval --config.workdir=<the run's workdir> "
-         "[--config=<the run's config file>] [--steps=latest|all|300,350] [--num_samples=16] "
-         "[--k=1,4,16]")
+         "[--config=<the run's config file>] [--steps=latest|all|300,350|initial] [--num_samples=16] "
+         "[--k=1,4,16] [--adapter=<PEFT folder>] [--show=8]")
+
+
+INITIAL = "initial"  # --steps value: the policy before training, reported as step 0
 
 
 class NoCheckpointsError(ValueError):
@@ -121,17 +154,50 @@ def load_params(config: ml_collections.ConfigDict, policy: Policy, step: int):
   return state.train.policy_params()
 
 
-def evaluate_checkpoint(config: ml_collections.ConfigDict, policy: Policy, step: int, *,
+def initial_params(config: ml_collections.ConfigDict):
+  """The policy parameters before any training: those experiments/job.py starts from (the
+  preset initialised from the first half of PRNGKey(config.seed), or the checkpoint's)."""
+  init_rng, _ = jax.random.split(jax.random.PRNGKey(config.seed))
+  return wiring.load_policy(config, init_rng)[2]
+
+
+def adapter_params(config: ml_collections.ConfigDict, policy: Policy, folder: str):
+  """The config's initial policy with the PEFT LoRA adapters in `folder` merged in."""
+  adapters, lora = peft_adapter.load(folder, policy.model_config)
+  return lora_lib.merge(initial_params(config), adapters, lora.scale)
+
+
+def evaluation_settings(config: ml_collections.ConfigDict, policy: Policy,
+                        progress: bool = True) -> dict:
+  """The keyword arguments rl.evaluation's evaluators take for the run's held-out split."""
+  return dict(task=policy.task, tokenizer=policy.tokenizer,
+              prompt_len=config.rollout.prompt_len, model_config=policy.model_config,
+              batch_size=config.eval.batch_size, progress=progress,
+              turns=wiring.make_turns(config, policy.tokenizer))
+
+
+def greedy_accuracy(config: ml_collections.ConfigDict, policy: Policy, params,
+                    progress: bool = True) -> evaluation.EvalResult:
+  """The launcher's held-out evaluation of `params`: greedy exact match on all eval_size
+  problems."""
+  return evaluation.evaluate(params, policy.task.examples("eval", config.task.eval_size),
+                             max_new_tokens=config.rollout.max_new_tokens,
+                             **evaluation_settings(config, policy, progress))
+
+
+def evaluate_checkpoint(config: ml_collections.ConfigDict, policy: Policy, step: int | str, *,
                         num_samples: int, ks: Sequence[int], temperature: float,
-                        num_examples: int, seed: int = 0, progress: bool = True) -> dict:
-  """One table row: greedy and sampled metrics of checkpoint `step` on the held-out split."""
-  params = load_params(config, policy, step)
+                        num_examples: int, seed: int = 0, progress: bool = True,
+                        params=None, samples: int = 0) -> tuple[dict, list[dict]]:
+  """(one table row, greedy samples): greedy and sampled metrics of checkpoint `step` (or
+  of `params`, when given) on the held-out split, with the greedy answers' failure
+  categories, and the greedy completions of `samples` held-out problems
+  (`rl.samples.eval_samples`)."""
+  params = load_params(config, policy, step) if params is None else params
   examples = policy.task.examples("eval", num_examples)
-  common = dict(task=policy.task, tokenizer=policy.tokenizer, prompt_len=config.rollout.prompt_len,
-                model_config=policy.model_config, batch_size=config.eval.batch_size,
-                progress=progress, turns=wiring.make_turns(config, policy.tokenizer))
+  common = evaluation_settings(config, policy, progress)
   greedy = evaluation.evaluate(params, examples, max_new_tokens=config.rollout.max_new_tokens,
-                               **common)
+                               samples=samples, **common)
   sampling_config = SamplingConfig(
       max_new_tokens=config.rollout.max_new_tokens, temperature=temperature,
       top_k=config.rollout.top_k, top_p=config.rollout.top_p,
@@ -139,26 +205,48 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, policy: Policy, step:
   sampled = evaluation.evaluate_sampled(params, examples, sampling_config=sampling_config,
                                         num_samples=num_samples, ks=ks,
                                         rng=jax.random.PRNGKey(seed), **common)
-  return {"step": step, "task": config.task.name, "examples": num_examples,
-          "greedy_accuracy": greedy.accuracy, "greedy_length": greedy.mean_length,
-          "num_samples": num_samples, "temperature": temperature,
-          **{f"pass@{k}": v for k, v in sampled.pass_at_k.items()},
-          "sampled_reward": sampled.mean_reward, "sampled_length": sampled.mean_length}
+  row = {"step": step, "task": config.task.name, "examples": num_examples,
+         "greedy_accuracy": greedy.accuracy, "greedy_length": greedy.mean_length,
+         "num_samples": num_samples, "temperature": temperature,
+         **{f"pass@{k}": v for k, v in sampled.pass_at_k.items()},
+         "mixed": mixed_share(sampled.num_correct, num_samples),
+         "sampled_reward": sampled.mean_reward, "sampled_length": sampled.mean_length,
+         "greedy_categories": greedy.categories}
+  return row, greedy.samples
+
+
+def mixed_share(num_correct, num_samples: int) -> float:
+  """The share of examples with 0 < correct < num_samples among their samples."""
+  c = np.asarray(num_correct)
+  return float(np.mean((c > 0) & (c < num_samples)))
 
 
 def markdown_table(rows: Sequence[dict]) -> str:
-  """The rows as a GitHub markdown table (floats to 3 decimals)."""
-  columns = list(rows[0])
+  """The rows as a GitHub markdown table (floats to 3 decimals; tables within a row, such
+  as greedy_categories, stay in eval.json)."""
+  columns = [c for c in rows[0] if not isinstance(rows[0][c], dict)]
   fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
   lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
   lines += ["| " + " | ".join(fmt(row[c]) for c in columns) + " |" for row in rows]
   return "\n".join(lines) + "\n"
 
 
+def shown_samples(step, samples: Sequence[dict], show: int, categories: dict) -> str:
+  """The first `show` samples of checkpoint `step` as a plain-text table
+  (`rl.samples.text_table`), under a line counting the greedy answers by category."""
+  counted = ", ".join(f"{name} {count}" for name, count in categories.items() if count)
+  return (f"step {step}: greedy answers by category: {counted}\n"
+          + samples_lib.text_table(samples[:show]) + "\n")
+
+
 def run(config: ml_collections.ConfigDict, *, steps: str = "latest", num_samples: int = 16,
         ks: Sequence[int] = (1, 4, 16), temperature: float | None = None,
-        num_examples: int | None = None, seed: int = 0, progress: bool = True) -> list[dict]:
-  """Evaluates the named checkpoints, writes <workdir>/eval/eval.{json,md}, returns the rows."""
+        num_examples: int | None = None, seed: int = 0, progress: bool = True,
+        adapter: str | None = None, show: int = 0) -> list[dict]:
+  """Evaluates the named checkpoints (or `adapter`, a PEFT folder), writes
+  <workdir>/eval/eval.{json,md} and each checkpoint's greedy samples
+  (samples_<step>.jsonl: max(show, config.metrics.eval_samples) of them), prints the first
+  `show` samples of each, returns the rows."""
   temperature = config.rollout.temperature if temperature is None else temperature
   if temperature <= 0:
     raise ValueError(f"--temperature={temperature}: pass@k needs sampling (> 0); the greedy "
@@ -167,14 +255,27 @@ def run(config: ml_collections.ConfigDict, *, steps: str = "latest", num_samples
   if not 1 <= num_examples <= config.task.eval_size:
     raise ValueError(f"--num_examples={num_examples} must be in [1, config.task.eval_size="
                      f"{config.task.eval_size}].")
-  chosen = checkpoint_steps(config, steps)  # before loading any weights
+  if adapter is not None and steps not in ("latest", INITIAL):
+    raise ValueError(f"--adapter evaluates one adapter folder; drop --steps={steps}.")
+  initial = steps == INITIAL
+  chosen = (["adapter"] if adapter is not None else [0] if initial
+            else checkpoint_steps(config, steps))  # before loading any weights
   policy = build_policy(config)
-  rows = [evaluate_checkpoint(config, policy, step, num_samples=num_samples, ks=ks,
-                              temperature=temperature, num_examples=num_examples, seed=seed,
-                              progress=progress)
-          for step in chosen]
+  params = (adapter_params(config, policy, adapter) if adapter is not None
+            else initial_params(config) if initial else None)
   out = os.path.join(config.workdir, "eval")
   os.makedirs(out, exist_ok=True)
+  rows = []
+  for step in chosen:
+    row, samples = evaluate_checkpoint(
+        config, policy, step, num_samples=num_samples, ks=ks, temperature=temperature,
+        num_examples=num_examples, seed=seed, progress=progress, params=params,
+        samples=max(show, config.metrics.eval_samples))
+    rows.append(row)
+    with open(os.path.join(out, f"samples_{step}.jsonl"), "w") as f:
+      f.write(samples_lib.jsonl(step, samples))
+    if show:
+      print(shown_samples(step, samples, show, row["greedy_categories"]))
   with open(os.path.join(out, "eval.json"), "w") as f:
     json.dump(rows, f, indent=2)
   with open(os.path.join(out, "eval.md"), "w") as f:
@@ -197,7 +298,8 @@ def main(argv):
   try:
     rows = run(config, steps=_STEPS.value, num_samples=_NUM_SAMPLES.value,
                ks=[int(k) for k in _K.value], temperature=_TEMPERATURE.value,
-               num_examples=_NUM_EXAMPLES.value, seed=_SEED.value)
+               num_examples=_NUM_EXAMPLES.value, seed=_SEED.value, adapter=_ADAPTER.value,
+               show=_SHOW.value)
   except NoCheckpointsError as error:
     exit_with_usage(f"Nothing to evaluate. {error}")
   print(markdown_table(rows), end="")

@@ -12,8 +12,10 @@ completions, 16 held-out problems. Every RL cell starts from one warm start trai
 (`--config.warm_start.init_from`), so the matrix costs its RL steps. The cells cover the
 ways a batch is made and trained: independent sampling under each selection rule, the
 three tree policies, both partial-rollout resume modes, async, simulated staleness,
-mu-GRPO stages (several updates per batch), LoRA, a 2 x 2 mesh, and a run stopped after
-its first checkpoint and resumed.
+mu-GRPO stages (several updates per batch), LoRA, a 2 x 2 mesh, a run stopped after its
+first checkpoint and resumed, speculative drafts, distillation from the warm start as
+teacher, and the adder tool environment (from its own warm start, which demonstrates
+calls).
 
 A cell's golden is its metrics.jsonl and summary.json without wall-clock fields (any
 `time_*` or `*_per_s` key, `wall_time_s`, and the summary's `time_s` and
@@ -64,7 +66,14 @@ CELLS = {
     "lora": {"config.lora.rank": 2},
     "mesh_2x2": {"config.mesh.data": 2, "config.mesh.fsdp": 2},
     "resume": {"config.rl.steps": 4},  # stopped after step 2 (its checkpoint), then resumed
+    "speculative": {"config.rollout.speculative.tokens": 4,
+                    "config.rollout.speculative.sources": ("prompt_lookup", "group")},
+    "distill": {"config.distill.teacher": WARM, "config.distill.coef": 1.0},
+    # The adder's warm start demonstrates calls, so this cell trains its own warm start.
+    "tools": {"config.tools.name": "adder", "config.task.difficulty.tool_share": 0.5,
+              "config.rollout.max_new_tokens": 160},
 }
+_OWN_WARM_START = ("tools",)
 _DEVICES = {"mesh_2x2": 4}
 _CLOCK_FIELDS = ("wall_time_s", "time_s", "rollout_time_s", "warm_start_from")
 
@@ -94,7 +103,10 @@ def record(out: str, names: list[str]) -> None:
     _launch(warm, {**BASE, "config.rl.steps": 0})
   for name in names:
     workdir = os.path.join(runs, name)
-    cell = {**BASE, "config.warm_start.init_from": warm, **CELLS[name]}
+    start = {} if name in _OWN_WARM_START else {"config.warm_start.init_from": warm}
+    cell = {**BASE, **start, **CELLS[name]}
+    if cell.get("config.distill.teacher") == WARM:  # the shared warm start teaches
+      cell["config.distill.teacher"] = warm
     if name == "resume":  # more steps are a meant change: the relaunch names it
       _launch(workdir, {**cell, "config.rl.steps": 2})
       cell = {**cell, "config.resume.allow_changes": "rl.steps"}

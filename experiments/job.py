@@ -21,17 +21,18 @@ from experiments import metrics
 from experiments import provenance
 from experiments import run_records
 from models import lora as lora_lib
+from models import peft_adapter
 from rl import checkpoint
 from rl import evaluation
 from rl import loop
 from rl import train
 from rl import wiring
-from rl.rollouts import async_loop
-from rl.rollouts import partial as partial_rollout
+from rl import async_loop
 from rl.rollouts import producers
 from sharding import multihost
 
 WARM_START, RL = wiring.WARM_START, wiring.RL
+ADAPTER_DIR = "adapter"  # under the workdir: a LoRA run's final adapters (PEFT format)
 
 
 class Job:
@@ -238,9 +239,11 @@ class Job:
     self.log.flush()  # TensorBoard events up to the checkpoint reach disk with it
 
   def record_step(self, phase: str, step_metrics: dict) -> None:
-    """Counts one step and logs its metrics; folds its lengths, skips and times into meta."""
+    """Counts one step and logs its metrics (and its training samples, when it carries
+    them: samples/train_<step>.jsonl); folds its lengths, skips and times into meta."""
     self.done += 1
     step_metrics = dict(step_metrics)
+    samples = step_metrics.pop("samples", None)
     counts = step_metrics.pop("completion_length_counts", None)
     if counts is not None:
       self.meta["completion_length_counts"] = run_records.add_counts(self.meta["completion_length_counts"],
@@ -259,25 +262,29 @@ class Job:
               **{k: float(v) for k, v in step_metrics.items()}}
     if self.primary:
       self.log.write(record)
+      self.log.write_samples(self.done, "train", samples)
     self.bar.update(1)
     self.bar.set_postfix({k: f"{record[k]:.3f}" for k in ("loss", "reward_mean") if k in record})
 
   def evaluate(self, label: str) -> None:
-    """Greedy held-out evaluation of the current parameters, logged and kept in meta; with
-    an environment (config.tools), once with it and once without it."""
+    """Greedy held-out evaluation of the current parameters, logged (with its samples:
+    samples/eval_<step>.jsonl) and kept in meta; with an environment (config.tools), once
+    with it and once without it."""
     eval_started = time.perf_counter()
     config = self.config
     turns = self.contexts[RL][0].batch.turns
-    run = lambda turns: evaluation.evaluate(
+    run = lambda turns, samples: evaluation.evaluate(
         self.state.train.policy_params(), self.eval_examples, task=self.task,
         tokenizer=self.tokenizer, prompt_len=config.rollout.prompt_len,
         max_new_tokens=config.rollout.max_new_tokens, model_config=self.model_config,
-        batch_size=config.eval.batch_size, mesh=self.mesh, turns=turns)
-    result = run(turns)
+        batch_size=config.eval.batch_size, mesh=self.mesh, turns=turns, samples=samples)
+    result = run(turns, config.metrics.eval_samples)
     record = run_records.eval_record(result, self.done, self.meta["phase"], label,
                                      self.meta["tokens"]["sampled"])
     if turns is not None:
-      record.update(run_records.no_tools_record(run(None), result))
+      record.update(run_records.no_tools_record(run(None, 0), result))
+    if self.primary:
+      self.log.write_samples(self.done, "eval", result.samples)
     eval_s = time.perf_counter() - eval_started
     self.meta["time_s"]["eval"] += eval_s
     self.meta["evals"].append(record)
@@ -287,7 +294,8 @@ class Job:
     if self.primary:  # its wall time goes to the log only: meta's records stay clock-free
       self.log.write(dict(record, time_eval_s=eval_s, time_rl_s=self.meta["time_rl_s"]))
     self.bar.write(f"[step {self.done}] {label}: held-out accuracy {result.accuracy:.3f}, "
-                   f"mean reward {result.mean_reward:.3f}")
+                   f"mean reward {result.mean_reward:.3f}"
+                   + run_records.failures_line(result.categories))
 
   def advance(self, phase: str) -> None:
     """One step of `phase` (for async RL: every step up to the next evaluation, checkpoint
@@ -344,6 +352,7 @@ class Job:
       self.evaluate("eval")
     if self.manager.latest_step() != self.done:
       self.save()
+    self.save_adapter()
     summary = self.summary()
     if self.primary:
       with open(os.path.join(self.config.workdir, "summary.json"), "w") as f:
@@ -351,6 +360,18 @@ class Job:
       self.log.close()  # every writer's events on disk, the W&B run finished
       metrics.plot_run(self.log.read(), os.path.join(self.config.workdir, "plot.png"))
     return summary
+
+  def save_adapter(self) -> None:
+    """Under LoRA, once the RL phase has run: the trained adapters as a PEFT folder,
+    <workdir>/adapter (models/peft_adapter.py; megabytes, where a checkpoint holds the
+    frozen base too), loadable by PEFT and by `python -m experiments.eval --adapter=`."""
+    lora = wiring.lora_config(self.config)
+    if lora is None or self.meta["phase"] != RL:
+      return
+    adapters = multihost.fetch(self.state.train.params)  # every process takes part
+    if self.primary:
+      peft_adapter.save(os.path.join(self.config.workdir, ADAPTER_DIR), adapters,
+                        self.model_config, lora, base_model=self.config.model.checkpoint)
 
   def summary(self) -> dict:
     """Held-out accuracies (warm start and final, with standard errors and by size; with an
@@ -364,6 +385,7 @@ class Job:
                "warm_start_accuracy_stderr": warm["eval_accuracy_stderr"],
                "final_accuracy_stderr": final["eval_accuracy_stderr"],
                "warm_start_reward": warm["eval_reward"], "final_reward": final["eval_reward"],
+               "categories": run_records.categories_summary(warm, final),
                "steps": self.done, "wall_time_s": time.time() - self.started,
                "time_s": {part: meta["time_s"][part] for part in run_records.TIME_PARTS},
                "rollout_completion_length": metrics.length_stats(
@@ -375,8 +397,7 @@ class Job:
       summary["accuracy_by_size"] = run_records.accuracy_by_size_table(warm, final)
     if "eval_accuracy_no_tools" in final:
       summary["tools"] = run_records.tools_summary(warm, final)
-    if isinstance(self.state.producer, partial_rollout.PartialState):
-      summary["partial_ledger"] = self.state.producer.ledger.as_dict()
+    summary.update(self.state.producer.summary())
     summary["accuracy_curve"] = run_records.accuracy_curve(meta)
     summary["time_rl_s"] = meta["time_rl_s"]
     summary["time_rl_at_evals_s"] = list(meta["time_rl_at_evals_s"])

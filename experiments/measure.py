@@ -1,4 +1,5 @@
-"""How the benchmarks measure: wall time, the machine's f32 matmul peak, and its load.
+"""How the benchmarks measure: wall time, the machine's matmul peak, its load, and the
+random GRPO batch the train-step benchmarks time.
 
 Machines here are shared (docs/benchmarks.md): every number is a best-of-N after compilation,
 utilisation is model FLOP/s over a large f32 matmul timed in the same run, and each
@@ -15,6 +16,10 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from models.config import ModelConfig
+from rl.types import Rollout
 
 
 def timed(fn) -> float:
@@ -24,13 +29,32 @@ def timed(fn) -> float:
   return time.perf_counter() - start
 
 
-def matmul_peak_flops(size: int, repeats: int) -> float:
-  """Measured f32 FLOP/s of a large square matmul: the machine's practical peak."""
-  a = jax.random.normal(jax.random.PRNGKey(0), (size, size), jnp.float32)
+def matmul_peak_flops(size: int, repeats: int, dtype=jnp.float32) -> float:
+  """Measured FLOP/s of a large square `dtype` matmul: the machine's practical peak (f32 on
+  a CPU host; bfloat16 on an accelerator, whose matrix units run it)."""
+  a = jax.random.normal(jax.random.PRNGKey(0), (size, size), dtype)
   dot = jax.jit(jnp.dot)
   dot(a, a).block_until_ready()
   best = min(timed(lambda: dot(a, a).block_until_ready()) for _ in range(repeats))
   return 2 * size ** 3 / best
+
+
+def random_rollout(config: ModelConfig, groups: int, group_size: int, prompt_len: int,
+                   completion_len: int, seed: int = 0) -> Rollout:
+  """Groups of `group_size` rows sharing a random full-length prompt, random completions."""
+  rng = np.random.default_rng(seed)
+  size, length = groups * group_size, prompt_len + completion_len
+  prompts = np.repeat(rng.integers(3, config.vocab_size, (groups, prompt_len)), group_size, 0)
+  completions = rng.integers(3, config.vocab_size, (size, completion_len))
+  completion_mask = np.arange(length)[None].repeat(size, 0) >= prompt_len
+  adv = rng.normal(size=(size, 1)) * completion_mask
+  return Rollout(
+      tokens=jnp.asarray(np.concatenate([prompts, completions], 1), jnp.int32),
+      prompt_mask=jnp.asarray(~completion_mask), completion_mask=jnp.asarray(completion_mask),
+      behavior_logp=jnp.asarray(-7.0 * completion_mask, jnp.float32),
+      version=jnp.zeros((size, length), jnp.int32),
+      group=jnp.repeat(jnp.arange(groups), group_size), reward=jnp.zeros((size,)),
+      advantages=jnp.asarray(adv, jnp.float32))
 
 
 def stream_bandwidth(num_bytes: int, repeats: int) -> float:

@@ -51,12 +51,10 @@ def model_config(spec: str, dtype: str, remat: str, seq_len: int, compute_dtype:
                         max_seq_len=max(config.max_seq_len, seq_len))
 
 
-def _grpo_loss():
-  """The objective both the plan and the check compile: GRPO, token mean, no KL."""
-  import ml_collections  # pylint: disable=import-outside-toplevel
-  return ml_collections.FrozenConfigDict(dict(
-      name="grpo", eps_low=0.2, eps_high=0.2, aggregation="token_mean", norm_len=1.0,
-      kl_coef=0.0))
+def grpo_loss():
+  """The objective the plan, the check and benchmark B10 compile: GRPO, token mean, no KL."""
+  from rl.objectives import losses  # pylint: disable=import-outside-toplevel
+  return losses.LossSettings(name="grpo", aggregation="token_mean")
 
 
 def _bytes(tree) -> int:
@@ -79,7 +77,9 @@ def _per_device(tree, shardings) -> int:
   return total
 
 
-def _analysis(compiled) -> dict:
+def program_memory(compiled) -> dict:
+  """XLA's memory analysis of a compiled program, in bytes: its arguments, outputs,
+  temporaries and donated (aliased) buffers, and the peak they add up to."""
   m = compiled.memory_analysis()
   result = dict(argument_bytes=int(m.argument_size_in_bytes),
                 output_bytes=int(m.output_size_in_bytes), temp_bytes=int(m.temp_size_in_bytes),
@@ -108,7 +108,7 @@ def plan(model: str, batch: int, seq_len: int, new_tokens: int, mesh_sizes, logp
   mesh = None if devices == 1 else mesh_lib.make_mesh(
       mesh_lib.MeshConfig(data=data, fsdp=fsdp, tensor=tensor), jax.devices()[:devices])
   optimizer = train.make_optimizer(1e-6)
-  step = train.make_train_step(config, optimizer, _grpo_loss(), mesh=mesh, logprob_chunk=logprob_chunk)
+  step = train.make_train_step(config, optimizer, grpo_loss(), mesh=mesh, logprob_chunk=logprob_chunk)
   params = jax.eval_shape(lambda: transformer.init_params(config, jax.random.PRNGKey(0)))
   state = jax.eval_shape(lambda p: train.init_train_state(p, optimizer), params)
   shape = lambda dt: jax.ShapeDtypeStruct((batch, seq_len), dt)
@@ -119,14 +119,14 @@ def plan(model: str, batch: int, seq_len: int, new_tokens: int, mesh_sizes, logp
                     advantages=shape(jnp.float32))
   shardings = (None if mesh is None else
                train.train_state_shardings(config, optimizer, mesh))
-  train_memory = _analysis(step.lower(state, rollout).compile())
+  train_memory = program_memory(step.lower(state, rollout).compile())
   sampling_config = sampler.SamplingConfig(max_new_tokens=new_tokens, temperature=1.0)
   prompt_len = max(seq_len - new_tokens, 1)
   generate = batches.make_generate(config, sampling_config, mesh)
   sampler_params = (params if mesh is None else jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
       sharding_rules.tree_shardings(params, mesh, sharding_rules.SAMPLER_RULES)))
-  sample_memory = _analysis(generate.lower(
+  sample_memory = program_memory(generate.lower(
       sampler_params, jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32),
       jax.ShapeDtypeStruct((batch, prompt_len), bool),
       jax.ShapeDtypeStruct((2,), jnp.uint32)).compile())
@@ -162,7 +162,7 @@ def measured_step_bytes(model: str, batch: int, seq_len: int, logprob_chunk: int
 
   config = model_config(model, dtype, remat, seq_len, compute_dtype)
   optimizer = train.make_optimizer(1e-6)
-  step = train.make_train_step(config, optimizer, _grpo_loss(), logprob_chunk=logprob_chunk)
+  step = train.make_train_step(config, optimizer, grpo_loss(), logprob_chunk=logprob_chunk)
   state = train.init_train_state(transformer.init_params(config, jax.random.PRNGKey(0)),
                                  optimizer)
   rng = np.random.default_rng(0)

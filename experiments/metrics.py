@@ -1,24 +1,31 @@
 """A run's metrics: one write reaches every writer (JSONL, TensorBoard, W&B); the run plot.
 
 `MetricsLog` is what a run writes through: metrics.jsonl (the record of the run, which a
-resume cuts back) and the writers the launcher built (`make_writers`), which it never names.
+resume cuts back), the sample files beside it (`samples/<kind>_<step>.jsonl`, rl/samples.py)
+and the writers the launcher built (`make_writers`), which it never names.
 A writer is anything with the `MetricsWriter` methods. Heavy libraries load only when a
 writer or a plot needs them, so importing this module costs numpy alone.
 """
 
 from __future__ import annotations
 
+import glob
 import importlib
 import json
 import numbers
 import os
+import re
 import sys
 import time
 from typing import Any, Protocol, Sequence
 
 import numpy as np
 
+from rl import samples as samples_lib
+
 EVAL_PREFIX = "eval_"
+SAMPLES_DIR = "samples"  # beside metrics.jsonl: <kind>_<step>.jsonl, one sample per line
+_SAMPLE_FILE = re.compile(r"[a-z]+_([0-9]+)\.jsonl")
 
 
 class MetricsWriter(Protocol):
@@ -30,6 +37,10 @@ class MetricsWriter(Protocol):
 
   def write_text(self, step: int, tag: str, text: str) -> None:
     """A markdown text under `tag` (the resolved config, once per launch)."""
+
+  def write_samples(self, step: int, tag: str, samples: list[dict]) -> None:
+    """Sample records (rl/samples.py: one dict per completion, the same fields in each)
+    under `tag` (`samples/eval`, `samples/train`)."""
 
   def discard_after(self, step: int) -> None:
     """A resumed run continues from checkpoint `step`: drop what was written after it, as
@@ -80,6 +91,9 @@ class JsonlWriter:
 
   def write_text(self, step: int, tag: str, text: str) -> None:
     del step, tag, text  # not a metric record (see the class docstring)
+
+  def write_samples(self, step: int, tag: str, samples: list[dict]) -> None:
+    del step, tag, samples  # not metric records: MetricsLog writes their own files
 
   def discard_after(self, step: int) -> None:
     self._rewrite([r for r in self.read() if r["step"] <= step])
@@ -153,6 +167,10 @@ class TensorBoardWriter:
   def write_text(self, step: int, tag: str, text: str) -> None:
     self._open().add_text(tag, text, global_step=step)
 
+  def write_samples(self, step: int, tag: str, samples: list[dict]) -> None:
+    """The samples as a markdown table (`rl.samples.markdown_table`) in the text tab."""
+    self.write_text(step, tag, samples_lib.markdown_table(samples))
+
   def discard_after(self, step: int) -> None:
     self.close()
     self._purge_step = max(step + 1, 0)
@@ -190,13 +208,14 @@ class WandbWriter:
 
   Each launch is one W&B run (named after the workdir, the resolved config as its
   config). W&B keeps what it was sent, so `discard_after` has nothing to drop: a resumed
-  launch's run starts at its checkpoint's step. Texts go to the run summary.
+  launch's run starts at its checkpoint's step. Texts go to the run summary; samples are
+  a `wandb.Table` logged at their step.
   """
 
   def __init__(self, project: str, *, name: str, config: dict | None = None,
                directory: str | None = None):
-    wandb = import_wandb()
-    self._run = wandb.init(project=project, name=name, config=config, dir=directory)
+    self._wandb = import_wandb()
+    self._run = self._wandb.init(project=project, name=name, config=config, dir=directory)
 
   def write_scalars(self, step: int, record: dict) -> None:
     self._run.log(scalar_tags(record), step=step)
@@ -204,6 +223,11 @@ class WandbWriter:
   def write_text(self, step: int, tag: str, text: str) -> None:
     del step  # the summary holds one value per key
     self._run.summary[tag] = text
+
+  def write_samples(self, step: int, tag: str, samples: list[dict]) -> None:
+    columns = list(samples[0])
+    table = self._wandb.Table(columns=columns, data=[[s[c] for c in columns] for s in samples])
+    self._run.log({tag: table}, step=step)
 
   def discard_after(self, step: int) -> None:
     del step  # see the class docstring: nothing of this launch lies past its start
@@ -236,7 +260,8 @@ class MetricsLog:
 
   After a resume from checkpoint step s, `truncate_to(n, s)` (n stored in the checkpoint)
   drops the records written after that checkpoint, so the log of a killed and resumed run
-  equals an uninterrupted one, and tells every writer to discard what followed step s.
+  equals an uninterrupted one, removes the sample files of later steps, and tells every
+  writer to discard what followed step s.
   """
 
   def __init__(self, path: str, tensorboard: bool = True,
@@ -260,8 +285,17 @@ class MetricsLog:
     self._discard_after(step)
 
   def _discard_after(self, step: int) -> None:
+    for path in glob.glob(os.path.join(self.samples_dir, "*.jsonl")):
+      match = _SAMPLE_FILE.fullmatch(os.path.basename(path))
+      if match and int(match.group(1)) > step:
+        os.remove(path)
     for writer in self.writers:
       writer.discard_after(step)
+
+  @property
+  def samples_dir(self) -> str:
+    """Where sample files go: `samples/` beside metrics.jsonl."""
+    return os.path.join(os.path.dirname(os.path.abspath(self.path)), SAMPLES_DIR)
 
   def write(self, record: dict) -> None:
     step = record["step"]
@@ -272,6 +306,20 @@ class MetricsLog:
   def write_text(self, step: int, tag: str, text: str) -> None:
     for writer in self.writers:
       writer.write_text(step, tag, text)
+
+  def write_samples(self, step: int, kind: str, samples: list[dict]) -> str | None:
+    """Writes `samples` (rl/samples.py records; `kind` 'eval' or 'train') to
+    samples/<kind>_<step>.jsonl, one JSON object per line with its step first, and to every
+    writer under the tag samples/<kind>; returns the file's path (None: no samples)."""
+    if not samples:
+      return None
+    os.makedirs(self.samples_dir, exist_ok=True)
+    path = os.path.join(self.samples_dir, f"{kind}_{step}.jsonl")
+    with open(path, "w") as f:
+      f.write(samples_lib.jsonl(step, samples))
+    for writer in self.writers:
+      writer.write_samples(step, f"{SAMPLES_DIR}/{kind}", samples)
+    return path
 
   def flush(self) -> None:
     """Every writer's records so far reach disk (a checkpoint calls it)."""

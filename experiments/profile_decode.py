@@ -49,7 +49,6 @@ from absl import app
 from absl import flags
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from experiments.decode_cost import decode_flops_per_token, kv_read_per_token
 from experiments.measure import load, matmul_peak_flops, stream_bandwidth, timed, write_results

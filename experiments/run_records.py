@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from rl import verdicts
 from rl import wiring
 
 TIME_PARTS = ("warm_start", "rollout", "train", "eval")
 ROLLOUT_PARTS = ("sample", "score")  # the rollout time's parts (rl.loop.produce_timed)
 TOKEN_COUNTS = ("warm_start_trained", "sampled", "trained")
+CATEGORY_PREFIX = "eval_category_"  # an evaluation record's count of one failure category
 
 
 def add_counts(counts: list[int], more) -> list[int]:
@@ -138,6 +140,27 @@ def throughput_summary(meta: dict) -> dict:
           "trained_tokens_per_s": per_second(tokens["trained"], time_s["train"])}
 
 
+def categories_of(record: dict) -> dict[str, int]:
+  """{category: held-out answers} of an evaluation record ({} for a record written before
+  categories were counted)."""
+  return {key[len(CATEGORY_PREFIX):]: count for key, count in record.items()
+          if key.startswith(CATEGORY_PREFIX)}
+
+
+def categories_summary(warm: dict, final: dict) -> dict[str, dict[str, int]]:
+  """summary.json's `categories`: the held-out answers of each category after the warm
+  start and at the end."""
+  return {"warm_start": categories_of(warm), "final": categories_of(final)}
+
+
+def failures_line(categories: dict[str, int]) -> str:
+  """', failures: wrong_value 12, truncated 3' for an evaluation's non-zero failure
+  categories, most frequent first ('' when every answer is correct or none was counted)."""
+  failed = sorted(((count, name) for name, count in categories.items()
+                   if name != verdicts.CORRECT and count), key=lambda item: (-item[0], item[1]))
+  return ", failures: " + ", ".join(f"{name} {count}" for count, name in failed) if failed else ""
+
+
 def no_tools_record(without, with_tools) -> dict:
   """What an evaluation with an environment adds to its record: environment answers per
   answer (eval_tool_calls) and the same evaluation without the environment (a call is
@@ -165,10 +188,12 @@ def tools_summary(warm: dict, final: dict) -> dict:
 
 
 def eval_record(result, step: int, phase: str, label: str, sampled_tokens: int) -> dict:
-  """The metrics.jsonl record of one held-out evaluation (with the RL tokens sampled so far)."""
+  """The metrics.jsonl record of one held-out evaluation (with the RL tokens sampled so
+  far), its category counts as `eval_category_<category>` numbers (TensorBoard curves)."""
   record = {"step": step, "phase": phase, "event": label, "sampled_tokens": sampled_tokens,
             "eval_accuracy": result.accuracy, "eval_accuracy_stderr": result.accuracy_stderr,
-            "eval_reward": result.mean_reward, "eval_length": result.mean_length}
+            "eval_reward": result.mean_reward, "eval_length": result.mean_length,
+            **{CATEGORY_PREFIX + name: count for name, count in result.categories.items()}}
   if result.accuracy_by_size:
     record["eval_accuracy_by_size"] = {str(k): acc for k, (_, acc) in
                                        result.accuracy_by_size.items()}

@@ -7,7 +7,10 @@ Writes to config.workdir: metrics.jsonl (one line per iteration and per evaluati
 the step's learning rate, phase times and token rates), TensorBoard event files of the
 same scalars and the resolved config as text (`tensorboard --logdir runs`; held-out
 accuracy is one `eval/accuracy` curve across both phases), plot.png (train reward and
-held-out accuracy against step), checkpoints/ (orbax), config.json and summary.json. With
+held-out accuracy against step), samples/ (what the policy wrote: the greedy completions
+of fixed held-out problems at every evaluation and a few rollouts every
+config.metrics.train_samples_every RL steps, each with the answer read, the target, reward
+and why it failed; docs/metrics.md), checkpoints/ (orbax), config.json and summary.json. With
 config.metrics.wandb_project set the scalars also go to Weights & Biases (pip install
 wandb). A rerun with the same workdir resumes from the newest checkpoint.
 
@@ -78,6 +81,11 @@ def main(argv):
   print(f"Final held-out accuracy:      {summary['final_accuracy']:.3f} "
         f"+- {summary['final_accuracy_stderr']:.3f}  "
         f"({100 * (summary['final_accuracy'] - summary['warm_start_accuracy']):+.1f} points)")
+  final = summary["categories"]["final"]
+  if final:
+    print("Final held-out answers by category: "
+          + ", ".join(f"{name} {count}" for name, count in final.items() if count)
+          + f" (why each failed: {CONFIG.value.workdir}/samples/, docs/metrics.md)")
   if "accuracy_by_size" in summary:
     print("Held-out accuracy by problem size (examples: warm start -> final):")
     for size, row in summary["accuracy_by_size"].items():

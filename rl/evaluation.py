@@ -1,6 +1,8 @@
 """Held-out evaluation of a policy on a task: greedy exact match, and sampled pass@k.
 
-`evaluate` greedy-decodes each example once (the launcher's held-out accuracy).
+`evaluate` greedy-decodes each example once (the launcher's held-out accuracy), counts the
+scorer's failure categories over every example (`rl.verdicts`) and keeps the completions
+of a fixed spread of them as samples (`rl.samples`).
 `evaluate_sampled` draws n completions per example and reports pass@k with the unbiased
 estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained on Code").
 """
@@ -8,7 +10,6 @@ estimator of Chen et al. 2021 ("Evaluating Large Language Models Trained on Code
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable, Sequence
 
 import jax
@@ -17,10 +18,12 @@ import numpy as np
 import tqdm
 
 from models.config import ModelConfig
+from rl import samples as samples_lib
+from rl import verdicts
 from rl.rollouts import batches as rollout_lib
-from rl.rollouts import partial as partial_rollout
+from rl.rollouts import samplers
 from rl.tasks import Example, Task
-from sampling.sampler import SamplingConfig, generate
+from sampling.sampler import SamplingConfig
 from sharding import multihost
 
 
@@ -38,6 +41,9 @@ class EvalResult:
   accuracy_stderr: float = 0.0
   accuracy_by_size: dict[int, tuple[int, float]] = dataclasses.field(default_factory=dict)
   tool_calls: float = 0.0   # environment answers per answer (with turns; 0 without)
+  # {category: answers} over every example (rl.verdicts.CATEGORIES, zeros included)
+  categories: dict[str, int] = dataclasses.field(default_factory=dict)
+  samples: list[dict] = dataclasses.field(default_factory=list)  # rl.samples.eval_samples
 
 
 def accuracy_stderr(exact: np.ndarray) -> float:
@@ -95,53 +101,59 @@ def _decode_and_score(generate_fn: Callable, params, chunk: Sequence[Example], r
                       rows: int, rng: jax.Array, *, task: Task, tokenizer, prompt_len: int):
   """Decodes `repeats` completions of each example in one batch of `rows` (padded with
   copies of the last example); (scores, lengths [len(chunk) * repeats], environment
-  answers per row or None without turns). A row whose environment failed scores 0."""
-  prompts = [e.prompt for e in chunk for _ in range(repeats)]
-  used = len(prompts)
-  prompts += [prompts[-1]] * (rows - used)
+  answers per row or None without turns, each row's `ScoredRow`). A row whose
+  environment failed scores 0; verdicts include the rollout's (truncated, tool_error)."""
+  repeated = [e for e in chunk for _ in range(repeats)]
+  used = len(repeated)
+  prompts = [e.prompt for e in repeated] + [repeated[-1].prompt] * (rows - used)
   tokens, mask = rollout_lib.encode_prompts(tokenizer, prompts, prompt_len)
   gen = generate_fn(params, jnp.asarray(tokens), jnp.asarray(mask), rng)
-  completions = rollout_lib.completion_texts(tokenizer, gen)
-  scores = rollout_lib.without_failed_turns(
-      rollout_lib.score(task, [e for e in chunk for _ in range(repeats)], completions[:used]),
-      jax.tree.map(lambda x: x[:used] if jnp.ndim(x) else x, gen))
-  calls = None if gen.tools is None else np.asarray(jax.device_get(gen.tools.calls))[:used]
-  completion_mask = multihost.fetch(gen.completion_mask)
-  return scores, completion_mask.sum(axis=1)[:used], calls
+  completions = rollout_lib.completion_texts(tokenizer, gen)[:used]
+  completion_mask, stopped = multihost.fetch((gen.completion_mask, gen.stopped))
+  tools = jax.device_get(gen.tools)  # turns run on one device
+  scores = rollout_lib.with_rollout_failures(
+      rollout_lib.score(task, repeated, completions), stopped[:used],
+      None if tools is None else tools.failed[:used])
+  calls = None if tools is None else np.asarray(tools.calls)[:used]
+  return (scores, completion_mask.sum(axis=1)[:used], calls,
+          rollout_lib.scored_rows(repeated, completions, scores.verdicts))
 
 
 def evaluate(params, examples: Sequence[Example], *, task: Task, tokenizer, prompt_len: int,
              max_new_tokens: int, model_config: ModelConfig, batch_size: int = 256,
              progress: bool = False, mesh: jax.sharding.Mesh | None = None,
-             turns=None) -> EvalResult:
+             turns=None, samples: int = 0) -> EvalResult:
   """Greedy-decodes every example (fixed batch shape, last batch padded) and scores it.
 
-  With `mesh`, decoding runs on the sharded sampler (`rl.rollouts.batches.make_generate`);
-  batch_size must then be a multiple of data x fsdp. With `turns` (rl.rollouts.turns.Turns)
-  an environment answers the policy's tool calls (one device).
+  The sampler is `rl.rollouts.samplers.make_sampler`'s: with `mesh`, the sharded one;
+  batch_size must then be a multiple of data x fsdp. With `turns` (rl.environments.turns.Turns)
+  an environment answers the policy's tool calls (one device). `samples`: how many
+  examples' completions to keep as samples (`rl.samples.eval_samples`: the same spread
+  of examples every time).
   """
   sampling_config = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0,
                                    stop_tokens=(tokenizer.eos_id,), pad_id=tokenizer.pad_id)
-  if turns is not None:
-    generate_fn = partial_rollout.make_turns_generate(model_config, sampling_config, turns)
-  else:
-    generate_fn = rollout_lib.make_generate(model_config, sampling_config, mesh)
-  scores, lengths, calls = [], [], []
+  generate_fn = samplers.make_sampler(model_config, sampling_config, mesh=mesh, turns=turns)
+  scores, lengths, calls, rows = [], [], [], []
   starts = range(0, len(examples), batch_size)
   for start in tqdm.tqdm(starts, desc="greedy eval", disable=not progress, leave=False):
-    s, n, c = _decode_and_score(generate_fn, params, examples[start:start + batch_size], 1,
-                                batch_size, jax.random.PRNGKey(0), task=task,
-                                tokenizer=tokenizer, prompt_len=prompt_len)
+    s, n, c, r = _decode_and_score(generate_fn, params, examples[start:start + batch_size], 1,
+                                   batch_size, jax.random.PRNGKey(0), task=task,
+                                   tokenizer=tokenizer, prompt_len=prompt_len)
     scores.append(s)
     lengths.append(n)
     calls.append(np.zeros_like(n) if c is None else c)
+    rows += r
   rewards, exact, lengths = _joined(scores, lengths)
   sizes = np.array([e.size for e in examples])
   return EvalResult(accuracy=float(exact.mean()), mean_reward=float(rewards.mean()),
                     mean_length=float(lengths.mean()), num_examples=len(examples),
                     accuracy_stderr=accuracy_stderr(exact),
                     accuracy_by_size=accuracy_by_size(sizes, exact),
-                    tool_calls=float(np.concatenate(calls).mean()), **_failures(scores))
+                    tool_calls=float(np.concatenate(calls).mean()),
+                    categories=verdicts.counts(row.verdict for row in rows),
+                    samples=samples_lib.eval_samples(rows, rewards, lengths, samples),
+                    **_failures(scores))
 
 
 def evaluate_sampled(params, examples: Sequence[Example], *, task: Task, tokenizer,
@@ -164,17 +176,14 @@ def evaluate_sampled(params, examples: Sequence[Example], *, task: Task, tokeniz
                        "num_samples or drop that k.")
   per_batch = max(batch_size // num_samples, 1)
   rows = per_batch * num_samples
-  generate_fn = (partial_rollout.make_turns_generate(model_config, sampling_config, turns)
-                 if turns is not None else
-                 functools.partial(generate, model_config=model_config,
-                                   sampling_config=sampling_config))
+  generate_fn = samplers.make_sampler(model_config, sampling_config, turns=turns)
   scores, lengths = [], []
   starts = range(0, len(examples), per_batch)
   for b, start in enumerate(tqdm.tqdm(starts, desc=f"sampled eval (n={num_samples})",
                                       disable=not progress, leave=False)):
-    s, n, _ = _decode_and_score(generate_fn, params, examples[start:start + per_batch],
-                                num_samples, rows, jax.random.fold_in(rng, b), task=task,
-                                tokenizer=tokenizer, prompt_len=prompt_len)
+    s, n, _, _ = _decode_and_score(generate_fn, params, examples[start:start + per_batch],
+                                   num_samples, rows, jax.random.fold_in(rng, b), task=task,
+                                   tokenizer=tokenizer, prompt_len=prompt_len)
     scores.append(s)
     lengths.append(n)
   rewards, exact, lengths = _joined(scores, lengths)

@@ -6,7 +6,7 @@ Every way of making a GRPO batch is a producer (rl/rollouts/producers.py: `init`
 (uniform = plain GRPO), trees, or partial rollouts (rl/rollouts/partial.py).
 `grpo_iteration` runs any of them with simulated staleness and sharded publishing around
 it, then the advantage stage and one train step; the asynchronous loop
-(rl/rollouts/async_loop.py) runs the same producers and `train_on` from two threads.
+(rl/async_loop.py) runs the same producers and `train_on` from two threads.
 
 Each iteration is a plain function of explicit state (`LoopState`: the TrainState, RNG,
 parameter history and the producer's state, which holds the data cursor, selection history
@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rl import samples
 from rl import timing
 from rl.rollouts import batches as rollout_lib
 from rl.rollouts import producers
@@ -119,12 +120,22 @@ class LoopContext:
   publish: trainer parameters -> sampler parameters, called each time the sampler gets
     new parameters (`sharding.reshard.make_publish`: FSDP -> tensor-parallel on device);
     None = the sampler reads the trainer's parameters as they are.
+  train_samples, train_samples_every: every `train_samples_every` iterations, the
+    batch's metrics carry `samples`, `train_samples` of its rows as sample records
+    (`rl.samples.train_samples`; the launcher writes them); 0 = never.
   """
   batch: BatchContext
   train_step: Callable[[TrainState, Rollout], tuple[TrainState, dict]]
   batch_advantages: Callable[[Rollout], jax.Array]
   staleness: int = 0
   publish: Callable[[Any], Any] | None = None
+  train_samples: int = 0
+  train_samples_every: int = 0
+
+  def samples_due(self, iteration: int) -> bool:
+    """Whether the batch of (1-based) `iteration` carries training samples."""
+    return bool(self.train_samples and self.train_samples_every
+                and iteration % self.train_samples_every == 0)
 
 
 def sft_iteration(state: LoopState, ctx: LoopContext,
@@ -208,13 +219,15 @@ def with_advantages(rollout: Rollout, ctx: LoopContext) -> Rollout:
 
 
 def produce_timed(producer: Producer, ctx: LoopContext, state, params, version: int,
-                  rng: jax.Array, trains_at: int) -> tuple[Rollout, dict, Any]:
+                  rng: jax.Array, trains_at: int, *, iteration: int) -> tuple[Rollout, dict, Any]:
   """`producer.produce(state, params, version, rng, trains_at)` and the advantage stage
-  (`with_advantages`): (batch, its metrics, the producer's new state). The metrics are the
-  batch's `BatchStats` with the wall time split into phases: time_rollout_s (all of it) =
-  time_sample_s (generation, prompt encoding, advantages) + time_score_s (the task's reward
-  scoring, rl.timing's "score" phase); and sampled_tokens_per_s = sampled_tokens /
-  time_sample_s."""
+  (`with_advantages`): (batch, its metrics, the producer's new state) for the phase's
+  (1-based) `iteration`. The metrics are the batch's `BatchStats` with the wall time split
+  into phases: time_rollout_s (all of it) = time_sample_s (generation, prompt encoding,
+  advantages) + time_score_s (the task's reward scoring, rl.timing's "score" phase); and
+  sampled_tokens_per_s = sampled_tokens / time_sample_s. When training samples are due
+  (`LoopContext.samples_due`) they ride along as `samples`, a list of records (not a
+  number: whoever logs the metrics takes it out), taken after the clock stops."""
   started = time.perf_counter()
   with timing.phases() as parts:
     rollout, stats, state = producer.produce(state, params, version, rng, trains_at)
@@ -225,6 +238,8 @@ def produce_timed(producer: Producer, ctx: LoopContext, state, params, version: 
   metrics.update(time_rollout_s=total, time_score_s=score_s, time_sample_s=total - score_s,
                  sampled_tokens=stats.sampled_tokens,
                  sampled_tokens_per_s=per_second(stats.sampled_tokens, total - score_s))
+  if ctx.samples_due(iteration):
+    metrics["samples"] = samples.train_samples(rollout, stats.rows, ctx.train_samples)
   return rollout, metrics, state
 
 
@@ -268,7 +283,8 @@ def grpo_iteration(state: LoopState, ctx: LoopContext,
     params = ctx.publish(params)
   step = int(state.train.step)
   rollout, batch_metrics, producer_state = produce_timed(
-      producer, ctx, state.producer, params, int(version), sample_rng, step)
+      producer, ctx, state.producer, params, int(version), sample_rng, step,
+      iteration=state.iteration + 1)
   train, metrics = train_on(state.train, rollout, batch_metrics, ctx, step)
   new_state = state.replace(train=train, rng=rng, history=history, producer=producer_state,
                             iteration=state.iteration + 1)

@@ -8,13 +8,18 @@ and prompt-selection rules. A registry refuses a name registered twice and answe
 unknown name with a ValueError naming the config field and every known name, so a typo
 fails before any work:
 
-    LOSSES = Registry("loss", "config.loss.name")
-
-    @LOSSES.register("my_objective")
-    def my_objective(...): ...
-
-    LOSSES.get("my_objective")    # the function
-    LOSSES.names()                # ('my_objective', ...), sorted
+>>> SHAPES = Registry("shape", "config.shape.name")
+>>> @SHAPES.register("square")
+... def square(side):
+...   return side * side
+>>> SHAPES.get("square")(3)
+9
+>>> SHAPES.names()
+('square',)
+>>> SHAPES.get("circle")
+Traceback (most recent call last):
+...
+ValueError: Unknown shape 'circle' (config.shape.name); known: square.
 """
 
 from __future__ import annotations

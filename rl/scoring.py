@@ -23,15 +23,17 @@ every completion is scored in a separate worker process, and
 What the worker is and is not isolated from (docs/add_task.md says it for task authors):
 it runs in a fresh scratch directory (removed with it) under resource limits (`Limits`:
 address space, CPU time per completion, file size; no core files), and its replies are
-fixed binary records read as numbers, never unpickled, so nothing a scorer writes into the
-reply channel runs in the trainer. It is the same user as the trainer: it can read and write
+fixed binary records read as numbers and bounded UTF-8 text, never unpickled, so nothing a
+scorer writes into the reply channel runs in the trainer. It is the same user as the trainer: it can read and write
 whatever the user can (outside its directory too, each file up to the size limit), reach
 the network, and start processes. It bounds accidents and completions that trip a scorer
 up; it is not a sandbox for running policy-written code.
 
 Any task works: an object with a `name` and `reward(completion, example) -> float`, and
-optionally `exact_match(completion, example) -> bool` (default: reward >= 1); both run in
-the worker, under the same limit. The time limit is the task's `reward_timeout_s` attribute
+optionally `exact_match(completion, example) -> bool` (default: reward >= 1) and
+`verdict(completion, example) -> rl.verdicts.Verdict` (why it failed; default: correct or
+wrong_value by the exact match); all run in the worker, under the same limit, and one that
+raises fails the completion. The time limit is the task's `reward_timeout_s` attribute
 when it has one, else `DEFAULT_TIMEOUT_S`; the resource limits are its `reward_limits`
 attribute (a `Limits`) when it has one, else `DEFAULT_LIMITS`. The worker rebuilds the task
 from a pickle, once per worker, so a task's class and the functions it holds must be
@@ -85,6 +87,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from rl import verdicts as verdicts_lib
+from rl.verdicts import Verdict
+
 DEFAULT_TIMEOUT_S = 2.0  # a reasoning-gym scorer takes microseconds to milliseconds
 LOAD_TIMEOUT_S = 300.0   # starting a worker and importing the task's modules
 _POLL_S = 0.01           # how often the parent checks the worker's progress
@@ -92,9 +97,12 @@ _EXIT_WAIT_S = 1.0       # how long the parent waits for a worker that closed it
 _OK, _ERROR, _TIMEOUT, _MEMORY = 0, 1, 2, 3  # _MEMORY: an error, and the worker is replaced
 _PROGRESS = struct.Struct("q")  # the shared page: index of the completion being scored
 _HEADER = struct.Struct("!Q")   # every message: its length in bytes, then the bytes
-# The worker's replies, fixed binary records: b"r", index, reward, exact, status for one
-# completion; b"l", task token, then a load error's traceback as UTF-8 (none: loaded).
-_RESULT = struct.Struct("!cqd?B")
+# The worker's replies, fixed binary records: b"r", index, reward, exact, status, the
+# verdict's category (its index in TASK_CATEGORIES) and its answer's length in bytes, then
+# the answer and the target as UTF-8, for one completion; b"l", task token, then a load
+# error's traceback as UTF-8 (none: loaded).
+_RESULT = struct.Struct("!cqd?BBH")
+_MAX_VERDICT_BYTES = 4 * verdicts_lib.MAX_TEXT_CHARS  # UTF-8 of a verdict's answer or target
 _LOADED = struct.Struct("!cq")
 # An environment's answer (rl.environments): b"o", index, status, what (_NONE: the row
 # ends, _TEXT, _CUT: text cut at MAX_OBSERVATION_BYTES), then the text as UTF-8.
@@ -103,7 +111,8 @@ _NONE, _TEXT, _CUT = 0, 1, 2
 MAX_OBSERVATION_BYTES = 2**14   # the most of an observation the worker sends back
 _MAX_TRACEBACK = 2**16          # bytes of a load error's traceback sent back
 _MAX_REPLY_BYTES = max(_LOADED.size + _MAX_TRACEBACK,  # a longer reply is malformed
-                       _OBSERVED.size + MAX_OBSERVATION_BYTES)
+                       _OBSERVED.size + MAX_OBSERVATION_BYTES,
+                       _RESULT.size + 2 * _MAX_VERDICT_BYTES)
 _WORKER_CODE = "import sys; sys.path[:0] = {path!r}; from rl import scoring; scoring.serve({fd}, {page})"
 
 
@@ -145,31 +154,50 @@ class Observations:
 
 @dataclasses.dataclass(frozen=True)
 class Scores:
-  """rewards [N] float32 (0 where scoring failed), exact [N] bool, and how many completions
-  timed out or errored (their rewards are 0 and exact False)."""
+  """rewards [N] float32 (0 where scoring failed), exact [N] bool, verdicts [N] (the
+  scorer's `rl.verdicts.Verdict` of each completion; `scorer_failed` where scoring
+  failed), and how many completions timed out or errored (their rewards are 0 and exact
+  False)."""
   rewards: np.ndarray
   exact: np.ndarray
+  verdicts: tuple
   timeouts: int = 0
   errors: int = 0
 
 
-def score_one(task, completion: str, example) -> tuple[float, bool, int]:
-  """(reward, exact, status) of one completion, in the calling process: the worker's unit
-  of work. A raising scorer or a reward that is not a finite number is status _ERROR; a
-  TimeoutError (a scorer's own time bound) is _TIMEOUT; a MemoryError is _MEMORY."""
+_FAILED = Verdict(verdicts_lib.SCORER_FAILED)
+
+
+def score_one(task, completion: str, example) -> tuple[float, bool, Verdict, int]:
+  """(reward, exact, verdict, status) of one completion, in the calling process: the
+  worker's unit of work. A raising scorer (reward, exact_match or verdict) or a reward
+  that is not a finite number is status _ERROR; a TimeoutError (a scorer's own time bound)
+  is _TIMEOUT; a MemoryError is _MEMORY; each with reward 0 and the `scorer_failed`
+  verdict."""
   try:
     reward = float(task.reward(completion, example))
     if not math.isfinite(reward):
-      return 0.0, False, _ERROR
+      return 0.0, False, _FAILED, _ERROR
     exact_match = getattr(task, "exact_match", None)
     exact = bool(exact_match(completion, example)) if exact_match else reward >= 1.0
+    verdict = verdicts_lib.task_verdict(task, completion, example, exact)
   except TimeoutError:
-    return 0.0, False, _TIMEOUT
+    return 0.0, False, _FAILED, _TIMEOUT
   except MemoryError:
-    return 0.0, False, _MEMORY
+    return 0.0, False, _FAILED, _MEMORY
   except (Exception, SystemExit):  # pylint: disable=broad-except  (any failure scores 0)
-    return 0.0, False, _ERROR
-  return reward, exact, _OK
+    return 0.0, False, _FAILED, _ERROR
+  return reward, exact, verdict, _OK
+
+
+def result_record(index: int, reward: float, exact: bool, verdict: Verdict, status: int) -> bytes:
+  """The worker's `_RESULT` record of one scored completion (a failed one's verdict is not
+  sent: the trainer knows it from the status). `task_verdict` bounds the texts to
+  MAX_TEXT_CHARS characters, so each fits in _MAX_VERDICT_BYTES."""
+  answer, target = ((text or "").encode("utf-8", "replace")
+                    for text in (verdict.answer, verdict.target))
+  category = verdicts_lib.TASK_CATEGORIES.index(verdict.category) if status == _OK else 0
+  return _RESULT.pack(b"r", index, reward, exact, status, category, len(answer)) + answer + target
 
 
 def observe_one(environment, text: str) -> tuple[int, int, bytes]:
@@ -241,7 +269,7 @@ def serve(fd: int, page_fd: int) -> None:
         status, what, data = observe_one(task, completion)
         reply = _OBSERVED.pack(b"o", index, status, what) + data
       else:
-        reply = _RESULT.pack(b"r", index, *score_one(task, completion, example))
+        reply = result_record(index, *score_one(task, completion, example))
       channel.sendall(_frame(reply))
 
 
@@ -358,17 +386,29 @@ class _Buffer(list):
     return b"".join(self)
 
 
-def _result(frame: bytes, pending: set[int]) -> tuple[int, float, bool, int] | None:
-  """(index, reward, exact, status) from a result record, or None unless the frame is
-  exactly one (`_RESULT`) for an unscored index, with a finite reward and a known status.
-  Replies are read as numbers, never unpickled: whoever wrote them, they are data."""
-  if len(frame) != _RESULT.size:
+def _result(frame: bytes, pending: set[int]) -> tuple[int, float, bool, Verdict, int] | None:
+  """(index, reward, exact, verdict, status) from a result record, or None unless the frame
+  is exactly one (`_RESULT`, then the verdict's texts) for an unscored index, with a finite
+  reward, a known status and category, and texts of valid UTF-8 within their bound.
+  Replies are read as numbers and text, never unpickled: whoever wrote them, they are data."""
+  if not _RESULT.size <= len(frame) <= _RESULT.size + 2 * _MAX_VERDICT_BYTES:
     return None
-  kind, index, reward, exact, status = _RESULT.unpack(frame)
+  kind, index, reward, exact, status, category, answer_bytes = _RESULT.unpack_from(frame)
+  texts = frame[_RESULT.size:]
   if (kind != b"r" or index not in pending or not math.isfinite(reward)
-      or status not in (_OK, _ERROR, _TIMEOUT, _MEMORY)):
+      or status not in (_OK, _ERROR, _TIMEOUT, _MEMORY)
+      or category >= len(verdicts_lib.TASK_CATEGORIES)
+      or answer_bytes > min(len(texts), _MAX_VERDICT_BYTES)
+      or len(texts) - answer_bytes > _MAX_VERDICT_BYTES):
     return None
-  return index, reward, exact, status
+  try:
+    answer, target = (part.decode("utf-8") or None
+                      for part in (texts[:answer_bytes], texts[answer_bytes:]))
+  except UnicodeDecodeError:
+    return None
+  verdict = (Verdict(verdicts_lib.TASK_CATEGORIES[category], answer, target)
+             if status == _OK else _FAILED)
+  return index, reward, exact, verdict, status
 
 
 def _observation(frame: bytes, pending: set[int]) -> tuple[int, tuple] | None:
@@ -390,7 +430,7 @@ def _observation(frame: bytes, pending: set[int]) -> tuple[int, tuple] | None:
 
 
 def _scored(frame: bytes, pending: set[int]) -> tuple[int, tuple] | None:
-  """`_result` as (index, (reward, exact, status))."""
+  """`_result` as (index, (reward, exact, verdict, status))."""
   result = _result(frame, pending)
   return None if result is None else (result[0], result[1:])
 
@@ -484,10 +524,11 @@ class Scorer:
       raise ValueError(f"Task {getattr(task, 'name', task)!r}: reward_timeout_s={timeout_s} "
                        "must be > 0.")
     results = self._serve("score", task, completions, examples, timeout_s, limits,
-                          _scored, lambda status: (0.0, False, status))
-    status = np.array([r[2] for r in results], np.int32)
+                          _scored, lambda status: (0.0, False, _FAILED, status))
+    status = np.array([r[3] for r in results], np.int32)
     return Scores(rewards=np.array([r[0] for r in results], np.float32),
                   exact=np.array([r[1] for r in results], bool),
+                  verdicts=tuple(r[2] for r in results),
                   timeouts=int(np.sum(status == _TIMEOUT)), errors=int(np.sum(status == _ERROR)))
 
   def observe(self, environment, texts: Sequence[str], timeout_s: float | None = None,

@@ -36,7 +36,7 @@ class Rollout:
   tree batch (sampling/tree.py) is a root-to-leaf path whose prefix shared with its parent
   is in prompt_mask (context), not completion_mask: every tree token is trained once, in
   the row that decoded it (rl.rollouts.batches.tree_rollout).
-  env_mask [B, T]: with turns (rl.rollouts.turns), the tokens an environment wrote; they are
+  env_mask [B, T]: with turns (rl.environments.turns), the tokens an environment wrote; they are
   context, in prompt_mask and never in completion_mask, so nothing trains on them (None
   without an environment).
   """

@@ -3,7 +3,7 @@ policies: plain lockstep decoding (`sampler`), tree rollouts (`tree`), resumable
 rollouts (`partial`) and lossless speculative decoding with model-free drafts
 (`speculative`). Every policy returns the one trajectory type, `Generation`. A partial
 pool's rows can also take tokens the policy did not write between rounds
-(`append_observations`: the turns of rl.rollouts.turns).
+(`append_observations`: the turns of rl.environments.turns).
 """
 
 from sampling.partial import (RESUME_MODES, PartialConfig, RolloutPool, append_observations,

@@ -131,7 +131,7 @@ def sample_tokens(rng: jax.Array, logits: jax.Array, temperature: float, top_k: 
   restricted to the top-k tokens, renormalised, restricted to the top-p nucleus of that,
   renormalised (no truncation: softmax(logits / T) itself).
 
-  The train step's log-prob (rl/train.py `policy_logprobs`, logp) is the untruncated
+  The train step's log-prob (rl/objectives/composite.py `policy_logprobs`, logp) is the untruncated
   softmax(logits / T): the trained policy. So without truncation exp(logp - behav) is 1 on
   fresh tokens, and with top-k / top-p it is the importance ratio between the trained
   policy and the truncated sampler (on fresh tokens the kept mass, at most 1): the

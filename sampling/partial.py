@@ -32,7 +32,7 @@ sampler drew it with, so IS ratios against the concatenated per-segment log-prob
 cross-stage IS) stay exact; the version recorded is the round's parameter version. A pool
 restored from a checkpoint has no KV: run its first round with `full_refresh=True`.
 
-Turns (tool calls, rl.rollouts.turns). Between rounds a caller may append tokens the
+Turns (tool calls, rl.environments.turns). Between rounds a caller may append tokens the
 policy did not write to rows that stopped (`append_observations`): the row is shifted left
 so that it still ends at C, the tokens are written before C with version -1 and log-prob 0,
 and the row is live again (a row may also be resumed with nothing appended). Its next round must re-encode the whole prefix ('reprefill').

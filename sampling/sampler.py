@@ -137,7 +137,7 @@ class DraftStats:
 
 @flax.struct.dataclass
 class ToolRows:
-  """What rollouts with turns (rl.rollouts.turns) add to their `Generation`: env_mask
+  """What rollouts with turns (rl.environments.turns) add to their `Generation`: env_mask
   [B, S] tokens an environment wrote (context: in prompt_mask, never in completion_mask);
   calls [B] tool calls the environment answered; failed [B] rows whose environment step
   timed out or failed (they score 0); and the batch's step counts: steps (environment

@@ -56,13 +56,20 @@ SOURCES = ("prompt_lookup", "group", "history")
 class DraftConfig:
   """Speculative decoding's drafts.
 
-  Fields:
+  Attributes:
     tokens: k, draft tokens verified per forward (> 0).
     sources: the draft sources, searched together; a match in an earlier-listed source
       wins over a later one, and within a source the latest match wins.
     ngram: the longest suffix matched; shorter ones (down to 1 token) are tried when it
       finds nothing.
     group_size: rows per prompt, in contiguous blocks (the 'group' source's siblings).
+
+  >>> DraftConfig(tokens=4, sources=("prompt_lookup", "history")).sources
+  ('prompt_lookup', 'history')
+  >>> DraftConfig(sources=("oracle",))
+  Traceback (most recent call last):
+  ...
+  ValueError: DraftConfig.sources = ('oracle',): use one or more of ('prompt_lookup', 'group', 'history').
   """
   tokens: int = 4
   sources: tuple[str, ...] = ("prompt_lookup",)

@@ -89,7 +89,8 @@ def save_bpe_tokenizer(path, add_bos: bool) -> transformers.PreTrainedTokenizerF
 
 def save_tiny_hf_model(path, family: str, add_bos: bool, max_position_embeddings: int = 256):
   """A tiny random `family` ("llama" or "qwen2") causal LM (one layer, width 32) with the
-  `save_bpe_tokenizer` tokenizer, saved to `path` as Hugging Face saves it; returns `path`."""
+  `save_bpe_tokenizer` tokenizer, saved to `path` as Hugging Face saves it; returns `path`.
+  The weights come from a fixed torch seed, so a test sees the same model here and in CI."""
   tokenizer = save_bpe_tokenizer(path, add_bos=add_bos)
   config_class, model_class = {
       "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
@@ -99,5 +100,7 @@ def save_tiny_hf_model(path, family: str, add_bos: bool, max_position_embeddings
       num_attention_heads=2, num_key_value_heads=1,
       max_position_embeddings=max_position_embeddings, tie_word_embeddings=True,
       bos_token_id=0, eos_token_id=1, pad_token_id=2)
-  model_class(config).save_pretrained(path)
+  with torch.random.fork_rng():
+    torch.manual_seed(0)
+    model_class(config).save_pretrained(path)
   return path

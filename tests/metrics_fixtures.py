@@ -37,8 +37,14 @@ def texts(events) -> list[tuple[int, str, str]]:
           if e.HasField("summary") for v in e.summary.value if v.HasField("tensor")]
 
 
+class FakeTable(types.SimpleNamespace):
+  """A `wandb.Table` stand-in: its columns and rows."""
+
+
 class FakeWandb(types.ModuleType):
   """The part of wandb's API the writer uses, recording every call."""
+
+  Table = FakeTable
 
   def __init__(self):
     super().__init__("wandb")

@@ -11,13 +11,13 @@ from __future__ import annotations
 import sys
 
 import jax
-import ml_collections
 import numpy as np
 import optax
 
 from models.config import get_preset
 from rl import train
 from rl.types import Rollout
+from rl.objectives import losses
 
 STEPS = 3
 
@@ -33,9 +33,9 @@ def tiny_setup(batch_size: int = 8, seq_len: int = 16):
   """
   model_config = get_preset("tiny", n_layers=2, max_seq_len=seq_len)
   optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, eps=1e-6))
-  loss_config = ml_collections.FrozenConfigDict(dict(
+  loss_config = losses.LossSettings(
       name="grpo", eps_low=0.2, eps_high=0.2, aggregation="token_mean", norm_len=1.0,
-      kl_coef=0.0))
+      kl_coef=0.0)
   rng = np.random.default_rng(0)
   b, t = batch_size, seq_len
   tokens = rng.integers(3, model_config.vocab_size, (b, t)).astype(np.int32)

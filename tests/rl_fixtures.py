@@ -4,15 +4,15 @@ scoring worker can import it).
 """
 
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from rl.tasks import Example
 from rl.types import Rollout
+from rl.objectives import losses
 
-GRPO = ml_collections.FrozenConfigDict(dict(
+GRPO = losses.LossSettings(
     name="grpo", eps_low=0.2, eps_high=0.2, aggregation="seq_mean_token_mean", norm_len=4.0,
-    kl_coef=0.0))
+    kl_coef=0.0)
 
 
 def random_rollout(seed=0, batch=4, length=8):

@@ -1,11 +1,10 @@
-"""Tests for rl.rollouts.async_loop: bounded staleness, exact sync equivalence, learning."""
+"""Tests for rl.async_loop: bounded staleness, exact sync equivalence, learning."""
 
 import dataclasses
 import time
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
@@ -13,7 +12,7 @@ from models import transformer
 from models.config import get_preset
 from models.tokenizer import CharTokenizer
 from rl.objectives import advantages
-from rl.rollouts import async_loop
+from rl import async_loop
 from rl import loop
 from rl.rollouts import partial as partial_rollout
 from rl.rollouts import batches as rollout_lib
@@ -24,13 +23,14 @@ from rl import train
 from rl.tasks import Example
 from rl.tasks import make_task
 from rl.types import Rollout
+from rl.objectives import losses
 from sampling.partial import PartialConfig
 from sampling.sampler import SamplingConfig
 
 TOKENIZER = CharTokenizer()
-GRPO = ml_collections.FrozenConfigDict(dict(name="grpo", eps_low=0.2, eps_high=0.2,
+GRPO = losses.LossSettings(name="grpo", eps_low=0.2, eps_high=0.2,
                                             aggregation="seq_mean_token_mean", norm_len=6.0,
-                                            kl_coef=0.0))
+                                            kl_coef=0.0)
 
 
 # Fakes for the staleness tests: the trainer is slow, the producer fast.
@@ -342,7 +342,7 @@ def test_async_training_with_stale_batches_improves_the_default_tasks_reward():
   sft_ctx, state = _context(task, prompts=8, group=1, lr=1e-3, prompt_len=12)
   sft_ctx = dataclasses.replace(sft_ctx, train_step=train.make_train_step(
       sft_ctx.batch.model_config, train.make_optimizer(1e-3),
-      ml_collections.FrozenConfigDict(dict(name="sft", aggregation="token_mean", norm_len=1.0))))
+      losses.LossSettings(name="sft", aggregation="token_mean", norm_len=1.0)))
   for _ in range(25):
     state, _ = loop.sft_iteration(state, sft_ctx)
   ctx, _ = _context(task, prompts=8, group=8, lr=3e-4, prompt_len=12)

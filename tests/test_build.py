@@ -175,3 +175,25 @@ def test_packages_are_imported_from_this_tree(package):
   here = pathlib.Path(__file__).absolute().parent.parent
   assert pathlib.Path(module.__file__).absolute().parent.parent == here, (
       f"{package} comes from {module.__file__}, not from {here}")
+
+
+def test_the_experiment_modules_tests_import_load_together():
+  """Every experiments module a test imports defines flags no other one defines (pytest
+  runs several test files in one process; a flag defined twice fails the collection)."""
+  import glob  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  import re  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  modules = set()
+  for path in glob.glob(os.path.join(root, "tests", "*.py")):
+    text = open(path).read()
+    modules.update(f"experiments.{m}" for m in re.findall(
+        r"^from experiments import (\w+)", text, re.M))
+  modules = sorted(m for m in modules
+                   if os.path.exists(os.path.join(root, *m.split(".")) + ".py"))
+  assert "experiments.grid" in modules and "experiments.trl_parity" in modules
+  done = subprocess.run([sys.executable, "-c", "import " + ", ".join(modules)], cwd=root,
+                        capture_output=True, text=True, check=False)
+  assert done.returncode == 0, done.stderr[-2000:]

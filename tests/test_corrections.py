@@ -180,7 +180,7 @@ def test_corrections_reading_the_log_ratio_after_the_veto_are_refused(chain, ref
   VCPO statistic would count it as on-policy, so that order is refused; before the veto,
   or a correction that reads prox - behav (tis), is fine."""
   terms = _terms(log_ratio=np.zeros((4, 3)), prox_shift=np.zeros((4, 3)))
-  config = losses.resolve_config(None)
+  config = losses.LossSettings()
   if refused is None:
     corrections.chain(chain, terms, config)
     return
@@ -278,12 +278,12 @@ def test_a_factory_binds_its_hyperparameters():
   np.testing.assert_allclose(metrics["is_truncated_fraction"], 2 / 5)
   # The registry path reads the same hyperparameter from config.loss.is_cap.
   via_config, config_metrics = corrections.chain(
-      ("tis",), terms, losses.resolve_config(None, dict(is_cap=2.0)))
+      ("tis",), terms, losses.LossSettings(is_cap=2.0))
   np.testing.assert_array_equal(via_config.weight, out.weight)
   assert config_metrics.keys() == metrics.keys()
   for key in metrics:
     np.testing.assert_array_equal(config_metrics[key], metrics[key])
-  # Each built correction keeps its own value; the default is LOSS_DEFAULTS' 5.
+  # Each built correction keeps its own value; the default is LossSettings' 5.
   np.testing.assert_allclose(corrections.truncated_is()(terms)[0].weight,
                              np.minimum(np.exp(shift), 5.0), rtol=1e-6)
 
@@ -294,7 +294,7 @@ def test_factory_defaults_are_the_loss_defaults(name):
   params = inspect.signature(spec.factory).parameters
   assert set(spec.fields) == set(params)  # every hyperparameter is fed from config.loss
   for arg, field in spec.fields.items():
-    assert params[arg].default == losses.LOSS_DEFAULTS[field], (name, arg)
+    assert params[arg].default == losses.LossSettings.defaults()[field], (name, arg)
 
 
 def test_register_correction_checks_its_fields():

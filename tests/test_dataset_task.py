@@ -23,6 +23,7 @@ from experiments.configs import qwen2_5_gsm8k
 from rl import scoring
 from rl import tasks
 from rl import wiring
+from rl.settings import dataset as dataset_settings
 from rl.tasks import dataset
 from rl.tasks import gsm
 from rl.tasks import math_answer
@@ -335,7 +336,8 @@ def test_reference_answers_are_read_as_gsm8k_box_or_text():
 
 def test_the_default_config_holds_the_dataset_fields_at_their_defaults():
   c = default.get_config()
-  assert {field: c.task[field] for field in dataset.CONFIG_DEFAULTS} == dataset.CONFIG_DEFAULTS
+  defaults = dataset_settings.DatasetSettings.defaults()
+  assert {field: c.task[field] for field in defaults} == defaults
 
 
 @pytest.mark.parametrize("field,value", [
@@ -427,13 +429,13 @@ def test_the_qwen_recipe_validates_and_reads_gsm8k_files(tmp_path, qwen2_folder)
 def test_a_local_jsonl_dataset_trains_through_the_launcher(tmp_path, qwen2_folder):
   from experiments import train as launcher  # pylint: disable=import-outside-toplevel
   # Every train answer is 7; a short supervised warm start teaches the policy to write
-  # "\boxed{7}" whatever the question. Of the two held-out rows, one's answer is 7 and the
-  # other's is 98765, which that policy never writes: held-out accuracy 1/2 shows both rows
-  # were scored, each against its own answer from the file.
-  train = [{"question": f"Question {i}: what is {i} + {7 - i}?", "answer": f"#### 7"}
+  # "\boxed{7}" whatever the question. Of the two held-out rows (worded like the train rows),
+  # one's answer is 7 and the other's is 45, which that policy never writes: held-out accuracy
+  # 1/2 shows both rows were scored, each against its own answer from the file.
+  train = [{"question": f"Question {i}: what is {i} + {7 - i}?", "answer": "#### 7"}
            for i in range(8)]
-  held = [{"question": "What is 3 + 4?", "answer": "3 + 4 = 7\n#### 7"},
-          {"question": "What is 12345 * 8?", "answer": "#### 98765"}]
+  held = [{"question": "Question 3: what is 3 + 4?", "answer": "3 + 4 = 7\n#### 7"},
+          {"question": "Question 9: what is 9 * 5?", "answer": "#### 45"}]
   c = default.get_config()
   c.workdir = str(tmp_path / "run")
   c.task.name, c.task.prompt_style = "dataset", "full"
@@ -445,17 +447,20 @@ def test_a_local_jsonl_dataset_trains_through_the_launcher(tmp_path, qwen2_folde
   c.rollout.prompt_len, c.rollout.max_new_tokens = 24, 12
   c.rollout.train_length_buckets = ()
   c.rollout.prompts_per_step, c.rollout.group_size = 2, 2
-  c.warm_start.steps, c.warm_start.batch_size = 40, 4
-  c.warm_start.learning_rate, c.warm_start.warmup_steps = 3e-2, 0
+  warm_start_steps = 120
+  c.warm_start.steps, c.warm_start.batch_size = warm_start_steps, 4
+  c.warm_start.learning_rate, c.warm_start.warmup_steps = 1e-2, 0
   c.rl.steps, c.rl.learning_rate, c.rl.warmup_steps = 1, 1e-6, 0
   c.eval.batch_size, c.eval.every = 2, 1
   c.checkpoint.every = 100
   summary = launcher.run(c)
-  assert summary["steps"] == 41
+  assert summary["steps"] == warm_start_steps + 1
   records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
   evals = [r for r in records if "eval_accuracy" in r]
-  assert [r["step"] for r in evals] == [40, 41]
-  assert all(r["eval_accuracy"] == 0.5 for r in evals), evals
+  assert [r["step"] for r in evals] == [warm_start_steps, warm_start_steps + 1]
+  samples = [json.loads(line) for line in open(tmp_path / "run" / "samples" / "eval_121.jsonl")]
+  assert all(r["eval_accuracy"] == 0.5 for r in evals), [
+      (r["completion"], r["category"]) for r in samples]
   (step,) = [r for r in records if "reward_mean" in r]
   assert step["reward_mean"] > 0.5 and step["reward_timeouts"] == step["reward_errors"] == 0
   config = json.load(open(tmp_path / "run" / "config.json"))

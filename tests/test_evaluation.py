@@ -13,7 +13,7 @@ from models import transformer
 from models.config import get_preset
 from models.tokenizer import CharTokenizer
 from rl import evaluation
-from rl.rollouts import turns as turns_lib
+from rl.environments import turns as turns_lib
 from rl.tasks import Example
 from sampling.sampler import SamplingConfig
 from tests import tool_environments
@@ -131,7 +131,7 @@ def test_evaluate_sampled_with_turns_lets_the_environment_answer_every_call():
   kwargs = dict(task=EveryCallAnsweredZeroTask(), tokenizer=tokenizer, prompt_len=4,
                 model_config=model_config, sampling_config=sampling_config, num_samples=8,
                 ks=(1,), rng=jax.random.PRNGKey(1), batch_size=64)
-  turns = turns_lib.Turns(tool_environments.AnswersZero(), tokenizer, turns_lib.ToolConfig())
+  turns = turns_lib.Turns(tool_environments.AnswersZero(), tokenizer, turns_lib.ToolSettings())
   with_tool = evaluation.evaluate_sampled(params, examples, turns=turns, **kwargs)
   without = evaluation.evaluate_sampled(params, examples, **kwargs)
   assert with_tool.pass_at_k[1] == 1.0

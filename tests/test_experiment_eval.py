@@ -49,6 +49,19 @@ def test_eval_restores_checkpoints_and_matches_the_launchers_evaluations(overrid
   assert table[0].startswith("| step | task | examples | greedy_accuracy")
   assert len(table) == 2 + len(rows)
 
+  # A LoRA run leaves its final adapters as a PEFT folder; evaluated on the base policy
+  # they reproduce the launcher's final greedy numbers. A full-weight run leaves none.
+  adapter = tmp_path / "adapter"
+  assert adapter.is_dir() == ("lora.rank" in overrides)
+  if adapter.is_dir():
+    [row] = eval_launcher.run(config, adapter=str(adapter), num_samples=2, ks=(1,),
+                              progress=False)
+    assert row["step"] == "adapter"
+    assert row["greedy_accuracy"] == evals[5]["eval_accuracy"]
+    assert row["greedy_length"] == pytest.approx(evals[5]["eval_length"])
+    with pytest.raises(ValueError, match="drop --steps=all"):
+      eval_launcher.run(config, adapter=str(adapter), steps="all", progress=False)
+
   assert eval_launcher.checkpoint_steps(config, "latest") == [5]
   with pytest.raises(ValueError, match="does not hold"):
     eval_launcher.checkpoint_steps(config, "4")
@@ -85,3 +98,28 @@ def test_positional_arguments_print_usage(capsys):
   err = capsys.readouterr().err
   assert "Unexpected arguments ['runs/short']: name the run with --config.workdir" in err
   assert eval_launcher.USAGE in err
+
+
+def test_initial_evaluates_the_untrained_policy_without_a_checkpoint(tmp_path):
+  # --steps=initial: the policy the launcher starts from (preset initialised from
+  # PRNGKey(seed)), as step 0; no checkpoint is read or needed.
+  config = tiny_config(tmp_path)
+  rows = eval_launcher.run(config, steps=eval_launcher.INITIAL, num_samples=4, ks=(1, 4),
+                           num_examples=8, progress=False)
+  assert [r["step"] for r in rows] == [0]
+  assert not (tmp_path / "checkpoints").exists()
+  # An untrained character-level policy: nothing right, so no group is mixed.
+  assert rows[0]["greedy_accuracy"] == 0.0 and rows[0]["pass@4"] == 0.0
+  assert rows[0]["mixed"] == 0.0
+  # The same weights the launcher builds: another seed gives other greedy completions.
+  other = eval_launcher.initial_params(tiny_config(tmp_path, {"seed": 1}))
+  same = eval_launcher.initial_params(config)
+  assert not (other["embed"] == same["embed"]).all()
+  assert (eval_launcher.initial_params(config)["embed"] == same["embed"]).all()
+
+
+def test_mixed_share_counts_groups_neither_all_right_nor_all_wrong():
+  assert eval_launcher.mixed_share([0, 1, 7, 8, 4], 8) == pytest.approx(3 / 5)
+  assert eval_launcher.mixed_share([0, 0], 8) == 0.0
+  assert eval_launcher.mixed_share([8, 8], 8) == 0.0
+  assert eval_launcher.mixed_share([1], 1) == 0.0  # one sample is never mixed

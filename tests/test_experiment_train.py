@@ -121,6 +121,11 @@ def test_wandb_gets_the_run_through_the_launcher(tmp_path, monkeypatch):
   logged = [(step, tag) for step, scalars_at in run.logged for tag in scalars_at]
   assert (1, "warm_start/learning_rate") in logged and (2, "rl/time_score_s") in logged
   assert [step for step, tag in logged if tag == "eval/accuracy"] == [1, 2]
+  # Each evaluation's samples (config.metrics.eval_samples, 16 by default) as a table.
+  tables = [(step, data["samples/eval"]) for step, data in run.logged if "samples/eval" in data]
+  assert [step for step, _ in tables] == [1, 2]
+  assert all(len(table.data) == 16 and table.columns[:2] == ["example", "category"]
+             for _, table in tables)
   assert not list(tmp_path.glob("events.out.tfevents.*"))
 
 
@@ -150,7 +155,7 @@ def test_wandb_without_the_package_is_refused_before_any_work(tmp_path, monkeypa
     ("loss.name=dapo,loss.eps_high", 0.2, "objective 'dapo' fixes eps_high = 0.28"),
     ("loss.name=m2po,loss.eps_low", 0.1, "objective 'm2po' .* never reads eps_low"),
     ("loss.name=mu_grpo,loss.eps_high", 0.3, "objective 'mu_grpo' .* never reads eps_high"),
-    ("loss.name=vcpo,loss.vcpo_is_level", "row", "Unknown config.loss.vcpo_is_level"),
+    ("loss.name=vcpo,loss.vcpo_is_level", "row", "config.loss.vcpo_is_level = .row.; use one of .sequence., .token."),
     ("loss.name=mu_grpo,loss.corrections", ("m2po",), "Correction 'm2po' after 'mu_veto'"),
 ])
 def test_bad_config_gives_a_clear_error(tmp_path, field, value, message):

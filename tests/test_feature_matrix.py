@@ -1,7 +1,7 @@
 """Every combination of the RL phase's switches, through the launcher (experiments.train.run):
 
     rollout.kind x selection.kind x rl.async_ x rl.staleness x mesh.data
-    {independent, tree, partial} x {uniform, dynamic, greso, adaptive} x {False, True}
+    {independent, tree, partial} x {uniform, dynamic, greso, adaptive, pods} x {False, True}
     x {0, 2} x {one device, data=2 x fsdp=4 on the 8 virtual CPU devices}
 
 either runs two GRPO steps with its effect visible in metrics.jsonl, or is refused before
@@ -31,11 +31,12 @@ import pytest
 
 from experiments import train as launcher
 from rl import tasks
+from rl import verdicts
 from tests.launcher_config import tiny_run_config
 from rl import wiring
 
 KINDS = ("independent", "tree", "partial")
-SELECTIONS = ("uniform", "dynamic", "greso", "adaptive")
+SELECTIONS = ("uniform", "dynamic", "greso", "adaptive", "pods")
 STALENESS = 2
 COMBOS = list(itertools.product(KINDS, SELECTIONS, (False, True), (0, STALENESS)))
 # The quick tier's combinations: each rollout kind, selection rule, async and staleness
@@ -43,7 +44,8 @@ COMBOS = list(itertools.product(KINDS, SELECTIONS, (False, True), (0, STALENESS)
 # slow tier runs the rest.
 QUICK = {("independent", "uniform", False, 0), ("tree", "uniform", False, STALENESS),
          ("partial", "uniform", True, 0), ("independent", "dynamic", False, STALENESS),
-         ("independent", "greso", True, 0), ("independent", "adaptive", False, 0)}
+         ("independent", "greso", True, 0), ("independent", "adaptive", False, 0),
+         ("independent", "pods", False, 0)}
 
 
 def index_reward(answer, entry):
@@ -86,7 +88,7 @@ def _config(workdir, kind, selection, async_, staleness, data):
       "task.name": "gcd", "task.eval_size": 2, "eval.batch_size": 8, "warm_start.steps": 0,
       "warm_start.batch_size": 8, "rollout.prompt_len": 16, "rollout.max_new_tokens": 3,
       "rollout.kind": kind, "selection.kind": selection, "rl.async_": async_,
-      "rl.staleness": staleness, "rollout.group_size": 4,
+      "rl.staleness": staleness, "rollout.group_size": 4, "metrics.train_samples_every": 1,
       "mesh.data": data, "mesh.fsdp": 1 if data == 1 else -1})  # data=2 x fsdp=4: 8 devices
   c.task.difficulty = {"max_value": 100}
   c.rollout.tree.update(init_chains=2, fork_points=1, branches=2, rounds=1)  # 4 leaves
@@ -99,6 +101,8 @@ def _config(workdir, kind, selection, async_, staleness, data):
   if selection == "adaptive":  # pilots of 2: the all-zero prompt's std is 0, so the other
     # (mixed) prompt gets the 4 further rollouts, up to its cap of 6
     c.selection.adaptive.update(initial_rollouts=2, max_rollouts=6)
+  if selection == "pods":  # 6 rollouts per prompt, the 4 of largest reward variance kept
+    c.selection.pods.rollouts = 6
   return c
 
 
@@ -124,6 +128,9 @@ def _check_effect(records, kind, selection, async_, staleness):
   if selection == "adaptive":  # the budget goes unevenly: the mixed prompt gets more than 4 rows
     assert all(r["rollouts"] == 2 * 4 for r in records)
     assert max(r["max_group_size"] for r in records) > 4
+  if selection == "pods":  # 2 prompts x 6 rolled out; a group with any spread keeps some
+    assert all(r["rollouts"] == 2 * 6 for r in records)
+    assert all(r["batch_informative_groups"] == r["informative_groups"] for r in records)
   simulated = [min(t, staleness) for t in range(2)]  # iteration t samples max(t - k, 0)
   if async_:
     # Structural, not thread-timing luck: rl.max_staleness = 4 lets the producer run 4
@@ -138,6 +145,18 @@ def _check_effect(records, kind, selection, async_, staleness):
     assert all(simulated[t] <= r["staleness"] <= 4 for t, r in enumerate(records))
   else:
     assert [r["staleness"] for r in records] == simulated
+
+
+def _check_train_samples(workdir, records):
+  """Every RL step wrote its training samples (metrics.train_samples_every = 1), whatever
+  made its batch: trained rows (tokens, a group), each with its prompt and a category."""
+  for record in records:
+    with open(os.path.join(workdir, "samples", f"train_{record['step']}.jsonl")) as f:
+      written = [json.loads(line) for line in f]
+    assert 1 <= len(written) <= 4
+    assert [s["step"] for s in written] == [record["step"]] * len(written)
+    assert all(s["prompt"].startswith("gcd(") and s["category"] in verdicts.CATEGORIES
+               and s["length"] > 0 for s in written), written
 
 
 @pytest.mark.parametrize("kind,selection,async_,staleness", [
@@ -157,6 +176,7 @@ def test_switches_compose_or_are_refused(tmp_path, kind, selection, async_, stal
     launcher.run(config)
     records = _rl_records(workdir)
     _check_effect(records, kind, selection, async_, staleness)
+    _check_train_samples(workdir, records)
     first_loss[data] = records[0]["loss"]
   if len(first_loss) == 2:  # the sharded run trains on the same first batch
     np.testing.assert_allclose(first_loss[2], first_loss[1], rtol=0, atol=1e-5)

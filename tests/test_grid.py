@@ -537,3 +537,26 @@ def test_every_benchmark_cell_is_a_valid_launcher_config(spec):
         value = ast.literal_eval(value)  # as the --config flag parses a tuple
       node[leaf] = value
     wiring.validate(config)
+
+
+def test_b9_page_gives_each_seed_its_gain_and_seconds_beside_trl_and_the_fresh_evaluation(
+    tmp_path):
+  b9 = runpy.run_path(os.path.join(_REPO, "experiments", "grids", "b9_real_model.py"))
+  results = [_cell_result("arbor", seed, [0.1, 0.2, 0.3], [0, 10, 20], [0.0, 1.0, 2.0], {},
+                          steps=30, time_s={"rollout": 300.0, "train": 600.0})
+             for seed in (0, 1)]
+  with open(tmp_path / "trl_s0.json", "w") as f:
+    json.dump({"seed": 0, "curve": [{"step": 0, "accuracy": 0.1, "stderr": 0.02},
+                                    {"step": 30, "accuracy": 0.25, "stderr": 0.02}],
+               "step_s_median": 100.0, "generate_s_median": 40.0}, f)
+  (tmp_path / "fresh").mkdir()
+  with open(tmp_path / "fresh" / "arbor_s1.json", "w") as f:
+    json.dump([{"examples": 200, "num_samples": 8, "temperature": 0.7, "greedy_accuracy": 0.28,
+                "pass@1": 0.21, "pass@8": 0.5, "mixed": 0.4, "sampled_length": 40.0}], f)
+  page = b9["render_page"](results, str(tmp_path / "real_model.md"), results_dir=str(tmp_path))
+  # 0.1 -> 0.3: +20 points, 0.2 / (0.02 * sqrt 2) = 7.1 standard errors; 900 s over 30 steps.
+  assert _row(page, "Arbor, seed 1")[4:] == ["+20.0", "7.1", "30 (10 + 20)"]
+  assert _row(page, "TRL, seed 0")[3:] == ["+15.0", "5.3", "100 (40 + 60), median"]
+  assert _row(page, "arbor_s1") == ["arbor_s1", "0.280", "0.210", "0.500", "0.400", "40"]
+  assert "| base |" not in page  # no file for it: no row
+  assert (tmp_path / "real_model.png").exists()

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import ml_collections
 import pytest
 
@@ -30,14 +31,17 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ({"task.eval_size": 0}, r"config.task.eval_size = 0 must be >= 1"),
     ({"rl.num_microbatches": 0}, r"config.rl.num_microbatches = 0 must be >= 1"),
     ({"checkpoint.max_to_keep": 0}, r"config.checkpoint.max_to_keep = 0 must be >= 1"),
+    ({"metrics.eval_samples": -1}, r"config.metrics.eval_samples = -1 must be >= 0"),
+    ({"metrics.train_samples_every": -10},
+     r"config.metrics.train_samples_every = -10 must be >= 0"),
     ({"rl.learning_rate": 0.0}, r"config.rl.learning_rate = 0.0 must be > 0"),
     ({"rollout.top_p": 1.5}, r"config.rollout.top_p = 1.5 must be > 0 and <= 1.0"),
     ({"loss.m2_tau": -0.04}, r"config.loss.m2_tau = -0.04 must be > 0"),
     ({"loss.mu_eps_high": -0.5}, r"config.loss.mu_eps_high = -0.5 must be >= 0"),
-    ({"loss.aggregation": "nosuch"}, r"Unknown config.loss.aggregation 'nosuch'"),
+    ({"loss.aggregation": "nosuch"}, r"config.loss.aggregation = 'nosuch'; use one of 'token_mean'"),
     ({"loss.name": "nosuch"}, r"Unknown loss 'nosuch' \(config.loss.name\)"),
     ({"loss.corrections": ("m2po", "nosuch")}, r"Unknown correction 'nosuch'"),
-    ({"loss.prox_estimate": "nosuch"}, r"Unknown config.loss.prox_estimate 'nosuch'"),
+    ({"loss.prox_estimate": "nosuch"}, r"config.loss.prox_estimate = 'nosuch'; use one of 'recompute', 'loglinear'"),
     ({"advantage.name": "nosuch"}, r"Unknown advantage estimator 'nosuch'"),
     ({"rollout.kind": "tree", "rollout.tree.advantage": "nosuch"},
      r"Unknown tree advantage estimator 'nosuch'"),
@@ -135,7 +139,7 @@ def test_rl_warmup_steps_reach_the_rl_optimizer():
   config.rl.learning_rate, config.rl.warmup_steps, config.rl.max_grad_norm = 1e-2, 4, 0.0
   tokenizer = CharTokenizer()
   task = make_task(config.task.name, eval_size=4, **config.task.difficulty)
-  model_config = wiring.build_model_config(config, tokenizer)
+  _, model_config, _ = wiring.load_policy(config, jax.random.PRNGKey(0))
   _, optimizer = wiring.make_context(config, task, tokenizer, model_config, wiring.RL)
   params = {"w": jnp.zeros(3)}
   state = optimizer.init(params)

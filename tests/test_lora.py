@@ -10,7 +10,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
@@ -33,6 +32,7 @@ from sharding import mesh as mesh_lib
 from tests.launcher_config import tiny_run_config
 from tests.rl_fixtures import GRPO, DigitTask, random_rollout
 from rl import wiring
+from rl.objectives import losses
 
 CONFIG = ModelConfig(vocab_size=51, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                      mlp_dim=48, max_seq_len=16, qkv_bias=True)
@@ -244,8 +244,8 @@ def test_first_update_is_adam_on_the_hand_computed_gradient_of_b():
   first step, no clipping at this gradient norm), dB = s A^T dW from the dense gradient."""
   lr = 1e-3
   optimizer = train.make_optimizer(lr, max_grad_norm=0.0)
-  loss_config = ml_collections.FrozenConfigDict(dict(name="sft", aggregation="token_mean",
-                                                     norm_len=1.0))
+  loss_config = losses.LossSettings(name="sft", aggregation="token_mean",
+                                                     norm_len=1.0)
   step = train.make_train_step(CONFIG, optimizer, loss_config)
   base, batch = _base(), random_rollout(batch=8)
   state = _lora_state(optimizer, base)

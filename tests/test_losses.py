@@ -1,8 +1,8 @@
 """GRPO advantages and the PPO-clip objective against hand-computed cases and the PG formula."""
 
+import dataclasses
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
@@ -10,11 +10,12 @@ from models import transformer
 from models.config import ModelConfig
 from rl.objectives import advantages
 from rl.objectives import losses
+from rl.settings import loss as loss_settings
 from rl.types import Rollout
 from rl import wiring
 
-LOSS_CONFIG = ml_collections.FrozenConfigDict(dict(
-    name="grpo", eps_low=0.2, eps_high=0.28, aggregation="token_mean", norm_len=4.0, kl_coef=0.0))
+LOSS_CONFIG = losses.LossSettings(
+    name="grpo", eps_low=0.2, eps_high=0.28, aggregation="token_mean", norm_len=4.0, kl_coef=0.0)
 
 
 def make_batch(advantage, behavior_logp, mask, **extra):
@@ -59,7 +60,7 @@ def test_ppo_clip_hand_computed():
   log_ratio = jnp.log(jnp.array([[1.5, 0.5], [0.5, 1.1]]))
   adv = jnp.array([[1.0, 1.0], [-1.0, -1.0]])
   batch = make_batch(adv, jnp.zeros((2, 2)), np.ones((2, 2)))
-  loss, metrics = losses.ppo_clip_loss(log_ratio, batch, config=LOSS_CONFIG)
+  loss, metrics = losses.ppo_clip_loss(log_ratio, batch, settings=LOSS_CONFIG)
   expected = -(1.28 + 0.5 - 0.8 - 1.1) / 4
   np.testing.assert_allclose(loss, expected, rtol=1e-5)
   np.testing.assert_allclose(metrics["clip_fraction"], 0.5)
@@ -91,7 +92,7 @@ def test_ppo_gradient_equals_policy_gradient_at_ratio_one():
   batch = make_batch(adv, behaviour, mask)
 
   grad_ppo = jax.jit(jax.grad(
-      lambda p: losses.ppo_clip_loss(logp_fn(p), batch, config=LOSS_CONFIG)[0]))(params)
+      lambda p: losses.ppo_clip_loss(logp_fn(p), batch, settings=LOSS_CONFIG)[0]))(params)
   # REINFORCE form: -(1/N) sum_t m A grad logp.
   n = mask.sum()
   grad_pg = jax.jit(jax.grad(lambda p: -(adv * mask * logp_fn(p)).sum() / n))(params)
@@ -101,12 +102,12 @@ def test_ppo_gradient_equals_policy_gradient_at_ratio_one():
 
 def test_kl_penalty_requires_reference_logprobs():
   batch = make_batch(jnp.zeros((1, 2)), jnp.zeros((1, 2)), np.ones((1, 2)))
-  config = ml_collections.FrozenConfigDict(dict(LOSS_CONFIG, kl_coef=0.1))
+  config = dataclasses.replace(LOSS_CONFIG, kl_coef=0.1)
   with pytest.raises(ValueError, match="ref_logp"):
-    losses.ppo_clip_loss(jnp.zeros((1, 2)), batch, config=config)
+    losses.ppo_clip_loss(jnp.zeros((1, 2)), batch, settings=config)
   with_ref = batch.replace(ref_logp=jnp.log(jnp.array([[0.5, 0.25]])))
   logp = jnp.log(jnp.array([[0.25, 0.25]]))
-  loss, metrics = losses.ppo_clip_loss(logp, with_ref, config=config)
+  loss, metrics = losses.ppo_clip_loss(logp, with_ref, settings=config)
   k3 = np.mean([2 - np.log(2) - 1, 0.0])
   np.testing.assert_allclose(metrics["kl_ref"], k3, rtol=1e-5)
   np.testing.assert_allclose(loss, 0.1 * k3, rtol=1e-5)
@@ -119,16 +120,16 @@ def test_sum_norm_refuses_a_zero_normaliser():
 
 
 def test_config_loss_fields_have_one_default():
-  """experiments/configs/default.py's loss section is LOSS_DEFAULTS (plus the objective's
-  name), the fields an objective may fix left unset (None), so a field means the same
-  whether it comes from the launcher or the library; the launcher turns norm_len 0 into
-  the generation budget (Dr.GRPO's constant)."""
+  """experiments/configs/default.py's loss section is LossSettings' defaults, the fields an
+  objective may fix left unset (None), so a field means the same whether it comes from the
+  launcher or the library; the launcher turns norm_len 0 into the generation budget
+  (Dr.GRPO's constant)."""
   from experiments.configs import default  # pylint: disable=import-outside-toplevel
   config = default.get_config()
-  assert {k: v for k, v in config.loss.items() if k != "name"} == {
-      k: None if k in losses.OBJECTIVE_FIXABLE else v for k, v in losses.LOSS_DEFAULTS.items()}
-  resolved = losses.resolve_config(config.loss)
-  assert {k: getattr(resolved, k) for k in losses.LOSS_DEFAULTS} == losses.LOSS_DEFAULTS
-  assert wiring.rl_loss_config(config).norm_len == config.rollout.max_new_tokens
+  assert config.loss.to_dict() == losses.LossSettings.defaults()
+  assert all(config.loss[k] is None for k in loss_settings.OBJECTIVE_FIXABLE)
+  resolved = losses.LossSettings.from_config(config.loss).resolved()
+  assert {k: getattr(resolved, k) for k in loss_settings.FIXABLE_DEFAULTS} == loss_settings.FIXABLE_DEFAULTS
+  assert wiring.rl_loss(config).norm_len == config.rollout.max_new_tokens
   config.loss.norm_len = 24.0
-  assert wiring.rl_loss_config(config).norm_len == 24.0
+  assert wiring.rl_loss(config).norm_len == 24.0

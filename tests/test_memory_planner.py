@@ -22,7 +22,6 @@ import json
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
@@ -31,6 +30,7 @@ from models import transformer
 from models.config import ModelConfig
 from rl import train
 from rl.types import Rollout
+from rl.objectives import losses
 from sampling import sampler
 
 BATCH, SEQ_LEN, NEW_TOKENS, VOCAB = 4, 128, 16, 8192
@@ -38,9 +38,9 @@ BATCH, SEQ_LEN, NEW_TOKENS, VOCAB = 4, 128, 16, 8192
 CONFIG = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                      head_dim=8, mlp_dim=64, max_seq_len=256, tie_embeddings=True)
 # The planner's objective (module docstring: GRPO, token mean, no KL).
-GRPO = ml_collections.FrozenConfigDict(dict(
+GRPO = losses.LossSettings(
     name="grpo", eps_low=0.2, eps_high=0.2, aggregation="token_mean", norm_len=1.0,
-    kl_coef=0.0))
+    kl_coef=0.0)
 
 
 def _config_json(tmp_path, vocab=VOCAB):

@@ -12,6 +12,7 @@ from experiments.decode_cost import kv_bytes_per_token
 from models import transformer
 from models.config import ModelConfig
 from rl import train
+from rl.objectives import composite
 from rl.types import Rollout
 from sampling import sampler
 from sampling.sampler import SamplingConfig
@@ -25,7 +26,7 @@ PARAMS = transformer.init_params(F32, jax.random.PRNGKey(0))
 
 
 def _grad(params, config, batch):
-  return jax.grad(lambda p: (train.policy_logprobs(p, batch, config) * batch.advantages).sum())(
+  return jax.grad(lambda p: (composite.policy_logprobs(p, batch, config) * batch.advantages).sum())(
       params)
 
 
@@ -87,7 +88,7 @@ def _sampled(config, rows=16, new_tokens=12):
 
 
 def _largest_gap(batch, config):
-  recomputed = train.policy_logprobs(PARAMS, batch, config)
+  recomputed = composite.policy_logprobs(PARAMS, batch, config)
   return float(jnp.abs((recomputed - batch.behavior_logp) * batch.completion_mask).max())
 
 
@@ -122,10 +123,10 @@ def test_mismatch_terms_count_only_fresh_tokens_at_the_first_update():
   logp = jnp.asarray(behav + d)
   fresh_d = np.array([0.1, -0.2, 0.5, 0.5])
   expected = np.mean(np.exp(fresh_d) - 1 - fresh_d)
-  terms = train.mismatch_terms(logp, batch, version=3, prox_version=3)
-  kl = train.with_mismatch_kl(terms)["rollout_train_mismatch_kl"]
+  terms = composite.mismatch_terms(logp, batch, version=3, prox_version=3)
+  kl = composite.with_mismatch_kl(terms)["rollout_train_mismatch_kl"]
   np.testing.assert_allclose(float(kl), expected, rtol=1e-5)
-  later = train.with_mismatch_kl(train.mismatch_terms(logp, batch, version=4, prox_version=3))
+  later = composite.with_mismatch_kl(composite.mismatch_terms(logp, batch, version=4, prox_version=3))
   assert float(later["rollout_train_mismatch_kl"]) == 0.0
 
 

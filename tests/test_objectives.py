@@ -3,7 +3,6 @@ registry and config handling."""
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
@@ -41,13 +40,13 @@ def make_batch(seed=0, behav_shift=0.0, group_size=3):
 
 
 def cfg(**kw):
-  return ml_collections.FrozenConfigDict(dict(dict(name="grpo", norm_len=T), **kw))
+  return losses.LossSettings(**dict(dict(name="grpo", norm_len=T), **kw))
 
 
 def loss_and_grad(name, logp, batch, prox=None, **kw):
   fn = losses.get_loss(name)
   value, grad = jax.value_and_grad(
-      lambda lp: fn(lp, batch, prox_logp=prox, config=cfg(name=name, **kw))[0])(logp)
+      lambda lp: fn(lp, batch, prox_logp=prox, settings=cfg(name=name, **kw))[0])(logp)
   return float(value), np.asarray(grad)
 
 
@@ -96,7 +95,7 @@ def test_vcpo_on_policy_is_grpo_with_the_optimal_baseline():
                        "seq_mean_token_mean")
   _, grad = loss_and_grad("vcpo", logp, on_policy)
   np.testing.assert_allclose(grad, expected, rtol=1e-5, atol=1e-7)
-  _, metrics = losses.get_loss("vcpo")(logp, on_policy, config=cfg(name="vcpo"))
+  _, metrics = losses.get_loss("vcpo")(logp, on_policy, settings=cfg(name="vcpo"))
   np.testing.assert_allclose(metrics["lr_scale"], 1.0, rtol=1e-6)
 
 
@@ -129,7 +128,7 @@ def test_vcpo_truncates_one_weight_per_sequence_as_its_authors_do(level):
   fn = losses.get_loss("vcpo")
   # The baseline correction (tested on its own) sets the advantages the gradient multiplies.
   terms_adv = _vcpo_advantages(logp, batch)
-  got = jax.grad(lambda lp: fn(lp, batch, config=cfg(name="vcpo", **kw))[0])(logp)
+  got = jax.grad(lambda lp: fn(lp, batch, settings=cfg(name="vcpo", **kw))[0])(logp)
   expected = _vcpo_reference_grad(logp, batch.behavior_logp, mask, terms_adv, 8.0, level)
   np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-7)
   assert (((shift * mask).sum(1) > np.log(8.0)) | (mask.sum(1) < 4)).any()
@@ -161,7 +160,7 @@ def _vcpo_advantages(logp, batch):
     ("gspo", "eps_low", 0.2 + 1e-3, "objective 'gspo' fixes eps_low")])
 def test_a_setting_the_objective_overrides_or_never_reads_is_refused(name, field, value, message):
   with pytest.raises(ValueError, match=message):
-    losses.check_settings_read(ml_collections.ConfigDict(dict(name=name, **{field: value})))
+    losses.LossSettings(name=name, **{field: value}).check()
 
 
 @pytest.mark.parametrize("settings", [
@@ -173,12 +172,12 @@ def test_a_setting_the_objective_overrides_or_never_reads_is_refused(name, field
     dict(name="vcpo", vcpo_is_cap=4.0, vcpo_rho_ref=0.5, vcpo_is_level="token"),
     dict(name="mu_grpo", mu_eps_low=0.3)])
 def test_settings_the_objective_reads_are_accepted(settings):
-  losses.check_settings_read(ml_collections.ConfigDict(settings))
+  losses.LossSettings(**settings).check()
 
 
 def test_sequence_level_objectives_refuse_the_veto():
   with pytest.raises(ValueError, match="sequence-level ratios"):
-    losses.check_config(ml_collections.ConfigDict(dict(name="vcpo", corrections=("mu_veto",))))
+    losses.LossSettings(name="vcpo", corrections=("mu_veto",)).check()
 
 
 def test_decoupled_with_prox_equal_behav_is_ppo():
@@ -206,11 +205,11 @@ def test_decoupled_matches_hand_formula():
 def test_decoupled_needs_prox_and_train_step_knows():
   logp, batch = make_batch()
   with pytest.raises(ValueError, match="prox_logp"):
-    losses.get_loss("decoupled")(logp, batch, config=cfg(name="decoupled"))
-  assert losses.needs_prox(cfg(name="decoupled"))
-  assert losses.needs_prox(cfg(name="dapo", corrections=("mis",)))
-  assert not losses.needs_prox(cfg(name="m2po"))
-  assert not losses.needs_prox(cfg(name="grpo"))
+    losses.get_loss("decoupled")(logp, batch, settings=cfg(name="decoupled"))
+  assert cfg(name="decoupled").needs_prox
+  assert cfg(name="dapo", corrections=("mis",)).needs_prox
+  assert not cfg(name="m2po").needs_prox
+  assert not cfg(name="grpo").needs_prox
 
 
 def test_m2po_has_no_clipping():
@@ -226,7 +225,7 @@ def test_m2po_has_no_clipping():
 def test_m2po_masked_tokens_get_no_gradient():
   logp, batch = make_batch(seed=7, behav_shift=1.0)
   fn = losses.get_loss("m2po")
-  _, metrics = fn(logp, batch, config=cfg(name="m2po"))
+  _, metrics = fn(logp, batch, settings=cfg(name="m2po"))
   assert 0 < metrics["masked_fraction"] < 1
   _, grad = loss_and_grad("m2po", logp, batch)
   d = np.asarray(corrections.sg(logp - batch.behavior_logp)) * np.asarray(batch.completion_mask)
@@ -251,15 +250,17 @@ def test_unknown_names_raise():
   with pytest.raises(ValueError, match="Unknown loss"):
     losses.get_loss("nope")
   with pytest.raises(ValueError, match="Unknown correction"):
-    losses.get_loss("grpo")(logp, batch, config=cfg(corrections=("nope",)))
+    losses.get_loss("grpo")(logp, batch, settings=cfg(corrections=("nope",)))
   with pytest.raises(ValueError, match="prox_estimate"):
-    losses.resolve_config(cfg(prox_estimate="guess"))
+    cfg(prox_estimate="guess").check()
 
 
 def test_objective_overrides_define_the_method():
-  dapo = losses.resolve_config(cfg(name="dapo"), losses.get_loss("dapo").overrides)
+  dapo = cfg(name="dapo").resolved()
   assert (dapo.eps_low, dapo.eps_high, dapo.aggregation) == (0.2, 0.28, "token_mean")
-  assert losses.resolve_config(None).m2_tau == 0.04
+  grpo = cfg(name="grpo").resolved()
+  assert (grpo.eps_low, grpo.eps_high, grpo.aggregation) == (0.2, 0.2, "seq_mean_token_mean")
+  assert losses.LossSettings().m2_tau == 0.04
 
 
 def test_registry_has_every_section_1_objective():
@@ -275,7 +276,7 @@ def test_objectives_jit(name):
   logp, batch = make_batch(seed=9, behav_shift=0.5)
   fn = losses.get_loss(name)
   config = cfg(name=name)
-  loss, _ = jax.jit(lambda lp, b, p: fn(lp, b, prox_logp=p, config=config))(logp, batch, logp)
+  loss, _ = jax.jit(lambda lp, b, p: fn(lp, b, prox_logp=p, settings=config))(logp, batch, logp)
   assert np.isfinite(float(loss))
 
 
@@ -286,14 +287,14 @@ def test_built_in_objectives_are_typed_records():
       "decoupled", ("tis",), True)
   assert losses.get_loss("dapo").overrides == dict(eps_low=0.2, eps_high=0.28,
                                                    aggregation="token_mean")
-  assert losses.needs_prox(cfg(name="decoupled")) and not losses.needs_prox(cfg(name="grpo"))
+  assert cfg(name="decoupled").needs_prox and not cfg(name="grpo").needs_prox
   assert not isinstance(losses.get_loss("sft"), losses.Objective)  # a plain registered function
-  assert losses.correction_chain(losses.get_loss("sft"), cfg(name="sft")) == ()
+  assert cfg(name="sft").chain == ()
 
 
 # --- Mu-GRPO: relaxed clipping and the negative-advantage veto -----------------------
 
-MU_BAND = dict(eps_low=0.5, eps_high=1.0)  # LOSS_DEFAULTS' mu_eps_low / mu_eps_high
+MU_BAND = dict(eps_low=0.5, eps_high=1.0)  # LossSettings' mu_eps_low / mu_eps_high
 
 
 def ratio_batch(ratios, adv, mask):
@@ -334,7 +335,7 @@ def test_mu_grpo_hand_computed():
   logp, batch = ratio_batch([[3.0, 1.5, 0.4], [1.5, 2.5, 1.2], [0.3, 1.0, 1.0], [5.0, 0.1, 1.0]],
                             [[1.0], [-1.0], [-1.0], [0.0]],
                             [[1, 1, 1], [1, 1, 1], [1, 1, 0], [1, 1, 1]])
-  loss, metrics = losses.get_loss("mu_grpo")(logp, batch, config=cfg(name="mu_grpo"))
+  loss, metrics = losses.get_loss("mu_grpo")(logp, batch, settings=cfg(name="mu_grpo"))
   np.testing.assert_allclose(loss, -0.2, rtol=1e-6)
   np.testing.assert_allclose(metrics["vetoed_fraction"], 4 / 11, rtol=1e-6)
   np.testing.assert_allclose(metrics["vetoed_response_fraction"], 2 / 4, rtol=1e-6)
@@ -346,11 +347,11 @@ def test_mu_grpo_hand_computed():
 @pytest.mark.parametrize("seed", range(3))
 def test_mu_grpo_matches_slow_numpy_on_stale_batches(seed):
   logp, batch = make_batch(seed=20 + seed, behav_shift=0.8)
-  loss, metrics = losses.get_loss("mu_grpo")(logp, batch, config=cfg(name="mu_grpo"))
+  loss, metrics = losses.get_loss("mu_grpo")(logp, batch, settings=cfg(name="mu_grpo"))
   assert 0 < metrics["vetoed_fraction"] < 1
   np.testing.assert_allclose(loss, mu_grpo_reference(logp, batch, **MU_BAND), rtol=1e-5)
   narrow = dict(mu_eps_low=0.1, mu_eps_high=0.15)  # the band is config.loss.mu_eps_*
-  loss, _ = losses.get_loss("mu_grpo")(logp, batch, config=cfg(name="mu_grpo", **narrow))
+  loss, _ = losses.get_loss("mu_grpo")(logp, batch, settings=cfg(name="mu_grpo", **narrow))
   np.testing.assert_allclose(loss, mu_grpo_reference(logp, batch, 0.1, 0.15), rtol=1e-5)
 
 
@@ -385,7 +386,7 @@ def test_mu_grpo_is_grpo_when_nothing_triggers(behav_shift):
   eps = dict(eps_low=0.2, eps_high=0.28)
   got = loss_and_grad("mu_grpo", logp, batch, mu_eps_low=0.2, mu_eps_high=0.28)
   want = loss_and_grad("grpo", logp, batch, **eps)
-  _, metrics = losses.get_loss("mu_grpo")(logp, batch, config=cfg(
+  _, metrics = losses.get_loss("mu_grpo")(logp, batch, settings=cfg(
       name="mu_grpo", mu_eps_low=0.2, mu_eps_high=0.28))
   assert metrics["vetoed_fraction"] == 0
   np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
@@ -397,7 +398,7 @@ def test_mu_grpo_with_empty_masks():
   logp, batch = make_batch(seed=26, behav_shift=0.8)
   empty = batch.replace(completion_mask=jnp.zeros_like(batch.completion_mask),
                         advantages=jnp.zeros_like(batch.advantages))
-  loss, metrics = losses.get_loss("mu_grpo")(logp, empty, config=cfg(name="mu_grpo"))
+  loss, metrics = losses.get_loss("mu_grpo")(logp, empty, settings=cfg(name="mu_grpo"))
   assert float(loss) == 0.0 and all(np.isfinite(float(v)) for v in metrics.values())
   _, grad = loss_and_grad("mu_grpo", logp, empty)
   assert np.all(grad == 0)
@@ -410,7 +411,7 @@ def test_mu_grpo_is_finite_at_extreme_log_ratios():
   and here alike; the train step skips such an update.)"""
   logp, batch = ratio_batch(np.ones((4, 3)), [[-1.0], [-1.0], [1.0], [1.0]], np.ones((4, 3)))
   logp = jnp.asarray([[0.1, 1e4, -1e4], [-1e4, 0.0, 1e4], [60.0, -60.0, 0.0], [-60.0, 60.0, 0.2]])
-  loss, metrics = losses.get_loss("mu_grpo")(logp, batch, config=cfg(name="mu_grpo"))
+  loss, metrics = losses.get_loss("mu_grpo")(logp, batch, settings=cfg(name="mu_grpo"))
   _, grad = loss_and_grad("mu_grpo", logp, batch)
   assert np.isfinite(float(loss)) and np.all(np.isfinite(grad))
   # approx_kl_behavior measures the batch as sampled: inf here, as the data is.

@@ -2,7 +2,6 @@
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 import pytest
@@ -11,15 +10,16 @@ from models import transformer
 from models.config import ModelConfig
 from rl.objectives import losses
 from rl import train
+from rl.objectives import composite
 from rl.types import Rollout
 from rl import wiring
 
 QWEN2 = ModelConfig(vocab_size=37, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
                     mlp_dim=48, qkv_bias=True, tie_embeddings=False, max_seq_len=32)
 QWEN3 = QWEN2.replace(qkv_bias=False, qk_norm=True, tie_embeddings=True, n_kv_heads=1)
-GRPO = ml_collections.FrozenConfigDict(dict(
+GRPO = losses.LossSettings(
     name="grpo", eps_low=0.2, eps_high=0.2, aggregation="seq_mean_token_mean", norm_len=4.0,
-    kl_coef=0.0))
+    kl_coef=0.0)
 GROUPS, GROUP_SIZE, PROMPT_LEN, COMPLETION_LEN = 3, 4, 7, 5
 
 
@@ -62,9 +62,9 @@ def predicted_from_real_slot(batch):
 def test_logprobs_equal_replicated_forward(config, temperature):
   params = transformer.init_params(config, jax.random.PRNGKey(0), init_std=0.3)
   batch = grouped_rollout()
-  train.check_shared_prefix(batch, GROUP_SIZE, PROMPT_LEN)
-  replicated = train.policy_logprobs(params, batch, config, temperature)
-  shared = train.policy_logprobs(params, batch, config, temperature,
+  composite.check_shared_prefix(batch, GROUP_SIZE, PROMPT_LEN)
+  replicated = composite.policy_logprobs(params, batch, config, temperature)
+  shared = composite.policy_logprobs(params, batch, config, temperature,
                                  shared_prefix=(GROUP_SIZE, PROMPT_LEN))
   where = predicted_from_real_slot(batch)
   assert where[np.asarray(batch.completion_mask)].all()  # every completion token is compared
@@ -80,8 +80,8 @@ def test_parameter_gradients_equal_replicated_forward(config):
   loss_fn = losses.get_loss("grpo")
 
   def loss(params, shared_prefix):
-    logp = train.policy_logprobs(params, batch, config, shared_prefix=shared_prefix)
-    return loss_fn(logp, batch, config=GRPO)[0]
+    logp = composite.policy_logprobs(params, batch, config, shared_prefix=shared_prefix)
+    return loss_fn(logp, batch, settings=GRPO)[0]
 
   grad = jax.jit(jax.grad(loss), static_argnums=1)
   replicated = grad(params, None)
@@ -114,13 +114,13 @@ def test_check_shared_prefix_rejects_ungrouped_batches():
   batch = grouped_rollout()
   mixed = batch.replace(tokens=batch.tokens.at[1, PROMPT_LEN - 1].add(1))
   with pytest.raises(ValueError, match="different prompts"):
-    train.check_shared_prefix(mixed, GROUP_SIZE, PROMPT_LEN)
+    composite.check_shared_prefix(mixed, GROUP_SIZE, PROMPT_LEN)
   with pytest.raises(ValueError, match="whole groups"):
-    train.check_shared_prefix(batch, 5, PROMPT_LEN)
+    composite.check_shared_prefix(batch, 5, PROMPT_LEN)
   with pytest.raises(ValueError, match="whole groups"):
-    train.check_shared_prefix(batch, GROUP_SIZE, PROMPT_LEN, num_microbatches=2)
+    composite.check_shared_prefix(batch, GROUP_SIZE, PROMPT_LEN, num_microbatches=2)
   with pytest.raises(ValueError, match="slots"):
-    train.check_shared_prefix(batch, GROUP_SIZE, PROMPT_LEN + 1)
+    composite.check_shared_prefix(batch, GROUP_SIZE, PROMPT_LEN + 1)
   step = train.make_train_step(QWEN2, train.make_optimizer(1e-2), GRPO,
                                shared_prefix=(GROUP_SIZE, PROMPT_LEN))
   params = transformer.init_params(QWEN2, jax.random.PRNGKey(0))

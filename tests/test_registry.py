@@ -57,9 +57,9 @@ def test_every_pluggable_piece_is_a_registry_naming_its_field(registry, field):
     registry.get("no_such_name")
 
 
-def _tagged_producer(config, ctx):
+def _tagged_producer(rollout, ctx, selection, max_staleness):
   """A toy rollout kind: plain independent samples whose batches carry a marker counter."""
-  del config
+  del rollout, selection, max_staleness
   inner = producers.independent(ctx)
 
   def produce(*args):
@@ -72,7 +72,7 @@ def _tagged_producer(config, ctx):
 @pytest.fixture
 def toy_kind():
   kinds.ROLLOUT_KINDS.register("toy", kinds.RolloutKind(
-      make_producer=_tagged_producer, rows_per_prompt=lambda config: config.rollout.group_size))
+      make_producer=_tagged_producer, rows_per_prompt=lambda rollout: rollout.group_size))
   yield "toy"
   kinds.ROLLOUT_KINDS.unregister("toy")
 

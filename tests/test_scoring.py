@@ -15,7 +15,6 @@ import threading
 import time
 
 import jax
-import ml_collections
 import numpy as np
 import pytest
 import reasoning_gym
@@ -25,6 +24,7 @@ from models.config import get_preset
 from models.tokenizer import CharTokenizer
 from models import transformer
 from rl.objectives import advantages
+from rl.objectives import losses
 from rl.tasks import countdown
 from rl import loop
 from rl.rollouts import batches as rollout_lib
@@ -36,8 +36,8 @@ from sampling.sampler import SamplingConfig
 from tests import scoring_tasks
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GRPO = ml_collections.FrozenConfigDict(
-    dict(name="grpo", eps_low=0.2, eps_high=0.2, aggregation="seq_mean_token_mean"))
+GRPO = losses.LossSettings(name="grpo", eps_low=0.2, eps_high=0.2,
+                           aggregation="seq_mean_token_mean")
 
 
 def hostile_completions(canary) -> list[str]:

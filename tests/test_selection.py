@@ -6,9 +6,10 @@ known in advance and the tests need no model.
 """
 
 
+import itertools
+
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
@@ -19,7 +20,9 @@ from rl import checkpoint
 from rl.rollouts import producers
 from rl.rollouts import selection
 from rl.rollouts.batches import ScoredSamples
+from rl.samples import ScoredRow
 from rl.types import Rollout
+from rl.verdicts import Verdict
 from rl import wiring
 
 G = 4  # group size in the simulator tests
@@ -35,7 +38,7 @@ def _config(kind, **overrides):
     for name in parents:
       node = node[name]
     node[leaf] = value
-  return ml_collections.FrozenConfigDict(c)
+  return selection.SelectionSettings.from_config(c)
 
 
 def _bernoulli_sampler(probs, calls=None):
@@ -58,8 +61,11 @@ def _bernoulli_sampler(probs, calls=None):
                       completion_mask=jnp.asarray(~prompt_mask), behavior_logp=zeros,
                       version=jnp.zeros((rows, 4), jnp.int32), group=jnp.zeros((rows,), jnp.int32),
                       reward=jnp.asarray(reward), advantages=zeros)
+    # Each row's ScoredRow names its position, so a test can follow it into the batch.
+    scored = [ScoredRow(str(p), "", Verdict("correct" if r else "wrong_value"))
+              for p, r in zip(row_positions.tolist(), reward)]
     return ScoredSamples(rollout=rollout, completions=[""] * rows, exact=reward == 1,
-                         decode_steps=2)
+                         rows=scored, decode_steps=2)
   return sample
 
 
@@ -74,7 +80,7 @@ def _run(kind_config, probs, steps, *, prompts=4, pool=None, seed=0, state=None,
   out = []
   for step in range(steps):
     collected = selection.collect(state, cursor, jax.random.fold_in(rng, cursor), sample,
-                                  config=kind_config, prompts_per_step=prompts, group_size=G,
+                                  settings=kind_config, prompts_per_step=prompts, group_size=G,
                                   pool_size=pool)
     state, cursor = collected.selection, collected.cursor
     out.append(collected)
@@ -145,6 +151,7 @@ def test_adaptive_budget_conserved_and_concentrated_on_uncertain_prompts(score, 
       assert np.asarray(collected.rollout.completion_mask)[group == g].any() == mixed
     assert collected.stats.counters["informative_rows"] == np.asarray(
         collected.rollout.completion_mask).any(axis=1).sum()
+    check_rows_follow_the_batch(collected)
   # beta needs a little history before deterministic prompts look certain: skip epoch 0.
   assert np.mean(shares[2:]) > min_share
 
@@ -251,6 +258,56 @@ def test_uniform_is_plain_grpo_batch():
                              rtol=1e-6)
 
 
+# --- PODS max-variance down-sampling -------------------------------------------------------
+
+def _brute_force_max_variance(rewards, m):
+  return max(np.var(np.asarray(rewards)[list(subset)])
+             for subset in itertools.combinations(range(len(rewards)), m))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_max_variance_subset_equals_brute_force(seed):
+  draws = np.random.default_rng(seed)
+  n, m = 10, int(draws.integers(1, 10))
+  rewards = [draws.integers(0, 2, n).astype(float),  # binary, many ties
+             draws.random(n),  # fractional partial credit
+             np.round(draws.random(n) * 3) / 3,  # few levels
+             np.full(n, 0.7)][seed % 4]  # all equal: any subset, variance 0
+  chosen = selection.max_variance_subset(rewards, m)
+  assert len(chosen) == m == len(set(chosen.tolist()))
+  np.testing.assert_allclose(np.var(rewards[chosen]), _brute_force_max_variance(rewards, m),
+                             atol=1e-12)
+
+
+def test_max_variance_subset_hand_computed_and_refuses_bad_sizes():
+  # 1 and 0 are the extremes: two of each give variance 0.25, the most four rows can have.
+  assert selection.max_variance_subset(np.array([0.5, 1.0, 0.0, 0.5, 1.0, 0.0]),
+                                       4).tolist() == [1, 2, 4, 5]
+  with pytest.raises(ValueError, match="m = 7 must be in 1..6"):
+    selection.max_variance_subset(np.zeros(6), 7)
+
+
+def test_pods_trains_on_the_max_variance_rows_of_n_rollouts():
+  calls = []
+  (collected,), _, cursor = _run(_config("pods", **{"pods.rollouts": 3 * G}),
+                                 np.full(6, 0.5), steps=1, prompts=2, pool=0, calls=calls)
+  np.testing.assert_array_equal(calls[0], np.repeat([0, 1], 3 * G))  # n = 12 per prompt
+  assert cursor == 2 and collected.stats.counters["rollouts"] == 2 * 3 * G
+  reward = np.asarray(collected.rollout.reward).reshape(2, G)
+  sampled = _bernoulli_sampler(np.full(6, 0.5))(np.repeat([0, 1], 3 * G), jax.random.fold_in(
+      jax.random.PRNGKey(0), 0))
+  sampled = np.asarray(sampled.rollout.reward).reshape(2, 3 * G)
+  for kept, all_rows in zip(reward, sampled):
+    np.testing.assert_allclose(np.var(kept), _brute_force_max_variance(all_rows, G))
+  np.testing.assert_array_equal(collected.rollout.group, np.repeat([0, 1], G))
+
+
+def test_pods_refuses_n_not_above_the_group_size():
+  with pytest.raises(ValueError, match="config.selection.pods.rollouts = 4: PODS rolls out"):
+    selection.check(_config("pods", **{"pods.rollouts": G}), prompts_per_step=2,
+                    group_size=G, pool_size=0)
+
+
 # --- dynamic sampling ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["dynamic", "greso"])
@@ -265,8 +322,18 @@ def test_dynamic_sampling_never_yields_zero_variance_group(kind):
     assert np.all(reward.std(axis=1) > 0)
     assert collected.stats.counters["batch_informative_groups"] == 1.0
     assert collected.stats.counters["informative_rows"] == 4 * G
+    check_rows_follow_the_batch(collected)
     refilled += collected.stats.counters["rollout_rounds"] > 1
   assert refilled > 0  # the data did force refills
+
+
+def check_rows_follow_the_batch(collected):
+  """The batch's scored rows (what training samples show) are its own rows, in its order,
+  whichever rounds and reordering made it: each names the position the row answers."""
+  positions = np.asarray(collected.rollout.tokens[:, 0]).tolist()
+  assert [int(row.prompt) for row in collected.stats.rows] == positions
+  correct = [row.verdict.category == "correct" for row in collected.stats.rows]
+  np.testing.assert_array_equal(correct, np.asarray(collected.rollout.reward) == 1)
 
 
 def test_dynamic_sampling_errors_when_data_cannot_fill_a_batch():
@@ -295,14 +362,14 @@ def test_selection_state_checkpoint_round_trip_resumes_exactly(tmp_path):
     assert x.cursor == y.cursor
 
 
-def test_check_config_errors_name_the_field():
+def test_check_errors_name_the_field():
   with pytest.raises(ValueError, match="train_pool"):
-    selection.check_config(_config("greso"), prompts_per_step=4, group_size=4, pool_size=0)
+    selection.check(_config("greso"), prompts_per_step=4, group_size=4, pool_size=0)
   with pytest.raises(ValueError, match="kind"):
-    selection.check_config(_config("best"), prompts_per_step=4, group_size=4, pool_size=0)
+    selection.check(_config("best"), prompts_per_step=4, group_size=4, pool_size=0)
   with pytest.raises(ValueError, match="initial_rollouts"):
-    selection.check_config(_config("adaptive", **{"adaptive.initial_rollouts": 8}),
-                           prompts_per_step=4, group_size=4, pool_size=0)
+    selection.check(_config("adaptive", **{"adaptive.initial_rollouts": 8}),
+                    prompts_per_step=4, group_size=4, pool_size=0)
 
 
 # --- the loop with a real (tiny) policy ----------------------------------------------------
@@ -319,10 +386,16 @@ def _tiny_loop(kind, pool, **overrides):
   config = chain_sum_compact.get_config()
   config.rollout.prompts_per_step, config.rollout.group_size = 2, 2
   config.task.train_pool = pool
-  config.selection = _config(kind, **overrides).as_configdict()
+  config.selection.kind = kind
+  for path, value in overrides.items():
+    *parents, leaf = path.split(".")
+    node = config.selection
+    for name in parents:
+      node = node[name]
+    node[leaf] = value
   tokenizer = CharTokenizer()
   task = tasks.make_task("chain_sum", seed=0, eval_size=10, **config.task.difficulty)
-  model_config = wiring.build_model_config(config, tokenizer)
+  _, model_config, _ = wiring.load_policy(config, jax.random.PRNGKey(0))
   ctx, optimizer = wiring.make_context(config, task, tokenizer, model_config, wiring.RL)
   producer = wiring.make_rl_producer(config, ctx)
   params = transformer.init_params(model_config, jax.random.PRNGKey(0))

@@ -4,7 +4,6 @@ import json
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
@@ -49,9 +48,9 @@ def _context(staleness, loss_name="grpo", prox_estimate="recompute"):
   tokenizer = CharTokenizer()
   task = make_task("chain_sum", "compact", seed=0, eval_size=4, min_terms=2, max_terms=2,
                    min_digits=1, max_digits=1)
-  loss_config = ml_collections.FrozenConfigDict(dict(
+  loss_config = losses.LossSettings(
       name=loss_name, eps_low=0.2, eps_high=0.2, aggregation="token_mean", norm_len=4.0,
-      kl_coef=0.0, prox_estimate=prox_estimate))
+      kl_coef=0.0, prox_estimate=prox_estimate)
   optimizer = train.make_optimizer(1e-2)
   step = train.make_train_step(TINY, optimizer, loss_config)
   ctx = loop.LoopContext(
@@ -156,7 +155,7 @@ def test_cross_stage_sequence_uses_concatenated_behaviour_logps():
                   completion_mask=gen.completion_mask, behavior_logp=gen.behavior_logp,
                   version=gen.version, group=jnp.zeros(2, jnp.int32), reward=jnp.zeros(2),
                   advantages=jnp.asarray(m))
-  _, metrics = losses.get_loss("m2po")(logp, Rollout(**batch_kw), config=None)
+  _, metrics = losses.get_loss("m2po")(logp, Rollout(**batch_kw), settings=losses.LossSettings(name="m2po"))
   np.testing.assert_allclose(metrics["m2"], ((np.asarray(logp)[:, 4:] - expected) ** 2 * m[:, 4:]).sum() / m.sum(),
                              rtol=1e-4)
 

@@ -6,6 +6,7 @@ import pytest
 
 from models.tokenizer import CharTokenizer
 from rl import tasks
+from rl.tasks import gym
 
 
 def _small_chain_sum(**kwargs):
@@ -144,3 +145,40 @@ def test_unknown_prompt_style():
 def test_parse_completion():
   assert tasks.parse_completion("  42 \nignored") == "42"
   assert tasks.parse_completion("\n7<|endoftext|>junk") == "7"
+
+
+@pytest.mark.parametrize("name", ["chain_sum", "basic_arithmetic", "leg_counting"])
+def test_reasoned_style_asks_for_a_boxed_answer_and_scores_the_whole_reply(name):
+  task = tasks.make_task(name, prompt_style="reasoned", eval_size=4)
+  full = tasks.make_task(name, prompt_style="full", eval_size=4)
+  example = task.examples("train", 1, 3)[0]
+  assert example.entry == full.examples("train", 1, 3)[0].entry  # the same problems
+  assert example.prompt == f"{example.entry['question'].strip()} {gym.REASONED_INSTRUCTION}"
+  gold = example.entry["answer"]
+  assert example.answer == f"\\boxed{{{gold}}}"
+  assert task.reward(example.answer, example) == 1.0
+  # The whole reply counts: reasoning lines first, the box last; the first line alone
+  # (what the `full` style scores) is not the answer.
+  reply = f"First I add the numbers.\nSo the total is:\n\\boxed{{{gold}}}<|im_end|>"
+  assert task.reward(reply, example) == 1.0 and task.exact_match(reply, example)
+  assert full.reward(reply, full.examples("train", 1, 3)[0]) < 1.0
+  assert task.reward(f"The answer is {gold}.", example) == 1.0  # last number, no box
+  assert task.reward(f"\\boxed{{{int(gold) + 1}}}", example) == 0.0
+  assert task.reward(f"\\boxed{{{gold}}}<|im_end|> later text 12345", example) == 1.0
+  assert task.reward("no number at all", example) == 0.0
+
+
+def test_reasoned_style_is_refused_where_the_answer_is_not_a_number():
+  with pytest.raises(ValueError, match="countdown.*'full' or 'compact'"):
+    tasks.make_task("countdown", prompt_style="reasoned", eval_size=2)
+
+
+def test_leg_counting_splits_are_disjoint_by_the_animals():
+  task = tasks.make_task("leg_counting", eval_size=50, min_animals=1, max_animals=2,
+                         max_instances=3)
+  held_out = {gym._animals_key(e.entry) for e in task.examples("eval", 50)}
+  train = [gym._animals_key(e.entry) for e in task.examples("train", 200)]
+  assert not held_out & set(train)
+  example = task.examples("eval", 1)[0]
+  animals = example.entry["metadata"]["animals"]
+  assert example.prompt == ",".join(f"{n}{a}" for a, n in animals.items()) + "="

@@ -1,4 +1,4 @@
-"""Rollouts with turns (rl.environments, rl.rollouts.turns, docs/tools.md).
+"""Rollouts with turns (rl.environments, docs/tools.md).
 
 - The built-in environments answer exactly and never evaluate policy text; a hostile
   environment (hang, crash, raise, non-text, megabytes) is bounded in time and counted.
@@ -22,7 +22,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -35,11 +34,12 @@ from models.tokenizer import CharTokenizer
 from rl import environments
 from rl import scoring
 from rl import train
+from rl import verdicts
 from rl.objectives import corrections
 from rl.objectives import losses
 from rl.rollouts import batches as rollout_lib
 from rl.rollouts import partial as partial_rollout
-from rl.rollouts import turns as turns_lib
+from rl.environments import turns as turns_lib
 from rl.tasks import Example
 from rl.tasks import running_sum
 from rl.types import Rollout
@@ -77,7 +77,7 @@ T_MAX = PROMPT + NEW
     ("5" + "1" * 17 + "," + ":" * 60 + "?+1=", str(5 * 10**17 + int("1" * 17) + 1)),
     ("12,0:?+5+5=", None)])
 def test_adder_answers_its_call_and_ends_a_malformed_one(text, answer):
-  assert environments.Adder().step(text) == answer
+  assert environments.builtins.Adder().step(text) == answer
 
 
 @pytest.mark.parametrize("text,answer", [
@@ -93,7 +93,7 @@ def test_adder_answers_its_call_and_ends_a_malformed_one(text, answer):
     # Not a call: a "=" in prose, or after a closed annotation.
     ("so x =", ""), ("<<3+4=7>> so y=", "")])
 def test_calculator_computes_exactly_and_refuses_what_is_not_arithmetic(text, answer):
-  assert environments.Calculator().step(text) == answer
+  assert environments.builtins.Calculator().step(text) == answer
 
 
 def test_a_tool_demonstration_trains_only_what_the_policy_writes():
@@ -101,7 +101,7 @@ def test_a_tool_demonstration_trains_only_what_the_policy_writes():
   answer = running_sum.worked_solution(problem, tools=[True, False, True])
   assert answer == ",3:1234567,2:?+5=1234572,1:1234577,0:?+5=1234582"
   prompt = running_sum.question(problem)
-  adder = environments.Adder()
+  adder = environments.builtins.Adder()
   assert environments.split_demonstration(prompt, answer, adder) == [
       (",3:1234567,2:?+5=", False), ("1234572", True), (",1:1234577,0:?+5=", False),
       ("1234582", True)]
@@ -140,7 +140,7 @@ def test_tool_share_changes_only_the_demonstrations():
   calls = sum(e.answer.count("?") for e in tools)
   steps = sum(e.size for e in tools)
   assert 0.35 < calls / steps < 0.65
-  adder = environments.Adder()
+  adder = environments.builtins.Adder()
   for e in tools:  # every tool step is exact, so the adder agrees with each demonstration
     environments.split_demonstration(e.prompt, e.answer, adder)
 
@@ -229,7 +229,7 @@ def test_turns_answer_each_call_and_logp_equals_a_recomputed_forward():
   # An environment whose answer depends on the text, so a random policy's rows are
   # answered, resumed silently ("") and ended (None), all often.
   environment = tool_environments.ByLastCharacter()
-  params, gen = _generate(environment, turns_lib.ToolConfig(max_turns=2), ["+5,3:1234567"] * 64)
+  params, gen = _generate(environment, turns_lib.ToolSettings(max_turns=2), ["+5,3:1234567"] * 64)
   env, completion = np.asarray(gen.tools.env_mask), np.asarray(gen.completion_mask)
   tokens, version = np.asarray(gen.tokens), np.asarray(gen.version)
   assert gen.tools.calls.sum() >= 10, "too few calls for the test to mean anything"
@@ -281,7 +281,7 @@ def test_turns_answer_each_call_and_logp_equals_a_recomputed_forward():
 @pytest.mark.slow
 def test_observations_are_cut_to_their_cap_and_an_environment_can_end_a_row():
   _, gen = _generate(tool_environments.Verbose(),
-                     turns_lib.ToolConfig(max_turns=16, max_observation_tokens=3),
+                     turns_lib.ToolSettings(max_turns=16, max_observation_tokens=3),
                      ["+5,3:1234567"] * 16)
   env, completion = np.asarray(gen.tools.env_mask), np.asarray(gen.completion_mask)
   lengths = [[end - start for start, end in _runs(env[r])] for r in range(env.shape[0])]
@@ -294,7 +294,7 @@ def test_observations_are_cut_to_their_cap_and_an_environment_can_end_a_row():
   # Policy and environment tokens share each row's N-token budget.
   assert ((env | completion).sum(axis=1) <= NEW).all()
 
-  _, gen = _generate(tool_environments.EndsAtSecondCall(), turns_lib.ToolConfig(),
+  _, gen = _generate(tool_environments.EndsAtSecondCall(), turns_lib.ToolSettings(),
                      ["+5,3:1234567"] * 32, seed=1)
   env, completion = np.asarray(gen.tools.env_mask), np.asarray(gen.completion_mask)
   tokens = np.asarray(gen.tokens)
@@ -310,7 +310,7 @@ def test_observations_are_cut_to_their_cap_and_an_environment_can_end_a_row():
 def test_a_failing_environment_ends_its_row_with_reward_zero_and_the_batch_goes_on():
   texts = ["hang"] * 4 + ["raise"] * 8 + ["fine"] * 8
   started = time.perf_counter()
-  _, gen = _generate(tool_environments.Hostile(), turns_lib.ToolConfig(), texts)
+  _, gen = _generate(tool_environments.Hostile(), turns_lib.ToolSettings(), texts)
   elapsed = time.perf_counter() - started
   completion, tokens = np.asarray(gen.completion_mask), np.asarray(gen.tokens)
   called = (completion & (tokens == EQUALS)).any(axis=1)
@@ -321,11 +321,14 @@ def test_a_failing_environment_ends_its_row_with_reward_zero_and_the_batch_goes_
   assert int(gen.tools.errors) == called[4:12].sum()
   for r in np.flatnonzero(failed):  # a failed row ends at its first call
     assert (completion[r] & (tokens[r] == EQUALS)).sum() == 1
-  # It scores 0 whatever its text.
-  scores = scoring.Scores(rewards=np.ones(20, np.float32), exact=np.ones(20, bool))
-  kept = rollout_lib.without_failed_turns(scores, gen)
+  # It scores 0 whatever its text, and its verdict says why.
+  scores = scoring.Scores(rewards=np.ones(20, np.float32), exact=np.ones(20, bool),
+                          verdicts=(verdicts.Verdict(verdicts.CORRECT),) * 20)
+  kept = rollout_lib.with_rollout_failures(scores, np.asarray(gen.stopped), failed)
   np.testing.assert_array_equal(kept.rewards, np.where(failed, 0.0, 1.0))
   np.testing.assert_array_equal(kept.exact, ~failed)
+  assert [v.category for v in kept.verdicts] == [
+      verdicts.TOOL_ERROR if f else verdicts.CORRECT for f in failed]
   assert elapsed < 120, elapsed
 
 
@@ -394,14 +397,13 @@ _SETTINGS = ([dict(name=name) for name in losses.LOSSES.names()]
     str(v) if not isinstance(v, tuple) else "+".join(v) for v in s.values()))
 def test_environment_tokens_get_exactly_zero_gradient(setting):
   full, logp, absent, absent_logp, env, pick = _batch_with_environment_tokens()
-  config = ml_collections.FrozenConfigDict({**losses.LOSS_DEFAULTS, "norm_len": float(T),
-                                            **setting})
+  config = losses.LossSettings(**{"norm_len": float(T), **setting}).resolved()
   loss_fn = losses.get_loss(setting["name"])
-  needs_prox = losses.needs_prox(config)
+  needs_prox = config.needs_prox
 
   def value(lp, batch):
     prox = batch.prox_logp if needs_prox else None
-    return loss_fn(lp, batch, prox_logp=prox, config=config)[0]
+    return loss_fn(lp, batch, prox_logp=prox, settings=config)[0]
 
   loss_full, grad_full = jax.value_and_grad(value)(logp, full)
   loss_absent, grad_absent = jax.value_and_grad(value)(absent_logp, absent)
@@ -428,9 +430,9 @@ def test_train_step_ignores_every_field_at_environment_positions():
       behavior_logp=jnp.where(env, rng.normal(size=(B, T)) * 9, full.behavior_logp),
       version=jnp.where(env, 7, full.version),
       advantages=jnp.where(env, rng.normal(size=(B, T)) * 9, full.advantages))
-  grpo = ml_collections.FrozenConfigDict(dict(name="grpo", eps_low=0.2, eps_high=0.2,
+  grpo = losses.LossSettings(name="grpo", eps_low=0.2, eps_high=0.2,
                                               aggregation="seq_mean_token_mean", norm_len=4.0,
-                                              kl_coef=0.0, corrections=("tis",)))
+                                              kl_coef=0.0, corrections=("tis",))
   step = train.make_train_step(config, optimizer, grpo)
   results = [step(train.init_train_state(jax.tree.map(jnp.copy, params), optimizer), b)
              for b in (full, scrambled, full.replace(env_mask=None))]
@@ -548,7 +550,7 @@ def test_a_run_killed_mid_turn_resumes_to_identical_metrics(tmp_path):
     ({"rollout.speculative.tokens": 4}, r"config.tools.name with config.rollout.speculative"),
     ({"rl.prefix_shared_forward": True}, r"config.tools.name with config.rl.prefix_shared_forward"),
     ({"mesh.data": 2}, r"config.tools.name runs turns on one device"),
-    ({"tools.max_observation_tokens": 0}, r"the budgets must be >= 1"),
+    ({"tools.max_observation_tokens": 0}, r"config.tools.max_observation_tokens = 0 must be >= 1"),
 ])
 def test_settings_tools_do_not_compose_with_are_refused(tmp_path, overrides, message):
   workdir = tmp_path / "run"
@@ -565,14 +567,14 @@ def test_gsm_symbolic_on_smollm2_with_the_calculator_validates():
   config = smollm2_gsm.get_config()
   config.tools.name = "calculator"
   wiring.validate(config)
-  assert wiring.tool_config(config).max_turns == 16
+  assert wiring.tool_settings(config).max_turns == 16
 
 
 @pytest.mark.slow
 def test_calculator_round_trip_with_the_smollm2_chat_tokenizer():
   from models import gguf_checkpoint
   tokenizer = gguf_checkpoint.tokenizer_from_gguf(gguf_checkpoint.smollm2_path(), chat=True)
-  calculator = environments.Calculator()
+  calculator = environments.builtins.Calculator()
   ids = turns_lib.call_tokens(tokenizer, calculator.call_end)
   assert tokenizer.encode("=")[0] in ids and len(ids) > 10
   assert all(tokenizer.decode([i]).endswith("=") for i in ids)

@@ -1,11 +1,11 @@
 """The jitted train step: accumulation, non-finite skipping, lr_scale, and a learning run."""
 
+import dataclasses
 import json
 import time
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 import pytest
@@ -19,6 +19,7 @@ from rl.objectives import losses
 from rl.rollouts import producers
 from rl import scoring as rl_scoring
 from rl import train
+from rl.objectives import composite
 from sampling.sampler import SamplingConfig
 from tests.rl_fixtures import GRPO, DigitTask, random_rollout
 
@@ -61,7 +62,7 @@ def test_microbatched_gradient_is_the_full_batch_gradient_for_uneven_microbatche
   batch = batch.replace(completion_mask=completion, prompt_mask=~completion,
                         advantages=advantage * completion,
                         behavior_logp=jnp.where(completion, -3.0, 0.0))
-  config = ml_collections.FrozenConfigDict(dict(GRPO, name=name))
+  config = dataclasses.replace(GRPO, name=name)
   params = transformer.init_params(CONFIG, jax.random.PRNGKey(0))
   optimizer = optax.sgd(1.0)
   deltas, loss = [], []
@@ -115,8 +116,8 @@ def test_recomputed_prox_is_the_policy_before_the_batch_first_update():
   params = transformer.init_params(CONFIG, jax.random.PRNGKey(1))
   optimizer = train.make_optimizer(5e-2)
   batch = random_rollout(seed=3, batch=8)
-  decoupled = ml_collections.FrozenConfigDict(dict(GRPO, name="decoupled",
-                                                   prox_estimate="recompute"))
+  decoupled = dataclasses.replace(GRPO, name="decoupled",
+                                                   prox_estimate="recompute")
   step = train.make_train_step(CONFIG, optimizer, decoupled, num_minibatches=2)
   state, _ = step(_fresh_state(params, optimizer), batch)
   prox = transformer.sequence_logprobs(params, batch.tokens,
@@ -143,8 +144,8 @@ def test_loglinear_prox_over_minibatches_keeps_fresh_tokens_at_behav():
   batch = random_rollout(seed=4, batch=8)
   batch = batch.replace(behavior_logp=transformer.sequence_logprobs(
       params, batch.tokens, batch.prompt_mask | batch.completion_mask, CONFIG) * batch.completion_mask)
-  decoupled = ml_collections.FrozenConfigDict(dict(GRPO, name="decoupled",
-                                                   prox_estimate="loglinear"))
+  decoupled = dataclasses.replace(GRPO, name="decoupled",
+                                                   prox_estimate="loglinear")
   step = train.make_train_step(CONFIG, optimizer, decoupled, num_minibatches=2)
   state, _ = step(_fresh_state(params, optimizer), batch)
   single = train.make_train_step(CONFIG, optimizer, decoupled)
@@ -166,8 +167,8 @@ def test_decoupled_equals_grpo_on_policy_over_minibatches():
       params, batch.tokens, batch.prompt_mask | batch.completion_mask, CONFIG) * batch.completion_mask)
   states = []
   for name in ("grpo", "decoupled"):
-    step = train.make_train_step(CONFIG, optimizer, ml_collections.FrozenConfigDict(
-        dict(GRPO, name=name)), num_minibatches=2)
+    step = train.make_train_step(CONFIG, optimizer, dataclasses.replace(GRPO, name=name),
+                                 num_minibatches=2)
     states.append(step(_fresh_state(params, optimizer), batch)[0])
   # Adam moves every weight by ~lr = 5e-2 per update; recomputed prox equals behav only
   # to float reassociation, which Adam's normalisation can amplify on tiny gradients.
@@ -217,8 +218,8 @@ def test_a_batch_without_advantages_is_refused():
 @pytest.mark.slow
 def test_lr_scale_from_the_objective_scales_the_update():
   @losses.register_loss("test_half_lr")
-  def half_lr(logp, batch, *, prox_logp=None, config):
-    loss, metrics = losses.ppo_clip_loss(logp, batch, prox_logp=prox_logp, config=config)
+  def half_lr(logp, batch, *, prox_logp=None, settings):
+    loss, metrics = losses.ppo_clip_loss(logp, batch, prox_logp=prox_logp, settings=settings)
     return loss, dict(metrics, lr_scale=jnp.asarray(0.5))
   try:
     params = transformer.init_params(CONFIG, jax.random.PRNGKey(0))
@@ -226,7 +227,7 @@ def test_lr_scale_from_the_objective_scales_the_update():
     batch = random_rollout()
     deltas = []
     for name in ("grpo", "test_half_lr"):
-      step = train.make_train_step(CONFIG, optimizer, ml_collections.FrozenConfigDict(dict(GRPO, name=name)))
+      step = train.make_train_step(CONFIG, optimizer, dataclasses.replace(GRPO, name=name))
       state, _ = step(train.init_train_state(jax.tree.map(jnp.copy, params), optimizer), batch)
       deltas.append(state.params["embed"] - params["embed"])
     np.testing.assert_allclose(deltas[1], 0.5 * deltas[0], atol=1e-7)
@@ -273,8 +274,8 @@ def test_length_buckets_cut_batches_without_changing_the_step(loss_name, aggrega
   assert train.trim_to_bucket(batch, (6, 12)).tokens.shape == (4, 12)
   assert train.trim_to_bucket(batch, (6, 8)).tokens.shape == (4, length)  # none fits: full
   assert train.trim_to_bucket(batch, ()).tokens.shape == (4, length)
-  config = ml_collections.FrozenConfigDict(dict(GRPO, name=loss_name, aggregation=aggregation,
-                                                m2_tau=0.04))
+  config = dataclasses.replace(GRPO, name=loss_name, aggregation=aggregation,
+                                                m2_tau=0.04)
   params = transformer.init_params(CONFIG, jax.random.PRNGKey(1))
   optimizer = train.make_optimizer(1e-2)
   results = []
@@ -371,8 +372,8 @@ def test_sft_iteration_counts_the_answer_tokens_it_trains_on():
           task=DigitTask(), tokenizer=tokenizer, model_config=CONFIG,
           sampling_config=SamplingConfig(max_new_tokens=4, stop_tokens=(tokenizer.eos_id,)),
           prompt_len=2, prompts_per_step=8, group_size=1),
-      train_step=train.make_train_step(CONFIG, optimizer, ml_collections.FrozenConfigDict(dict(
-          name="sft", aggregation="token_mean", norm_len=1.0))),
+      train_step=train.make_train_step(CONFIG, optimizer, losses.LossSettings(
+          name="sft", aggregation="token_mean", norm_len=1.0)),
       batch_advantages=advantages.group_relative(advantages.grpo_advantages))
   state = loop.LoopState(train=train.init_train_state(
       transformer.init_params(CONFIG, jax.random.PRNGKey(1)), optimizer), rng=jax.random.PRNGKey(2),
@@ -414,7 +415,7 @@ def test_remat_gives_the_same_loss_gradients(remat):
   batch = random_rollout(seed=2, batch=4, length=12)
 
   def loss(params, config):
-    return (train.policy_logprobs(params, batch, config) * batch.advantages).sum()
+    return (composite.policy_logprobs(params, batch, config) * batch.advantages).sum()
 
   base = jax.grad(loss)(params, CONFIG)
   rematerialised = jax.grad(loss)(params, CONFIG.replace(remat=remat))

@@ -21,17 +21,36 @@ import re
 import subprocess
 import sys
 
+from absl import flags
+
 PEER_LABELS = {"arbor": "Arbor", "tunix": "Tunix", "torch": "transformers"}
 
 # Exact pins (docs/benchmarks_perf.md). pip installs each list in order; torch comes first so that it
 # resolves to the machine's local CPU wheel, never a CUDA build.
 PEER_PACKAGES = {
     "tunix": [["google-tunix==0.1.7"]],
-    "torch": [["torch==2.13.0"], ["transformers==5.24.0", "trl==1.16.0"]],
+    "torch": [["torch==2.13.0"], ["transformers==5.24.0", "trl==1.16.0", "peft==0.21.2",
+                                    "math-verify==0.9.0"]],
 }
 _READY = ".arbor_ready"
 WEIGHT_PEERS = ("torch",)  # peers whose script loads a weights folder (spec key "weights")
 _EXPORTED = ".arbor_exported"
+
+
+def location_flags() -> tuple[flags.FlagHolder, flags.FlagHolder]:
+  """(--peer_envs, --peer_weights): where peer virtualenvs live and where a checkpoint's
+  weights are exported for them. Defined on first use, so the scripts that run peers share
+  them in one process (tests import several of those scripts)."""
+  holders = []
+  for name, default, about in (
+      ("peer_envs", "runs/peer_envs", "Where peer virtualenvs live."),
+      ("peer_weights", "runs/peer_weights", "Where a checkpoint's weights are exported for "
+       "the peers.")):
+    if name in flags.FLAGS:
+      holders.append(flags.FlagHolder(flags.FLAGS, flags.FLAGS[name]))
+    else:
+      holders.append(flags.DEFINE_string(name, default, about))
+  return holders[0], holders[1]
 
 
 def peers_enabled(requested: list[str]) -> list[str]:
@@ -43,24 +62,33 @@ def peers_enabled(requested: list[str]) -> list[str]:
 
 
 def ensure_env(name: str, root: str) -> str:
-  """Creates (once) the virtualenv of peer `name` under `root`; returns its python."""
+  """Creates (once) the virtualenv of peer `name` under `root`, or brings an existing one
+  to PEER_PACKAGES when the pins changed; returns its python."""
   env = os.path.join(root, name)
   python = os.path.join(env, "bin", "python")
-  if os.path.exists(os.path.join(env, _READY)):
-    return python
-  print(f"Creating the {name} peer environment in {env} (once; large download).", flush=True)
-  subprocess.run([sys.executable, "-m", "venv", "--clear", env], check=True)
+  wanted = "\n".join(" ".join(p) for p in PEER_PACKAGES[name]) + "\n"
+  ready = os.path.join(env, _READY)
+  if os.path.exists(ready):
+    with open(ready) as f:
+      if f.read() == wanted:
+        return python
+    print(f"Updating the {name} peer environment in {env} to {wanted.split()}.", flush=True)
+  else:
+    print(f"Creating the {name} peer environment in {env} (once; large download).", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", env], check=True)
   for packages in PEER_PACKAGES[name]:
     subprocess.run([python, "-m", "pip", "install", "-q", *packages], check=True)
-  with open(os.path.join(env, _READY), "w") as f:
-    f.write("\n".join(" ".join(p) for p in PEER_PACKAGES[name]) + "\n")
+  with open(ready, "w") as f:
+    f.write(wanted)
   return python
 
 
-def run_peer(name: str, spec: dict, env_root: str, timeout_s: float = 3600) -> dict:
-  """Runs experiments/peers/<name>_peer.py in the peer's virtualenv; returns its JSON."""
+def run_peer(name: str, spec: dict, env_root: str, timeout_s: float = 3600,
+             script: str | None = None) -> dict:
+  """Runs experiments/peers/<script>.py (default: <name>_peer.py) in peer `name`'s
+  virtualenv; returns its JSON."""
   python = ensure_env(name, env_root)
-  script = os.path.join(os.path.dirname(__file__), f"{name}_peer.py")
+  script = os.path.join(os.path.dirname(__file__), f"{script or name + '_peer'}.py")
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
   env.update(JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
   done = subprocess.run([python, script, json.dumps(spec)], capture_output=True, text=True,
@@ -75,7 +103,7 @@ def peer_shape(config) -> dict:
   """The fields of a models.config.ModelConfig the peer scripts build their Qwen2 from."""
   return {k: v for k, v in dataclasses.asdict(config).items()
           if k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                   "mlp_dim", "rope_theta", "norm_eps", "max_seq_len")}
+                   "mlp_dim", "rope_theta", "norm_eps", "max_seq_len", "tie_embeddings")}
 
 
 def weight_peers(requested: list[str]) -> tuple[list[str], list[str]]:

@@ -41,18 +41,23 @@ import transformers
 import peer_memory  # this folder (see peer_memory's docstring)
 
 
-def qwen2_model(shape: dict) -> transformers.Qwen2ForCausalLM:
-  """A random-init Qwen2 with the benchmark shape, f32, eval mode."""
+def qwen2_model(shape: dict, dtype: torch.dtype = torch.float32,
+                device: str = "cpu") -> transformers.Qwen2ForCausalLM:
+  """A random-init Qwen2 with the benchmark shape, in eval mode, built directly in `dtype`
+  on `device` (an accelerator initialises a billion parameters in a moment; the host
+  would take minutes)."""
   config = transformers.Qwen2Config(
       vocab_size=shape["vocab_size"], hidden_size=shape["d_model"],
       intermediate_size=shape["mlp_dim"], num_hidden_layers=shape["n_layers"],
       num_attention_heads=shape["n_heads"], num_key_value_heads=shape["n_kv_heads"],
       head_dim=shape["head_dim"], max_position_embeddings=shape["max_seq_len"],
-      rms_norm_eps=shape["norm_eps"], tie_word_embeddings=False,
+      rms_norm_eps=shape["norm_eps"], tie_word_embeddings=shape.get("tie_embeddings", False),
       rope_parameters={"rope_type": "default", "rope_theta": shape["rope_theta"]},
       pad_token_id=0, bos_token_id=1, eos_token_id=2)
   torch.manual_seed(0)
-  return transformers.Qwen2ForCausalLM(config).float().eval()
+  with torch.device(device):
+    model = transformers.Qwen2ForCausalLM(config).to(dtype)
+  return model.eval()
 
 
 def load_model(spec: dict) -> transformers.PreTrainedModel:

@@ -67,7 +67,7 @@ def qwen2_model(shape: dict) -> qwen2.Qwen2:
       num_layers=shape["n_layers"], vocab_size=shape["vocab_size"], embed_dim=shape["d_model"],
       hidden_dim=shape["mlp_dim"], num_heads=shape["n_heads"], head_dim=shape["head_dim"],
       num_kv_heads=shape["n_kv_heads"], rope_theta=int(shape["rope_theta"]),
-      norm_eps=shape["norm_eps"], use_tied_embedding=False)
+      norm_eps=shape["norm_eps"], use_tied_embedding=shape.get("tie_embeddings", False))
   return qwen2.Qwen2(config, rngs=nnx.Rngs(0))
 
 

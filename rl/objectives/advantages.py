@@ -75,6 +75,19 @@ def grpo_advantages(reward: jax.Array, group: jax.Array, eps: float = 1e-6) -> j
 
   The std is the population std (ddof=0); a group whose rewards are all equal gets
   exactly 0, fractional rewards included.
+
+  Args:
+    reward: [B] rewards.
+    group: [B] group ids (rows of one prompt share one).
+    eps: added to the std.
+
+  Returns:
+    [B] advantages.
+
+  >>> import jax.numpy as jnp
+  >>> adv = grpo_advantages(jnp.array([1.0, 0.0, 0.5, 0.5]), jnp.array([0, 0, 1, 1]))
+  >>> [round(a, 4) for a in adv.tolist()]  # std 0.5: (1 - 0.5) / 0.5; the equal group: 0
+  [1.0, -1.0, 0.0, 0.0]
   """
   reward = reward.astype(jnp.float32)
   return standardise(reward - group_mean(reward, group), group_std(reward, group),

@@ -5,13 +5,15 @@ per-token log-ratios, advantages and masks of a batch (`TokenTerms`) and rewrite
 detached per-token `weight`, the per-token `clip_scale` or the `advantages`. It is built
 by a factory whose keyword arguments are its hyperparameters, as optax builds
 `scale_by_adam(b1, b2)`: `truncated_is(is_cap=2.0)` returns a correction that truncates at
-2, and the factory's defaults are those of `rl.objectives.losses.LOSS_DEFAULTS`.
+2, and the factory's defaults are those of the fields of `rl.objectives.losses.LossSettings`
+that feed it.
 
 Corrections are selected by name (`config.loss.corrections=('tis',)`) and chained in order
 onto any objective of `rl.objectives.losses`, so M2PO masking on top of DAPO is a chain, not a new
 objective. The registry records for each name its factory, whether it reads proximal
 log-probs, and which `config.loss` field feeds which factory argument (`m2_tau` -> `tau`),
-so `chain` builds each correction from the loss config and the config names stay flat.
+so `chain` builds each correction from the run's `LossSettings` and the config names stay
+flat.
 
 Two log-ratios appear. The staleness proxy `d = sg(logp - behav)` (how far the policy being
 trained has moved from the sampler) drives M2PO, SAT, VCPO and Mu-GRPO's veto. The
@@ -86,16 +88,33 @@ class CorrectionSpec:
   (factory argument -> the config.loss field that supplies it), whether it reads the
   staleness proxy d = sg(logp - behav) (`reads_logp`), and whether it replaces some
   tokens' logp (`replaces_logp`: Mu-GRPO's veto gives a dropped token the anchor's value,
-  so a later reader of d would count it as on-policy; `check_chain` refuses that order)."""
+  so a later reader of d would count it as on-policy; `check_chain` refuses that order).
+
+  Truncated IS built from the run's settings, on three tokens whose proximal-to-sampler
+  ratios are 1, 2 and 10: the third is truncated at is_cap = 5.
+
+  >>> import jax.numpy as jnp
+  >>> from rl.settings.loss import LossSettings
+  >>> ones = jnp.ones((1, 3))
+  >>> terms = TokenTerms(logp=jnp.log(ones / 2), behav=jnp.log(jnp.array([[0.5, 0.25, 0.05]])),
+  ...                    prox=jnp.log(ones / 2), advantages=ones, mask=ones, weight=ones,
+  ...                    clip_scale=ones, reward=jnp.ones(1), group=jnp.zeros(1, jnp.int32))
+  >>> spec = get_correction("tis")
+  >>> spec.needs_prox, spec.fields
+  (True, {'is_cap': 'is_cap'})
+  >>> weighted, metrics = spec.build(LossSettings(is_cap=5.0))(terms)
+  >>> weighted.weight.round(4).tolist(), round(float(metrics["is_truncated_fraction"]), 4)
+  ([[1.0, 2.0, 5.0]], 0.3333)
+  """
   factory: CorrectionFactory
   needs_prox: bool = False
   fields: Mapping[str, str] = dataclasses.field(default_factory=dict)
   reads_logp: bool = False
   replaces_logp: bool = False
 
-  def build(self, config) -> Correction:
-    """The correction with its hyperparameters read from `config` (config.loss)."""
-    return self.factory(**{arg: getattr(config, field) for arg, field in self.fields.items()})
+  def build(self, settings) -> Correction:
+    """The correction with its hyperparameters read from `settings` (a LossSettings)."""
+    return self.factory(**{arg: getattr(settings, field) for arg, field in self.fields.items()})
 
 
 CORRECTIONS: Registry[CorrectionSpec] = Registry("correction", "config.loss.corrections")
@@ -104,9 +123,19 @@ CORRECTIONS: Registry[CorrectionSpec] = Registry("correction", "config.loss.corr
 def register_correction(name: str, needs_prox: bool = False,
                         fields: Optional[Mapping[str, str]] = None, *,
                         reads_logp: bool = False, replaces_logp: bool = False):
-  """Decorator adding a correction factory to the registry under `name`
-  (config.loss.corrections); `fields` maps its arguments to config.loss fields;
-  `reads_logp` / `replaces_logp` as in `CorrectionSpec`."""
+  """Decorator adding a correction factory to the registry (`CORRECTIONS`).
+
+  Args:
+    name: the correction's name in config.loss.corrections.
+    needs_prox: whether it reads `terms.prox` (the train step then supplies proximal
+      log-probs).
+    fields: factory argument -> the `LossSettings` field that supplies it (each must be an
+      argument of the factory).
+    reads_logp, replaces_logp: as in `CorrectionSpec` (`check_chain` uses them).
+
+  Returns:
+    A decorator that registers the factory and returns it unchanged.
+  """
   def wrap(factory: CorrectionFactory) -> CorrectionFactory:
     unknown = set(fields or {}) - set(inspect.signature(factory).parameters)
     if unknown:
@@ -139,13 +168,14 @@ def check_chain(names) -> None:
       replaced_by = name
 
 
-def chain(names, terms: TokenTerms, config) -> tuple[TokenTerms, dict]:
-  """Builds the named corrections from `config` (config.loss) and applies them in order
-  (refusing an order `check_chain` refuses); metrics of later ones win on name clashes."""
+def chain(names, terms: TokenTerms, settings) -> tuple[TokenTerms, dict]:
+  """Builds the named corrections from `settings` (a LossSettings) and applies them in
+  order (refusing an order `check_chain` refuses); metrics of later ones win on name
+  clashes."""
   check_chain(names)
   metrics = {}
   for name in names:
-    terms, m = get_correction(name).build(config)(terms)
+    terms, m = get_correction(name).build(settings)(terms)
     metrics.update(m)
   return terms, metrics
 

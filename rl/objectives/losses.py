@@ -2,25 +2,25 @@
 
 Every objective is
 
-    loss_fn(logp, batch, *, prox_logp=None, config) -> (scalar loss, metrics dict)
+    loss_fn(logp, batch, *, prox_logp=None, settings) -> (scalar loss, metrics dict)
 
 where `logp` [B, T] are the log-probs of `batch.tokens` under the parameters being trained,
-`batch` is an `rl.types.Rollout`, and `config` is the (frozen) `config.loss` ConfigDict.
-Metrics may carry 'lr_scale', which the train step applies to the update.
+`batch` is an `rl.types.Rollout`, and `settings` is the run's `LossSettings` (config.loss,
+typed, and resolved: `LossSettings.resolved`, every field a value). Metrics may carry 'lr_scale', which the train step applies to the update.
 
 A built-in objective (`Objective`) is a per-token surrogate plus a chain of corrections (`rl.objectives.corrections`:
 small transforms of log-ratios, advantages and masks into weights, masks and clip
 widths), plus fixed settings that define the method (DAPO's clip-higher and token-mean
 aggregation, GSPO's small sequence-level clip, ...). Those settings override the same
-fields of `config.loss`; `config.loss.corrections` appends corrections to any objective
-(e.g. `name='dapo', corrections=('m2po',)`). Unset fields take `LOSS_DEFAULTS`.
+fields of `LossSettings`; `config.loss.corrections` appends corrections to any objective
+(e.g. `name='dapo', corrections=('m2po',)`). Every setting of an objective or a correction
+is one field of `LossSettings`, with its default, range and documentation.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import types
 from typing import Callable, Mapping, Optional
 
 import jax
@@ -28,48 +28,17 @@ import jax.numpy as jnp
 
 from rl.objectives import corrections as corr
 from rl.registry import Registry
+from rl.settings.loss import AGGREGATIONS, LossSettings
 from rl.types import Rollout
 
 LossFn = Callable[..., tuple[jax.Array, dict]]
 LOSSES: Registry[LossFn] = Registry(
     "loss", "config.loss.name", "register_loss adds one: docs/add_objective.md")
 
-AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-PROX_ESTIMATES = ("recompute", "loglinear")
-
-# Defaults of the config.loss fields (experiments/configs/default.py documents each); the
-# correction factories of rl.objectives.corrections take the same defaults (a test checks).
-# The config.loss fields an objective may fix (`make_objective(..., **overrides)`). The run
-# config leaves them unset (None) so that a value a user sets, even one equal to the
-# default, is seen, and refused where the objective fixes another (`check_settings_read`).
-OBJECTIVE_FIXABLE = ("eps_low", "eps_high", "aggregation")
-
-LOSS_DEFAULTS = dict(
-    eps_low=0.2, eps_high=0.2, aggregation="seq_mean_token_mean", kl_coef=0.0,
-    # Dr.GRPO's constant normaliser; 0 = the completion budget (`resolve_norm_len`).
-    norm_len=0.0,
-    corrections=(), prox_estimate="recompute",
-    is_cap=5.0, is_floor=0.0,            # TIS truncation / MIS window (decoupled PPO cap 5)
-    # M2PO bound on the kept tokens' mean d^2: 0.04 = (0.2)^2, a typical |log-ratio| of 0.2,
-    # about PPO's eps = 0.2 trust region in log space (log 1.2 = 0.18); the M2PO paper's value.
-    m2_tau=0.04,
-    sat_quantile=0.9, sat_bandwidth=0.1,  # SAT tail quantile of |d| and kernel width
-    vcpo_rho_ref=1.0, vcpo_is_cap=8.0,    # VCPO reference ESS ratio and IS truncation
-    vcpo_is_level="sequence",             # VCPO: one IS weight per sequence, or per token
-    # Mu-GRPO's relaxed band [1/2, 2] (|log r| <= log 2, symmetric in log space): its clip
-    # interval and its veto's trigger (chosen; the paper's values were not available).
-    mu_eps_low=0.5, mu_eps_high=1.0)
-
 
 # `@register_loss(name)` adds an objective (config.loss.name); `get_loss(name)` finds it.
 register_loss = LOSSES.register
 get_loss = LOSSES.get
-
-
-def resolve_norm_len(norm_len: float, max_new_tokens: int) -> float:
-  """config.loss.norm_len, with 0 meaning the completion budget (rollout.max_new_tokens):
-  Dr.GRPO divides every sequence's token sum by one constant, the generation budget."""
-  return float(norm_len) if norm_len else float(max_new_tokens)
 
 
 def aggregate(per_token: jax.Array, mask: jax.Array, mode: str, norm_len: float = 1.0) -> jax.Array:
@@ -115,12 +84,6 @@ def aggregation_denominator(mask: jax.Array, mode: str) -> jax.Array:
   raise ValueError(f"Unknown aggregation {mode!r} (config.loss.aggregation); known: {AGGREGATIONS}.")
 
 
-def effective_aggregation(config) -> str:
-  """The aggregation the objective `config.name` uses: its own fixed one (DAPO and M2PO:
-  token_mean) or config.aggregation."""
-  return resolve_config(config, getattr(get_loss(config.name), "overrides", None)).aggregation
-
-
 def masked_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
   """Mean of x over mask (0 when the mask is empty)."""
   mask = mask.astype(jnp.float32)
@@ -133,112 +96,7 @@ def k3_kl(logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
   return jnp.exp(delta) - delta - 1.0
 
 
-def resolve_config(config, overrides=None) -> types.SimpleNamespace:
-  """LOSS_DEFAULTS, updated by the fields `config` sets (a ConfigDict, dict or None; a None
-  field is unset), then by `overrides`."""
-  values = dict(LOSS_DEFAULTS)
-  if config is not None:
-    items = config.items() if hasattr(config, "items") else vars(config).items()
-    values.update((field, value) for field, value in items if value is not None)
-  values.update(overrides or {})
-  if isinstance(values["corrections"], str):
-    raise ValueError(f"config.loss.corrections = {values['corrections']!r} must be a tuple of "
-                     f"names, e.g. ({values['corrections']!r},); known: {list(corr.CORRECTIONS.names())}.")
-  values["corrections"] = tuple(values["corrections"])
-  if values["prox_estimate"] not in PROX_ESTIMATES:
-    raise ValueError(f"Unknown config.loss.prox_estimate {values['prox_estimate']!r}; known: "
-                     f"{PROX_ESTIMATES}.")
-  return types.SimpleNamespace(**values)
-
-
-def check_config(config) -> None:
-  """Raises ValueError unless `config` (config.loss) names a registered objective, a known
-  aggregation, registered corrections and a known prox_estimate. The train step checks
-  this when it is built, so a bad name fails before any training, not at the first trace."""
-  loss_fn = get_loss(config.name)
-  aggregation = effective_aggregation(config)
-  if aggregation not in AGGREGATIONS:
-    raise ValueError(f"Unknown config.loss.aggregation {aggregation!r}; known: {AGGREGATIONS}.")
-  names = correction_chain(loss_fn, config)
-  corr.check_chain(names)
-  if any(corr.get_correction(n).replaces_logp for n in names) and not getattr(
-      loss_fn, "per_token", True):
-    raise ValueError(f"config.loss.name = {config.name!r} takes sequence-level ratios, which "
-                     f"would count the tokens a correction in {names} drops (their logp "
-                     "replaced by the anchor) as on-policy; use a per-token objective "
-                     "(grpo, dapo, mu_grpo, ...) with that correction.")
-  level = resolve_config(config).vcpo_is_level
-  if level not in VCPO_IS_LEVELS:
-    raise ValueError(f"Unknown config.loss.vcpo_is_level {level!r}; known: {VCPO_IS_LEVELS}.")
-
-
-def fields_read(config) -> set[str]:
-  """The config.loss fields the objective `config.name` reads, with its corrections: its
-  name, corrections, kl_coef and aggregation, the fields its surrogate reads (`Objective.
-  reads`), its corrections' fields, prox_estimate when it needs proximal log-probs, and
-  norm_len when it aggregates with seq_mean_token_sum_norm."""
-  loss_fn = get_loss(config.name)
-  read = {"name", "corrections", "kl_coef", "aggregation", *getattr(loss_fn, "reads", ())}
-  for name in correction_chain(loss_fn, config):
-    read.update(corr.get_correction(name).fields.values())
-  if needs_prox(config):
-    read.add("prox_estimate")
-  if effective_aggregation(config) == "seq_mean_token_sum_norm":
-    read.add("norm_len")
-  return read
-
-
-def check_settings_read(config) -> None:
-  """Raises ValueError for a config.loss field that is set and that the objective would
-  override (DAPO fixes eps_high = 0.28) or never read (M2PO has no clip widths), naming the
-  objective and the field: a setting that is accepted and then ignored would silently
-  change what a run means. A field of OBJECTIVE_FIXABLE counts as set when it is not None
-  (so an explicit eps_high = 0.2 with DAPO is refused); any other when it differs from its
-  default (`LOSS_DEFAULTS`). The launcher checks this before step 1; an objective
-  registered as a plain function (no `reads`) is not checked."""
-  loss_fn = get_loss(config.name)
-  if not hasattr(loss_fn, "reads"):
-    return
-  overrides = loss_fn.overrides
-  read = fields_read(config)
-  for field, default in LOSS_DEFAULTS.items():
-    value = config.get(field, None if field in OBJECTIVE_FIXABLE else default)
-    if value is None or (field not in OBJECTIVE_FIXABLE and _same(value, default)):
-      continue
-    if field in overrides and not _same(value, overrides[field]):
-      raise ValueError(
-          f"config.loss.{field} = {value!r}: objective {config.name!r} fixes {field} = "
-          f"{overrides[field]!r} (it defines the method), so this setting would be ignored. "
-          f"Leave config.loss.{field} unset, or use an objective that reads it "
-          "(e.g. 'grpo', whose clip widths and aggregation are the config's).")
-    if field not in overrides and field not in read:
-      raise ValueError(
-          f"config.loss.{field} = {value!r}: objective {config.name!r} (with corrections "
-          f"{correction_chain(loss_fn, config)}) never reads {field}, so this setting would "
-          f"be ignored. Leave config.loss.{field} at its default, or choose an objective or "
-          "correction that uses it.")
-
-
-def _same(a, b) -> bool:
-  """Config values equal, tuples and lists alike (a flag gives a tuple as a list)."""
-  as_tuple = lambda v: tuple(v) if isinstance(v, (list, tuple)) else v
-  return as_tuple(a) == as_tuple(b)
-
-
-def correction_chain(loss_fn: LossFn, config) -> tuple[str, ...]:
-  """The corrections an objective applies: its own (an `Objective`'s; a plain function
-  registered with `register_loss` has none), then config.loss.corrections."""
-  return tuple(getattr(loss_fn, "corrections", ())) + resolve_config(config).corrections
-
-
-def needs_prox(config) -> bool:
-  """Whether the objective `config.name` (with its corrections) reads proximal log-probs."""
-  loss_fn = get_loss(config.name)
-  return bool(getattr(loss_fn, "uses_prox", False)) or any(
-      corr.get_correction(n).needs_prox for n in correction_chain(loss_fn, config))
-
-
-# --- Per-token surrogates: (TokenTerms, resolved config) -> (per-token loss, metrics) ---
+# --- Per-token surrogates: (TokenTerms, resolved LossSettings) -> (per-token loss, metrics) ---
 
 
 def clip_interval(adv: jax.Array, eps_low, eps_high,
@@ -266,7 +124,7 @@ def clip_objective(ratio: jax.Array, adv: jax.Array, eps_low, eps_high,
 def clipped_surrogate(terms: corr.TokenTerms, cfg, widths: tuple[str, str] = ("eps_low", "eps_high")
                       ) -> tuple[jax.Array, dict]:
   """PPO-clip / GRPO: token ratio against prox when supplied (decoupled PPO), else behav,
-  clipped with the widths in the config.loss fields `widths` (Mu-GRPO: its relaxed band)."""
+  clipped with the widths in the LossSettings fields `widths` (Mu-GRPO: its relaxed band)."""
   log_ratio = terms.logp - terms.old
   ratio = jnp.exp(log_ratio)
   eps_low, eps_high = (getattr(cfg, field) for field in widths)
@@ -303,9 +161,6 @@ def gspo_token_surrogate(terms: corr.TokenTerms, cfg) -> tuple[jax.Array, dict]:
                      "ratio_mean": s.mean()}
 
 
-VCPO_IS_LEVELS = ("sequence", "token")
-
-
 def vcpo_surrogate(terms: corr.TokenTerms, cfg) -> tuple[jax.Array, dict]:
   """VCPO's policy gradient with detached truncated importance sampling, at the level
   config.loss.vcpo_is_level names.
@@ -330,7 +185,7 @@ def vcpo_surrogate(terms: corr.TokenTerms, cfg) -> tuple[jax.Array, dict]:
 
 def importance_pg_surrogate(cap: Optional[str]) -> Callable:
   """Unclipped IS policy gradient against behav, -w A with w = exp(logp - behav) (M2PO), or
-  with the weight truncated at config field `cap` (VCPO): value min(r, C), gradient
+  with the weight truncated at the LossSettings field `cap` (VCPO): value min(r, C), gradient
   min(r, C) * A * grad logp (the truncation is detached)."""
   def surrogate(terms: corr.TokenTerms, cfg) -> tuple[jax.Array, dict]:
     log_ratio = terms.logp - terms.behav
@@ -352,11 +207,11 @@ class Objective:
   """A built-in objective, callable with the loss signature: terms from the batch ->
   corrections chain -> surrogate * weight -> (+KL) -> aggregation.
 
-  surrogate: (TokenTerms, resolved config) -> (per-token loss, metrics).
+  surrogate: (TokenTerms, resolved LossSettings) -> (per-token loss, metrics).
   corrections: the method's own `rl.objectives.corrections` chain (config.loss.corrections follow).
   uses_prox: whether the method needs proximal log-probs (decoupled PPO).
-  overrides: config.loss fields that define the method (e.g. DAPO's eps_high=0.28).
-  reads: the config.loss fields the surrogate reads (`check_settings_read` refuses a
+  overrides: LossSettings fields that define the method (e.g. DAPO's eps_high=0.28).
+  reads: the LossSettings fields the surrogate reads (`LossSettings.check` refuses a
   setting no part of the objective reads).
   per_token: whether each token's loss depends on its own log-ratio alone (False for
   sequence-level ratios and weights: GSPO, VCPO).
@@ -371,9 +226,9 @@ class Objective:
   per_token: bool = True
 
   def __call__(self, logp: jax.Array, batch: Rollout, *, prox_logp=None,
-               config) -> tuple[jax.Array, dict]:
+               settings: LossSettings) -> tuple[jax.Array, dict]:
     corrections, uses_prox, surrogate = self.corrections, self.uses_prox, self.surrogate
-    cfg = resolve_config(config, self.overrides)
+    cfg = settings.resolved(overrides=self.overrides)
     mask = batch.completion_mask.astype(jnp.float32)
     terms = corr.TokenTerms(
         logp=logp, behav=batch.behavior_logp,
@@ -402,8 +257,27 @@ def make_objective(surrogate: Callable, corrections: tuple[str, ...] = (),
                    uses_prox: bool = False, *, name: str = "", doc: str = "",
                    reads: tuple[str, ...] = (), per_token: bool = True,
                    **overrides) -> Objective:
-  """An `Objective` from a surrogate; `reads` names the config.loss fields it reads and
-  `overrides` fix the config.loss fields that define the method."""
+  """An objective from a per-token surrogate (docs/add_objective.md).
+
+  Args:
+    surrogate: `(TokenTerms, resolved LossSettings) -> (per-token loss [B, T], metrics)`.
+    corrections: the method's own correction chain (config.loss.corrections follow it).
+    uses_prox: whether the method needs proximal log-probs (decoupled PPO).
+    name, doc: the registry's name and description (default: the surrogate's).
+    reads: the `LossSettings` fields the surrogate reads (`LossSettings.check` refuses a set
+      field nothing reads).
+    per_token: whether each token's loss depends on its own log-ratio alone.
+    **overrides: `LossSettings` fields that define the method (DAPO's eps_high = 0.28).
+
+  Returns:
+    An `Objective`, callable as `(logp, batch, *, prox_logp=None, settings) -> (loss,
+    metrics)`; `register_loss(name)(objective)` makes it config.loss.name.
+
+  >>> tight = make_objective(clipped_surrogate, name="tight", reads=_EPS, eps_high=0.1)
+  >>> resolved = LossSettings().resolved(overrides=tight.overrides)
+  >>> resolved.eps_low, resolved.eps_high, tight.uses_prox
+  (0.2, 0.1, False)
+  """
   return Objective(name=name or getattr(surrogate, "__name__", "objective"),
                    doc=doc or (surrogate.__doc__ or ""), surrogate=surrogate,
                    corrections=tuple(corrections), uses_prox=uses_prox,
@@ -419,7 +293,7 @@ def _register(name: str, doc: str, *args, **kwargs) -> Objective:
 
 ppo_clip_loss = _register(
     "grpo", "PPO-clip / GRPO (DeepSeekMath): -min(r A, clip(r, 1-eps_low, 1+eps_high) A), r "
-    "against prox when supplied, else behav; optional k3 KL (config.kl_coef).", clipped_surrogate,
+    "against prox when supplied, else behav; optional k3 KL (kl_coef).", clipped_surrogate,
     reads=_EPS)
 _register("dapo", "DAPO: PPO-clip with clip-higher (0.2 / 0.28) and token-mean aggregation. "
           "(Dynamic sampling and overlong shaping act on the data and rewards, not the loss.)",
@@ -461,8 +335,9 @@ _register("mu_grpo", "Mu-GRPO (arXiv 2605.17570): PPO-clip with the relaxed inte
           corrections=("mu_veto",), reads=("mu_eps_low", "mu_eps_high"))
 
 @register_loss("sft")
-def sft_loss(logp: jax.Array, batch: Rollout, *, prox_logp=None, config) -> tuple[jax.Array, dict]:
+def sft_loss(logp: jax.Array, batch: Rollout, *, prox_logp=None,
+             settings: LossSettings) -> tuple[jax.Array, dict]:
   """Supervised warm start: negative log-likelihood of the completion tokens."""
   del prox_logp
-  nll = aggregate(-logp, batch.completion_mask, config.aggregation, config.norm_len)
+  nll = aggregate(-logp, batch.completion_mask, settings.aggregation, settings.norm_len)
   return nll, {"nll": nll}

@@ -2,5 +2,6 @@
 batches with their state explicit (`producers`: independent sampling under a selection
 rule, trees; `partial`: resumable partial rollouts), the rollout kinds that build them from
 a config (`kinds`), what they report (`statistics`), generations turned into scored
-`Rollout` batches (`batches`), which prompts to roll out (`selection`) and the asynchronous
-producer / trainer pair (`async_loop`)."""
+`Rollout` batches (`batches`) and which prompts to roll out (`selection`). The loops that
+drive them are `rl.loop` and, beside it, `rl.async_loop` (the asynchronous producer /
+trainer pair)."""

@@ -17,6 +17,8 @@ from models.config import ModelConfig
 from rl import environments
 from rl import scoring
 from rl import timing
+from rl import verdicts
+from rl.samples import ScoredRow
 from rl.tasks import Example, Task
 from rl.types import Rollout, TreeRows
 from sampling import sampler
@@ -199,13 +201,15 @@ def _pad_rows(x, count: int):
 
 @dataclasses.dataclass
 class ScoredSamples:
-  """A sampled, scored batch: the Rollout plus host-side texts and exact-match flags, and
-  how many rows got reward 0 because their scorer timed out or failed (rl.scoring);
+  """A sampled, scored batch: the Rollout plus host-side texts, exact-match flags and each
+  row's `ScoredRow` (prompt, completion, verdict: what training samples show), and how
+  many rows got reward 0 because their scorer timed out or failed (rl.scoring);
   draft_stats / tools: speculative decoding's and the environment's counters (None when
   not used)."""
   rollout: Rollout
   completions: list[str]
   exact: np.ndarray
+  rows: list[ScoredRow]
   decode_steps: int
   reward_timeouts: int = 0
   reward_errors: int = 0
@@ -228,14 +232,23 @@ def completion_texts(tokenizer: Tokenizer, generation: Generation) -> list[str]:
   return decode_completions(tokenizer, tokens, mask)
 
 
-def without_failed_turns(scores: scoring.Scores, generation: Generation) -> scoring.Scores:
-  """`scores` with reward 0 (and no exact match) for rows whose environment failed
-  (`ToolRows.failed`); the same scores without turns."""
-  if generation.tools is None:
-    return scores
-  failed = np.asarray(jax.device_get(generation.tools.failed))
+def with_rollout_failures(scores: scoring.Scores, stopped: np.ndarray,
+                          tool_failed: np.ndarray | None = None) -> scoring.Scores:
+  """`scores` with what the rollout adds to the scorer's view, from host arrays [N] of the
+  rows' `Generation.stopped` and, with turns, `ToolRows.failed`: reward 0 (and no exact
+  match) for rows whose environment failed, and each row's verdict from
+  `rl.verdicts.after_rollout` (tool_error; truncated for a row that did not stop)."""
+  failed = np.zeros(len(stopped), bool) if tool_failed is None else np.asarray(tool_failed)
+  judged = tuple(verdicts.after_rollout(v, stopped=bool(s), tool_failed=bool(f))
+                 for v, s, f in zip(scores.verdicts, np.asarray(stopped), failed))
   return dataclasses.replace(scores, rewards=np.where(failed, 0.0, scores.rewards).astype(np.float32),
-                             exact=scores.exact & ~failed)
+                             exact=scores.exact & ~failed, verdicts=judged)
+
+
+def scored_rows(examples: Sequence[Example], completions: Sequence[str],
+                judged: Sequence[verdicts.Verdict]) -> list[ScoredRow]:
+  """Each row's prompt, completion and verdict, in row order."""
+  return [ScoredRow(e.prompt, c, v) for e, c, v in zip(examples, completions, judged)]
 
 
 def score(task: Task, examples: Sequence[Example], completions: Sequence[str]) -> scoring.Scores:
@@ -278,15 +291,18 @@ def score_generation(generation: Generation, examples: Sequence[Example], group_
     generation = multihost.fetch(generation)
   completions = completion_texts(tokenizer, generation)
   repeated = [e for e in examples for _ in range(group_size)]
-  scores = without_failed_turns(score(task, repeated, completions), generation)
-  group = jnp.repeat(jnp.arange(len(examples), dtype=jnp.int32), group_size)
   tools = jax.device_get(generation.tools)
+  scores = with_rollout_failures(score(task, repeated, completions),
+                                 jax.device_get(generation.stopped),
+                                 None if tools is None else tools.failed)
+  group = jnp.repeat(jnp.arange(len(examples), dtype=jnp.int32), group_size)
   rollout = Rollout(tokens=generation.tokens, prompt_mask=generation.prompt_mask,
                     completion_mask=generation.completion_mask,
                     behavior_logp=generation.behavior_logp, version=generation.version,
                     group=group, reward=jnp.asarray(scores.rewards),
                     env_mask=None if tools is None else generation.tools.env_mask)
   return ScoredSamples(rollout=rollout, completions=completions, exact=scores.exact,
+                       rows=scored_rows(repeated, completions, scores.verdicts),
                        decode_steps=int(generation.decode_steps),
                        reward_timeouts=scores.timeouts, reward_errors=scores.errors,
                        draft_stats=jax.device_get(generation.speculative), tools=tools)
@@ -294,12 +310,13 @@ def score_generation(generation: Generation, examples: Sequence[Example], group_
 
 @dataclasses.dataclass
 class ScoredTree:
-  """A sampled, scored tree batch: the Rollout (tree fields set), the leaves' texts and
-  exact-match flags (unused rows: '' and False), the leaf mask, the decode counters and the
-  leaves whose scorer timed out or failed (rl.scoring)."""
+  """A sampled, scored tree batch: the Rollout (tree fields set), the leaves' texts,
+  exact-match flags and `ScoredRow`s (unused rows: '', False and None), the leaf mask, the
+  decode counters and the leaves whose scorer timed out or failed (rl.scoring)."""
   rollout: Rollout
   completions: list[str]
   exact: np.ndarray
+  rows: list[ScoredRow | None]
   leaf: np.ndarray
   decoded_tokens: int
   refed_tokens: int
@@ -341,17 +358,22 @@ def tree_sample_and_score(params, examples: Sequence[Example], *, task: Task,
   prompt_tokens, prompt_mask = encode_prompts(tokenizer, [e.prompt for e in examples], prompt_len)
   generation = tree_generate(params, jnp.asarray(prompt_tokens), jnp.asarray(prompt_mask), rng,
                              model_config, sampling_config, policy, version)
-  tokens, completion_mask, leaf = jax.device_get(
-      (generation.tokens, generation.completion_mask, generation.tree.leaf))
+  tokens, completion_mask, leaf, stopped = jax.device_get(
+      (generation.tokens, generation.completion_mask, generation.tree.leaf, generation.stopped))
   completions = decode_completions(tokenizer, tokens, completion_mask)
   repeated = [e for e in examples for _ in range(policy.leaves)]
   rows = np.flatnonzero(leaf)  # unused rows are not scored
   scores = score(task, [repeated[r] for r in rows], [completions[r] for r in rows])
   rewards, exact = np.zeros(len(leaf), np.float32), np.zeros(len(leaf), bool)
   rewards[rows], exact[rows] = scores.rewards, scores.exact
+  scored = [None] * len(leaf)
+  for r, verdict in zip(rows, scores.verdicts):
+    judged = verdicts.after_rollout(verdict, stopped=bool(stopped[r]), tool_failed=False)
+    scored[r] = ScoredRow(repeated[r].prompt, completions[r], judged)
   group = jnp.repeat(jnp.arange(len(examples), dtype=jnp.int32), policy.leaves)
   rollout = tree_rollout(generation, jnp.asarray(rewards, jnp.float32), group)
-  return ScoredTree(rollout=rollout, completions=completions, exact=exact, leaf=leaf,
+  return ScoredTree(rollout=rollout, completions=completions, exact=exact, rows=scored,
+                    leaf=leaf,
                     decoded_tokens=int(generation.tree.decoded_tokens),
                     refed_tokens=int(generation.tree.refed_tokens),
                     pruned_tokens=int(generation.tree.pruned_tokens),

@@ -8,9 +8,11 @@
   partial      resumable partial rollouts (APRIL / CoPRIS): a pool of group slots decoded in
                rounds, unfinished rows carried to the next step; one device.
 
-`rl.wiring.validate` refuses a combination a kind's declarations exclude (a tree with
-dynamic sampling, a partial pool on a mesh, ...) naming the field, and `rl.wiring` builds
-the producer of config.rollout.kind here. A new kind is one registered `RolloutKind`.
+config.rollout is `RolloutSettings` (rl/settings/rollout.py, with the tree's and
+speculative decoding's settings nested). `rl.wiring.validate` refuses a combination a kind's
+declarations exclude (a tree with dynamic sampling, a partial pool on a mesh or with tools
+and kept KV, ...) naming the field, and `rl.wiring` builds the producer of config.rollout.kind here. A new kind is one
+registered `RolloutKind`.
 """
 
 from __future__ import annotations
@@ -18,50 +20,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-import ml_collections
-
 from rl.objectives import advantages
 from rl.registry import Registry
 from rl.rollouts import partial as partial_rollout
 from rl.rollouts import producers
+from rl.settings.rollout import RolloutSettings
 from sampling import partial as partial_lib
 from sampling import tree as tree_lib
 
 
-@dataclasses.dataclass(frozen=True)
-class RolloutKind:
-  """One way of making RL batches.
-
-  make_producer(config, ctx) -> the `rl.rollouts.producers.Producer` of the RL phase,
-    built from the run's config and `BatchContext` (its state, whatever the kind keeps
-    between batches, lives in the LoopState and is checkpointed with it).
-  rows_per_prompt(config): sequences per prompt in a batch.
-  batch_advantages(config): the loop's advantage stage for these batches (default:
-    group-relative, config.advantage.name's estimator over each prompt's rows).
-  check(config): raises ValueError for a bad setting of the kind's own fields.
-  any_selection: composes with every config.selection.kind (else only 'uniform': the kind
-    cannot skip or re-weight the prompts it rolls out).
-  mesh: decodes on a device mesh (else one device).
-  identical_prompt_groups: each prompt's rows are group_size samples of the same prompt,
-    so the train step may share the prompt's forward (config.rl.prefix_shared_forward).
-  group_relative: rows of a prompt form one group for group-relative advantages, so
-    config.rollout.group_size must be >= 2.
-  """
-  make_producer: Callable[[Any, producers.BatchContext], producers.Producer]
-  rows_per_prompt: Callable[[Any], int]
-  batch_advantages: Callable[[Any], advantages.BatchAdvantages] = (
-      lambda config: advantages.group_relative(
-          advantages.get_advantage_fn(config.advantage.name)))
-  check: Callable[[Any], None] = lambda config: None
-  any_selection: bool = False
-  mesh: bool = False
-  identical_prompt_groups: bool = False
-  group_relative: bool = True
-
-
-ROLLOUT_KINDS: Registry[RolloutKind] = Registry("rollout kind", "config.rollout.kind")
-
-# builder(config.rollout.tree) -> sampling.tree.ForkPolicy, by config.rollout.tree.policy.
+# builder(TreeSettings) -> sampling.tree.ForkPolicy, by config.rollout.tree.policy.
 FORK_POLICIES: Registry[Callable[[Any], tree_lib.ForkPolicy]] = Registry(
     "tree policy", "config.rollout.tree.policy")
 FORK_POLICIES.register("entropy", lambda t: tree_lib.EntropyFork(
@@ -75,53 +43,92 @@ FORK_POLICIES.register("lookahead", lambda t: tree_lib.Lookahead(
     lookahead_steps=t.lookahead_steps, prune_similarity=t.prune_similarity))
 
 
-def fork_policy(tree_config) -> tree_lib.ForkPolicy:
-  """The fork policy config.rollout.tree.policy names, built from config.rollout.tree."""
-  return FORK_POLICIES.get(tree_config.policy)(tree_config)
+@dataclasses.dataclass(frozen=True)
+class RolloutKind:
+  """One way of making RL batches (config.rollout.kind), registered in `ROLLOUT_KINDS`;
+  the run's config check reads its declarations to refuse what it does not compose with.
+
+  Attributes:
+    make_producer: `(rollout, ctx, selection=, max_staleness=) -> Producer`: the
+      `rl.rollouts.producers.Producer` of the RL phase, from the run's `RolloutSettings`,
+      its `BatchContext`, its `SelectionSettings` and its staleness bound (its state,
+      whatever the kind keeps between batches, lives in the LoopState and is checkpointed
+      with it).
+    rows_per_prompt: `(rollout) -> int`: sequences per prompt in a batch.
+    batch_advantages: `(rollout, estimator) -> BatchAdvantages`: the loop's advantage stage
+      for these batches, given config.advantage.name's estimator (default: group-relative
+      over each prompt's rows).
+    check: `(rollout, tools) -> None`: raises ValueError for a bad setting of the kind's own
+      fields (`tools`: whether an environment answers tool calls).
+    any_selection: composes with every config.selection.kind (else only 'uniform': the kind
+      cannot skip or re-weight the prompts it rolls out).
+    mesh: decodes on a device mesh (else one device).
+    identical_prompt_groups: each prompt's rows are group_size samples of the same prompt,
+      so the train step may share the prompt's forward (config.rl.prefix_shared_forward).
+    group_relative: rows of a prompt form one group for group-relative advantages, so
+      config.rollout.group_size must be >= 2.
+    tools: can pause rows at an environment's calls (config.tools.name).
+    speculative: can decode with drafts (config.rollout.speculative.tokens).
+
+  >>> tree = ROLLOUT_KINDS.get("tree")
+  >>> tree.rows_per_prompt(RolloutSettings(kind="tree")), tree.tools, tree.any_selection
+  (8, False, False)
+  >>> ROLLOUT_KINDS.get("independent").rows_per_prompt(RolloutSettings(group_size=4))
+  4
+  """
+  make_producer: Callable[..., producers.Producer]
+  rows_per_prompt: Callable[[RolloutSettings], int]
+  batch_advantages: Callable[[RolloutSettings, Callable], advantages.BatchAdvantages] = (
+      lambda rollout, estimator: advantages.group_relative(estimator))
+  check: Callable[[RolloutSettings, bool], None] = lambda rollout, tools: None
+  any_selection: bool = False
+  mesh: bool = False
+  identical_prompt_groups: bool = False
+  group_relative: bool = True
+  tools: bool = False
+  speculative: bool = False
 
 
-def _group_size(config) -> int:
-  return config.rollout.group_size
+ROLLOUT_KINDS: Registry[RolloutKind] = Registry("rollout kind", "config.rollout.kind")
+
+
+def _group_size(rollout: RolloutSettings) -> int:
+  return rollout.group_size
 
 
 ROLLOUT_KINDS.register("independent", RolloutKind(
-    make_producer=lambda config, ctx: producers.independent(
-        ctx, ml_collections.FrozenConfigDict(config.selection)),
+    make_producer=lambda rollout, ctx, selection, max_staleness: producers.independent(
+        ctx, selection),
     rows_per_prompt=_group_size, any_selection=True, mesh=True,
-    identical_prompt_groups=True))
-
-
-def _check_tree(config) -> None:
-  advantages.get_tree_advantage_fn(config.rollout.tree.advantage)
-  fork_policy(config.rollout.tree)
-
-
-def _tree_advantages(config) -> advantages.BatchAdvantages:
-  return advantages.per_tree(advantages.get_tree_advantage_fn(config.rollout.tree.advantage),
-                             config.rollout.prompt_len)
+    identical_prompt_groups=True, tools=True, speculative=True))
 
 
 ROLLOUT_KINDS.register("tree", RolloutKind(
-    make_producer=lambda config, ctx: producers.tree(ctx, fork_policy(config.rollout.tree)),
-    rows_per_prompt=lambda config: fork_policy(config.rollout.tree).leaves,
-    batch_advantages=_tree_advantages, check=_check_tree, group_relative=False))
+    make_producer=lambda rollout, ctx, selection, max_staleness: producers.tree(
+        ctx, rollout.tree.fork_policy()),
+    rows_per_prompt=lambda rollout: rollout.tree.fork_policy().leaves,
+    batch_advantages=lambda rollout, estimator: advantages.per_tree(
+        advantages.get_tree_advantage_fn(rollout.tree.advantage), rollout.prompt_len),
+    check=lambda rollout, tools: rollout.tree.check(), group_relative=False))
 
 
-def _check_partial(config) -> None:
-  if config.rollout.resume not in partial_lib.RESUME_MODES:
-    raise ValueError(f"config.rollout.resume = {config.rollout.resume!r}; use one of "
-                     f"{', '.join(repr(m) for m in partial_lib.RESUME_MODES)}.")
+def _check_partial(rollout: RolloutSettings, tools: bool) -> None:
+  if tools and rollout.resume != "reprefill":
+    raise ValueError(f"config.tools.name with config.rollout.resume = {rollout.resume!r}: a "
+                     "row the environment answered must re-encode its prefix, which 'kept_kv' "
+                     "does not; set config.rollout.resume='reprefill'.")
 
 
-def _partial_producer(config, ctx):
-  r = config.rollout
-  slots = r.num_slots or 2 * r.prompts_per_step * r.group_size
+def _partial_producer(rollout: RolloutSettings, ctx, selection, max_staleness):
+  del selection  # a pool reads prompts in data order (uniform; any_selection is False)
+  slots = rollout.num_slots or 2 * rollout.prompts_per_step * rollout.group_size
   rollouts = partial_rollout.for_task(
-      ctx, partial_lib.PartialConfig(num_slots=slots, group_size=r.group_size,
-                                     resume=r.resume, decode_window=r.decode_window),
-      max_staleness=config.rl.max_staleness)
+      ctx, partial_lib.PartialConfig(num_slots=slots, group_size=rollout.group_size,
+                                     resume=rollout.resume, decode_window=rollout.decode_window),
+      max_staleness=max_staleness)
   return partial_rollout.producer(ctx, rollouts)
 
 
 ROLLOUT_KINDS.register("partial", RolloutKind(
-    make_producer=_partial_producer, rows_per_prompt=_group_size, check=_check_partial))
+    make_producer=_partial_producer, rows_per_prompt=_group_size, check=_check_partial,
+    tools=True))

@@ -1,6 +1,6 @@
 """Producers: how the RL phase makes a batch, as a pair of pure functions (optax-style).
 
-    producer = independent(ctx, selection_config)        # or tree(...), partial.producer(...)
+    producer = independent(ctx, selection_settings)      # or tree(...), partial.producer(...)
     state = producer.init(start)                          # at data position `start`
     rollout, stats, state = producer.produce(state, params, version, rng, trains_at)
 
@@ -28,7 +28,6 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import flax.struct
 import jax
-import ml_collections
 import numpy as np
 
 from models.config import ModelConfig
@@ -51,7 +50,7 @@ class BatchContext:
   unbounded train split). keep_completions: keep each pool prompt's latest completion and
   hand it to the sampler as its 'history' draft source (speculative decoding, SPEC-RL);
   needs a finite train_pool. turns: the environment that answers tool calls mid-rollout
-  (`rl.rollouts.turns.Turns`; generate_fn then runs turns; the warm start keeps its answers
+  (`rl.environments.turns.Turns`; generate_fn then runs turns; the warm start keeps its answers
   in demonstrations as context); None: no environment.
   """
   task: Task
@@ -79,7 +78,8 @@ def _identity(state):
 class Producer(NamedTuple):
   """A way of making batches: `init(start) -> state`; `produce(state, params, version, rng,
   trains_at) -> (Rollout, BatchStats, state)`; `for_checkpoint(state) -> state` (the state
-  as a checkpoint keeps it; identity unless the state holds a rebuildable buffer)."""
+  as a checkpoint keeps it; identity unless the state holds a rebuildable buffer). A state
+  answers `summary() -> dict`: what the run's summary.json reports of it."""
   init: Callable[[int], Any]
   produce: Callable[..., tuple[Rollout, BatchStats, Any]]
   for_checkpoint: Callable[[Any], Any] = _identity
@@ -94,6 +94,11 @@ def cursor_array(cursor: int) -> np.ndarray:
 class CursorState:
   """A producer state that is only the next data cursor (the warm start's, a tree's)."""
   cursor: np.ndarray
+
+  def summary(self) -> dict:
+    """What the run's summary.json reports of this state (every producer state answers):
+    nothing."""
+    return {}
 
 
 @flax.struct.dataclass
@@ -113,16 +118,18 @@ class SelectionProducerState:
   history: Optional[selection_lib.SelectionState] = None
   previous: Optional[PreviousCompletions] = None
 
+  def summary(self) -> dict:
+    """What the run's summary.json reports of this state: nothing."""
+    return {}
 
-_UNIFORM = ml_collections.FrozenConfigDict(dict(kind="uniform", max_attempts=1))
 
-
-def independent(ctx: BatchContext, selection_config=None) -> Producer:
-  """Independent samples of the prompts the selection rule picks (rl/rollouts/selection.py,
-  `selection_config` = config.selection; None = uniform): uniform is plain GRPO (group_size
-  completions for each of the next prompts); dynamic, greso and adaptive choose prompts
-  and rollout counts from rewards."""
-  config = selection_config or _UNIFORM
+def independent(ctx: BatchContext,
+                selection: selection_lib.SelectionSettings = selection_lib.SelectionSettings(),
+                ) -> Producer:
+  """Independent samples of the prompts the selection rule picks (rl/rollouts/selection.py;
+  the default is uniform): uniform is plain GRPO (group_size completions for each of the
+  next prompts); dynamic, greso and adaptive choose prompts and rollout counts from
+  rewards."""
 
   if ctx.keep_completions and not ctx.train_pool:
     raise ValueError("Keeping previous completions (the 'history' draft source) needs a "
@@ -134,7 +141,7 @@ def independent(ctx: BatchContext, selection_config=None) -> Producer:
         tokens=np.zeros((ctx.train_pool, new_tokens), np.int32),
         mask=np.zeros((ctx.train_pool, new_tokens), bool))
     return SelectionProducerState(cursor=cursor_array(start),
-                                  history=selection_lib.init_state(ctx.train_pool, config),
+                                  history=selection_lib.init_state(ctx.train_pool, selection),
                                   previous=previous)
 
   def produce(state: SelectionProducerState, params, version, rng, trains_at=None):
@@ -162,7 +169,7 @@ def independent(ctx: BatchContext, selection_config=None) -> Producer:
       return samples
 
     collected = selection_lib.collect(
-        state.history, int(state.cursor), rng, sample, config=config,
+        state.history, int(state.cursor), rng, sample, settings=selection,
         prompts_per_step=ctx.prompts_per_step, group_size=ctx.group_size,
         pool_size=ctx.train_pool)
     return collected.rollout, collected.stats, SelectionProducerState(
@@ -204,6 +211,6 @@ def tree_stats(samples: batches.ScoredTree, prompts: int, prompt_len: int) -> Ba
   return statistics.batch_stats(
       [rewards[i][leaf[i]] for i in range(prompts)], samples.exact[samples.leaf],
       full_len[samples.leaf], full_len[samples.leaf], decoded_tokens=samples.decoded_tokens,
-      scored=[samples], leaves=float(leaves), refed_tokens=float(samples.refed_tokens),
+      scored=[samples], rows=samples.rows, leaves=float(leaves), refed_tokens=float(samples.refed_tokens),
       pruned_tokens=float(samples.pruned_tokens),
       decoded_tokens_per_leaf=samples.decoded_tokens / max(leaves, 1))

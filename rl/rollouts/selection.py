@@ -1,8 +1,9 @@
 """Choosing what to roll out (docs/benchmarks_selection.md).
 
 GRPO learns nothing from a group whose rewards are all equal (every advantage is 0), and
-late in training most groups are like that. Four ways to pick the rows of a GRPO batch,
-selected by `config.selection.kind`:
+late in training most groups are like that. Five ways to pick the rows of a GRPO batch,
+selected by `config.selection.kind`, each a registered `SelectionRule` whose settings are
+`SelectionSettings`:
 
   uniform   the next `prompts_per_step` prompts, `group_size` rollouts each (plain GRPO).
   dynamic   DAPO dynamic sampling (Yu et al. 2025): roll out the next prompts, drop groups
@@ -20,6 +21,12 @@ selected by `config.selection.kind`:
             prompt with the highest score / rollouts-so-far (D'Hondt, which approaches
             Neyman allocation n_i ~ score_i), capped at `max_rollouts` per prompt. Groups that
             stay all-equal are rejected (their rows are masked out of the loss).
+  pods      PODS max-variance down-sampling (Xu et al. 2025, arXiv 2504.13818): roll out
+            `pods.rollouts` = n > group_size completions of each of the next prompts, and
+            train on the group_size = m of them whose rewards have the largest variance
+            (`max_variance_subset`); advantages are then computed over the m kept rows, as
+            the paper's GRPO-PODS does. Sampling is cheap and parallel, the update is not:
+            the batch's train cost is that of m rows per prompt.
 
 Prompt identity. With `train_pool = P > 0` the train split is a finite pool: data cursor c
 reads train position c mod P, so prompts recur once per epoch of P cursor steps and their
@@ -43,10 +50,10 @@ import numpy as np
 
 from rl.registry import Registry
 from rl.rollouts import statistics
+from rl.settings.selection import SelectionSettings
 from rl.rollouts.batches import ScoredSamples
 from rl.types import Rollout
 
-SCORES = ("variance", "beta")
 EASY, HARD = 0, 1  # indices into SelectionState.explore_prob
 _SKIP_STREAM = 0x5EED  # fold_in tag of the key stream for GRESO's skip draws
 # An all-equal group is 'easy' when its common reward is at least this (solved), else 'hard'.
@@ -89,55 +96,89 @@ class Collected:
   stats: statistics.BatchStats
 
 
-def init_state(pool_size: int, config) -> Optional[SelectionState]:
+@dataclasses.dataclass(frozen=True)
+class SelectionRule:
+  """One way of choosing a GRPO batch's rows (config.selection.kind), registered in
+  `SELECTION_RULES`.
+
+  Attributes:
+    collect: `(state, cursor, rng, sample, *, settings, prompts_per_step, group_size,
+      pool_size) -> Collected`: rolls out and assembles one batch (`sample` rolls out rows
+      of given train positions; `state` is the SelectionState or None).
+    keeps_history: records each rolled-out group in the SelectionState.
+    skips_prompts: draws GRESO's skip decision for each candidate before rollout.
+    needs_pool: needs prompts that recur (config.task.train_pool > 0).
+    refills: `(settings) -> bool`: whether, under these settings, the rule rolls out further
+      rounds until the batch holds prompts_per_step informative groups (DAPO dynamic
+      sampling).
+    check: `(settings, prompts_per_step, group_size) -> None`: raises ValueError for
+      settings the rule cannot run with these batch sizes.
+    chooses: chooses prompts or rollout counts (False: each prompt in data order with
+      group_size rows, which every rollout kind can do).
+    equal_groups: every group has exactly group_size rows (False: adaptive allocation
+      sizes them per prompt).
+
+  >>> greso = SELECTION_RULES.get("greso")
+  >>> greso.refills(SelectionSettings(kind="greso")), SELECTION_RULES.get("uniform").refills(
+  ...     SelectionSettings())
+  (True, False)
+  >>> SELECTION_RULES.get("adaptive").check(SelectionSettings(kind="adaptive"), 4, 1)
+  Traceback (most recent call last):
+  ...
+  ValueError: config.selection.adaptive: prompts (4) * initial_rollouts (4) must not exceed the rollout budget prompts_per_step * group_size = 4; lower prompts or initial_rollouts.
+  """
+  collect: Callable[..., "Collected"]
+  keeps_history: bool = True
+  skips_prompts: bool = False
+  needs_pool: bool = False
+  refills: Callable[[SelectionSettings], bool] = lambda settings: False
+  check: Callable[[SelectionSettings, int, int], None] = lambda settings, prompts, group: None
+  chooses: bool = True
+  equal_groups: bool = True
+
+
+def init_state(pool_size: int, settings: SelectionSettings) -> Optional[SelectionState]:
   """Fresh history for a pool of `pool_size` prompts (None when the pool is unbounded)."""
   if pool_size <= 0:
     return None
   zeros_i = jnp.zeros((pool_size,), jnp.int32)
   zeros_f = jnp.zeros((pool_size,), jnp.float32)
-  p_e = config.greso.explore_prob
+  p_e = settings.greso.explore_prob
   return SelectionState(uninformative_run=zeros_i, uninformative_easy=jnp.zeros((pool_size,), bool),
                         skip_run=zeros_i, reward_sum=zeros_f, failure_sum=zeros_f,
                         explore_prob=jnp.array([p_e, p_e], jnp.float32))
 
 
-def check_config(config, *, prompts_per_step: int, group_size: int, pool_size: int) -> None:
+def check(settings: SelectionSettings, *, prompts_per_step: int, group_size: int,
+          pool_size: int) -> None:
   """Raises ValueError naming the inconsistent `config.selection` field and the fix."""
-  SELECTION_RULES.get(config.kind)
+  settings.check()
+  rule = settings.rule
   if pool_size < 0:
     raise ValueError(f"config.task.train_pool = {pool_size} must be >= 0 (0 = unbounded).")
-  if config.max_attempts < 1:
-    raise ValueError(f"config.selection.max_attempts = {config.max_attempts} must be >= 1.")
-  g = config.greso
-  if config.kind == "greso" and pool_size <= 0:
-    raise ValueError("config.selection.kind='greso' needs recurring prompts: set "
+  if rule.needs_pool and pool_size <= 0:
+    raise ValueError(f"config.selection.kind={settings.kind!r} needs recurring prompts: set "
                      "config.task.train_pool > 0 (the size of the finite prompt pool).")
-  if not 0.0 < g.min_keep_prob <= g.explore_prob <= 1.0:
-    raise ValueError(f"config.selection.greso needs 0 < min_keep_prob ({g.min_keep_prob}) <= "
-                     f"explore_prob ({g.explore_prob}) <= 1.")
-  if g.max_skips < 0 or g.adapt_step < 0 or not 0.0 <= g.target_zero_variance <= 1.0:
-    raise ValueError("config.selection.greso: max_skips and adapt_step must be >= 0 and "
-                     "target_zero_variance in [0, 1].")
-  a = config.adaptive
-  if a.score not in SCORES:
-    raise ValueError(f"Unknown config.selection.adaptive.score {a.score!r}; known: {SCORES}.")
-  if not 0.0 <= a.history_decay <= 1.0:
-    raise ValueError(f"config.selection.adaptive.history_decay = {a.history_decay} must be "
-                     "in [0, 1].")
-  if config.kind == "adaptive":
-    prompts = a.prompts or prompts_per_step
-    budget = prompts_per_step * group_size
-    max_rollouts = a.max_rollouts or 2 * group_size
-    if a.initial_rollouts < 2 or prompts * a.initial_rollouts > budget:
-      raise ValueError(
-          f"config.selection.adaptive: initial_rollouts = {a.initial_rollouts} must be >= 2 "
-          f"and prompts ({prompts}) * initial_rollouts must not exceed the rollout budget "
-          f"prompts_per_step * group_size = {budget}; lower prompts or initial_rollouts.")
-    if prompts * max_rollouts < budget or max_rollouts < a.initial_rollouts:
-      raise ValueError(
-          f"config.selection.adaptive: prompts ({prompts}) * max_rollouts ({max_rollouts}) "
-          f"cannot hold the budget {budget} (or max_rollouts < initial_rollouts); raise "
-          "max_rollouts or prompts.")
+  rule.check(settings, prompts_per_step, group_size)
+
+
+def _check_adaptive(settings: SelectionSettings, prompts_per_step: int, group_size: int) -> None:
+  """The pilot rollouts fit in the budget B = prompts_per_step * group_size, and the caps
+  can hold it."""
+  a = settings.adaptive
+  prompts = a.prompts or prompts_per_step
+  budget = prompts_per_step * group_size
+  max_rollouts = a.max_rollouts or 2 * group_size
+  if prompts * a.initial_rollouts > budget:
+    raise ValueError(
+        f"config.selection.adaptive: prompts ({prompts}) * initial_rollouts "
+        f"({a.initial_rollouts}) must not exceed the rollout budget prompts_per_step * "
+        f"group_size = {budget}; lower prompts or initial_rollouts.")
+  if prompts * max_rollouts < budget or max_rollouts < a.initial_rollouts:
+    raise ValueError(
+        f"config.selection.adaptive: prompts ({prompts}) * max_rollouts ({max_rollouts}) "
+        f"cannot hold the budget {budget} (or max_rollouts < initial_rollouts); raise "
+        "max_rollouts or prompts.")
 
 
 def train_position(cursor: int | np.ndarray, pool_size: int):
@@ -145,7 +186,8 @@ def train_position(cursor: int | np.ndarray, pool_size: int):
   return cursor % pool_size if pool_size > 0 else cursor
 
 
-def keep_probability(state: SelectionState, positions: np.ndarray, config) -> np.ndarray:
+def keep_probability(state: SelectionState, positions: np.ndarray,
+                     settings: SelectionSettings) -> np.ndarray:
   """GRESO's probability of rolling out each prompt at `positions` [n] this epoch.
 
   1 for a prompt whose last group was informative (z = 0); otherwise
@@ -153,7 +195,7 @@ def keep_probability(state: SelectionState, positions: np.ndarray, config) -> np
   1 again once the prompt has been skipped `max_skips` epochs in a row, so no prompt
   is starved.
   """
-  g = config.greso
+  g = settings.greso
   z = np.asarray(state.uninformative_run)[positions]
   easy = np.asarray(state.uninformative_easy)[positions]
   p_e = np.where(easy, np.asarray(state.explore_prob)[EASY], np.asarray(state.explore_prob)[HARD])
@@ -163,14 +205,15 @@ def keep_probability(state: SelectionState, positions: np.ndarray, config) -> np
 
 
 def choose_prompts(state: Optional[SelectionState], cursor: int, n: int, rng: jax.Array,
-                   config, pool_size: int) -> tuple[np.ndarray, int, int, Optional[SelectionState]]:
+                   settings: SelectionSettings,
+                   pool_size: int) -> tuple[np.ndarray, int, int, Optional[SelectionState]]:
   """The next `n` prompts from `cursor`, skipping GRESO-filtered ones.
 
   Returns (positions [n], new cursor, number skipped, state with updated skip runs). Without
   GRESO it is the next n positions. Candidates are scanned in cursor order; each is kept
   with `keep_probability` (one uniform draw from `rng` per candidate, in order).
   """
-  if config.kind != "greso":
+  if not settings.rule.skips_prompts:
     return train_position(np.arange(cursor, cursor + n), pool_size), cursor + n, 0, state
   draws = np.random.default_rng(np.asarray(jax.random.key_data(rng)).tolist())
   skip_run = np.array(state.skip_run)
@@ -179,7 +222,7 @@ def choose_prompts(state: Optional[SelectionState], cursor: int, n: int, rng: ja
     position = int(train_position(cursor, pool_size))
     cursor += 1
     if draws.random() < keep_probability(state.replace(skip_run=skip_run), np.array([position]),
-                                          config)[0]:
+                                          settings)[0]:
       chosen.append(position)
       skip_run[position] = 0
     else:
@@ -189,18 +232,18 @@ def choose_prompts(state: Optional[SelectionState], cursor: int, n: int, rng: ja
 
 
 def observe(state: Optional[SelectionState], positions: np.ndarray, group_rewards: list[np.ndarray],
-            config) -> Optional[SelectionState]:
+            settings: SelectionSettings) -> Optional[SelectionState]:
   """Records each rolled-out group (`group_rewards[i]` answers `positions[i]`) in the history.
 
   z grows by one for an all-equal group and resets to 0 otherwise; the Beta pseudo-counts
   decay by `adaptive.history_decay` and add the group's sum(r) and sum(1 - r). GRESO's p_e
   per class moves by `greso.adapt_step` towards keeping the share of all-equal groups of
   that class at `greso.target_zero_variance` (down when above it, up when below), within
-  [min_keep_prob, 1]. Uniform selection records nothing.
+  [min_keep_prob, 1]. A rule that keeps no history (uniform) records nothing.
   """
-  if state is None or config.kind == "uniform":  # uniform keeps no history
+  if state is None or not settings.rule.keeps_history:
     return state
-  g, decay = config.greso, config.adaptive.history_decay
+  g, decay = settings.greso, settings.adaptive.history_decay
   run, easy = np.array(state.uninformative_run), np.array(state.uninformative_easy)
   rsum, fsum = np.array(state.reward_sum), np.array(state.failure_sum)
   counts = np.zeros(2)
@@ -225,7 +268,7 @@ def observe(state: Optional[SelectionState], positions: np.ndarray, group_reward
 
 
 def allocation_scores(pilot_rewards: np.ndarray, positions: np.ndarray,
-                      state: Optional[SelectionState], config) -> np.ndarray:
+                      state: Optional[SelectionState], settings: SelectionSettings) -> np.ndarray:
   """Adaptive allocation's score per prompt from its pilot rewards [N, n0].
 
   variance: the pilot group's reward standard deviation (ddof=0), as AERO / VIGOR.
@@ -234,12 +277,12 @@ def allocation_scores(pilot_rewards: np.ndarray, positions: np.ndarray,
     history (when there is a pool).
   """
   pilot_rewards = np.asarray(pilot_rewards, np.float64)
-  if config.adaptive.score == "variance":
+  if settings.adaptive.score == "variance":
     return pilot_rewards.std(axis=1)
   a = 1.0 + pilot_rewards.sum(axis=1)
   b = 1.0 + (1.0 - pilot_rewards).sum(axis=1)
   if state is not None:
-    decay = config.adaptive.history_decay
+    decay = settings.adaptive.history_decay
     a = a + decay * np.asarray(state.reward_sum, np.float64)[positions]
     b = b + decay * np.asarray(state.failure_sum, np.float64)[positions]
   return np.sqrt(a * b / ((a + b) ** 2 * (a + b + 1.0)))
@@ -265,6 +308,35 @@ def allocate(scores: np.ndarray, *, initial: int, budget: int, max_rollouts: int
   return counts
 
 
+def max_variance_subset(rewards: np.ndarray, m: int) -> np.ndarray:
+  """PODS max-variance down-sampling: the indices (ascending) of the m of `rewards` [n]
+  whose population variance is largest.
+
+  The paper's lemma: some maximiser is the k largest rewards with the m - k smallest, for
+  some k in 0..m, so sorting once and trying each k (prefix sums of r and r^2, O(n log n))
+  finds it. Ties between k (and between equal rewards) go to the smallest k and the
+  lowest indices, so the choice is deterministic.
+
+  >>> max_variance_subset(np.array([0.0, 1.0, 1.0, 0.0, 1.0, 1.0]), 4).tolist()
+  [0, 1, 2, 3]
+  """
+  rewards = np.asarray(rewards, np.float64)
+  n = len(rewards)
+  if not 1 <= m <= n:
+    raise ValueError(f"max_variance_subset: m = {m} must be in 1..{n}.")
+  order = np.argsort(rewards, kind="stable")
+  ascending = rewards[order]
+  low_sum = np.concatenate([[0.0], np.cumsum(ascending)])
+  low_sq = np.concatenate([[0.0], np.cumsum(ascending ** 2)])
+  high_sum = np.concatenate([[0.0], np.cumsum(ascending[::-1])])
+  high_sq = np.concatenate([[0.0], np.cumsum(ascending[::-1] ** 2)])
+  k = np.arange(m + 1)  # rows taken from the top
+  total = high_sum[k] + low_sum[m - k]
+  variance = (high_sq[k] + low_sq[m - k]) / m - (total / m) ** 2
+  best = int(np.argmax(variance > variance.max() - 1e-12 * max(1.0, variance.max())))
+  return np.sort(np.concatenate([order[:m - best], order[n - best:]]))
+
+
 def _take_rows(rollouts: list[Rollout], index: np.ndarray) -> Rollout:
   """Rows `index` of the row-wise concatenation of `rollouts`."""
   return jax.tree.map(lambda *xs: jnp.asarray(np.concatenate([np.asarray(x) for x in xs])[index]),
@@ -288,16 +360,17 @@ def _group_rewards(reward: np.ndarray, group: np.ndarray, n: int) -> list[np.nda
 
 
 def collect(state: Optional[SelectionState], cursor: int, rng: jax.Array, sample: SampleFn, *,
-            config, prompts_per_step: int, group_size: int, pool_size: int) -> Collected:
+            settings: SelectionSettings, prompts_per_step: int, group_size: int,
+            pool_size: int) -> Collected:
   """Rolls out and assembles one GRPO batch of `prompts_per_step * group_size` rows with
-  the rule config.kind names (`SELECTION_RULES`). Metrics count everything decoded, kept
+  the rule settings.kind names (`SELECTION_RULES`). Metrics count everything decoded, kept
   or not."""
-  return SELECTION_RULES.get(config.kind)(
-      state, cursor, rng, sample, config=config, prompts_per_step=prompts_per_step,
+  return settings.rule.collect(
+      state, cursor, rng, sample, settings=settings, prompts_per_step=prompts_per_step,
       group_size=group_size, pool_size=pool_size)
 
 
-def _collect_rounds(state, cursor, rng, sample, *, config, prompts_per_step, group_size,
+def _collect_rounds(state, cursor, rng, sample, *, settings, prompts_per_step, group_size,
                     pool_size) -> Collected:
   """uniform, dynamic and greso: rounds of the next prompts (GRESO skipping some), refilled
   until the batch holds `prompts_per_step` informative groups when the rule refills.
@@ -306,17 +379,18 @@ def _collect_rounds(state, cursor, rng, sample, *, config, prompts_per_step, gro
   (so 'uniform' reproduces plain GRPO exactly); round k > 0 uses fold_in(rng, k) and GRESO's
   skip draws of round k use fold_in(fold_in(rng, _SKIP_STREAM), k).
   """
-  refill = config.kind == "dynamic" or (config.kind == "greso" and config.greso.refill)
+  refill = settings.rule.refills(settings)
   rounds, kept = [], []  # kept: (round index, group index) of informative groups
   skipped = rows = tokens = decode_steps = 0
   skip_rng = jax.random.fold_in(rng, _SKIP_STREAM)
-  for attempt in range(config.max_attempts if refill else 1):
+  for attempt in range(settings.max_attempts if refill else 1):
     key = rng if attempt == 0 else jax.random.fold_in(rng, attempt)
     positions, cursor, n_skipped, state = choose_prompts(
-        state, cursor, prompts_per_step, jax.random.fold_in(skip_rng, attempt), config, pool_size)
+        state, cursor, prompts_per_step, jax.random.fold_in(skip_rng, attempt), settings,
+        pool_size)
     samples = sample(np.repeat(positions, group_size), key)
     reward = np.asarray(samples.rollout.reward).reshape(prompts_per_step, group_size)
-    state = observe(state, positions, list(reward), config)
+    state = observe(state, positions, list(reward), settings)
     rounds.append(samples)
     skipped += n_skipped
     rows += reward.size
@@ -329,8 +403,8 @@ def _collect_rounds(state, cursor, rng, sample, *, config, prompts_per_step, gro
       break
   else:
     raise ValueError(
-        f"Selection {config.kind!r}: only {len(kept)} of the {prompts_per_step} groups a batch "
-        f"needs had non-zero reward variance after {config.max_attempts} rounds of "
+        f"Selection {settings.kind!r}: only {len(kept)} of the {prompts_per_step} groups a "
+        f"batch needs had non-zero reward variance after {settings.max_attempts} rounds of "
         f"{prompts_per_step} prompts (config.selection.max_attempts); the prompts are all "
         "solved or all failed by this policy. Raise max_attempts, change the task difficulty, "
         "or use config.selection.kind='uniform'.")
@@ -339,6 +413,7 @@ def _collect_rounds(state, cursor, rng, sample, *, config, prompts_per_step, gro
                           for r, i in kept])
   rollout = _take_rows([s.rollout for s in rounds], index)
   exact_all = np.concatenate([s.exact for s in rounds])
+  rows_all = [row for s in rounds for row in s.rows]
   group = np.repeat(np.arange(prompts_per_step), group_size)
   rollout = _finish(rollout, group, np.ones(len(index), bool))
   all_rewards = np.concatenate([np.asarray(s.rollout.reward) for s in rounds])
@@ -354,22 +429,23 @@ def _collect_rounds(state, cursor, rng, sample, *, config, prompts_per_step, gro
   stats = statistics.batch_stats(
       list(all_rewards.reshape(-1, group_size)), exact_all,
       _lengths([s.rollout for s in rounds]), _lengths([rollout]), decoded_tokens=tokens,
-      scored=rounds, **counters, **statistics.draft_counters(rounds),
+      scored=rounds, rows=[rows_all[i] for i in index], **counters,
+      **statistics.draft_counters(rounds),
       **statistics.tool_counters(rounds))
   return Collected(rollout=rollout, exact=exact_all[index], selection=state, cursor=cursor,
                    stats=stats)
 
 
-def _collect_adaptive(state, cursor, rng, sample, *, config, prompts_per_step, group_size,
+def _collect_adaptive(state, cursor, rng, sample, *, settings, prompts_per_step, group_size,
                       pool_size) -> Collected:
   """Pilot rollouts, then the rest of the budget where the score is highest (see module doc)."""
-  a = config.adaptive
+  a = settings.adaptive
   n = a.prompts or prompts_per_step
   budget = prompts_per_step * group_size
   positions = train_position(np.arange(cursor, cursor + n), pool_size)
   pilot = sample(np.repeat(positions, a.initial_rollouts), rng)
   pilot_rewards = np.asarray(pilot.rollout.reward).reshape(n, a.initial_rollouts)
-  counts = allocate(allocation_scores(pilot_rewards, positions, state, config),
+  counts = allocate(allocation_scores(pilot_rewards, positions, state, settings),
                     initial=a.initial_rollouts, budget=budget,
                     max_rollouts=a.max_rollouts or 2 * group_size)
   extra_counts = counts - a.initial_rollouts
@@ -386,12 +462,14 @@ def _collect_adaptive(state, cursor, rng, sample, *, config, prompts_per_step, g
   group_rewards = _group_rewards(reward, group, n)
   informative = np.array([np.ptp(r) > 0 for r in group_rewards])
   rollout = _finish(rollout, group, informative[group])
-  state = observe(state, positions, group_rewards, config)
+  state = observe(state, positions, group_rewards, settings)
   exact = np.concatenate([s.exact for s in rounds])[order]
+  rows_all = [row for s in rounds for row in s.rows]
   scored_lengths = _lengths([s.rollout for s in rounds])
   stats = statistics.batch_stats(
       group_rewards, exact, scored_lengths, _lengths([rollout]),
-      decoded_tokens=int(scored_lengths.sum()), scored=rounds, rollout_rounds=len(rounds),
+      decoded_tokens=int(scored_lengths.sum()), scored=rounds,
+      rows=[rows_all[i] for i in order], rollout_rounds=len(rounds),
       prompts_skipped=0, rollouts=budget, decode_steps=sum(s.decode_steps for s in rounds),
       batch_informative_groups=float(informative.mean()),
       informative_rows=int(np.sum(informative[group])), max_group_size=int(counts.max()),
@@ -400,10 +478,55 @@ def _collect_adaptive(state, cursor, rng, sample, *, config, prompts_per_step, g
                    stats=stats)
 
 
-# collect(state, cursor, rng, sample, *, config, prompts_per_step, group_size, pool_size)
-# -> Collected, by config.selection.kind (the module docstring describes each).
-SELECTION_RULES: Registry[Callable[..., Collected]] = Registry(
-    "selection kind", "config.selection.kind")
-for _kind in ("uniform", "dynamic", "greso"):
-  SELECTION_RULES.register(_kind, _collect_rounds)
-SELECTION_RULES.register("adaptive", _collect_adaptive)
+def _collect_pods(state, cursor, rng, sample, *, settings, prompts_per_step, group_size,
+                  pool_size) -> Collected:
+  """PODS: `pods.rollouts` rollouts of each of the next prompts in one round, down-sampled to
+  the group_size with the largest reward variance (`max_variance_subset`)."""
+  n = pods_rollouts(settings, group_size)
+  positions = train_position(np.arange(cursor, cursor + prompts_per_step), pool_size)
+  samples = sample(np.repeat(positions, n), rng)
+  rewards = np.asarray(samples.rollout.reward).reshape(prompts_per_step, n)
+  index = np.concatenate([i * n + max_variance_subset(r, group_size)
+                          for i, r in enumerate(rewards)])
+  rollout = _finish(_take_rows([samples.rollout], index),
+                    np.repeat(np.arange(prompts_per_step), group_size),
+                    np.ones(len(index), bool))
+  kept = np.asarray(rollout.reward).reshape(prompts_per_step, group_size)
+  informative = statistics.informative(kept)
+  stats = statistics.batch_stats(
+      list(rewards), samples.exact, _lengths([samples.rollout]), _lengths([rollout]),
+      decoded_tokens=int(np.asarray(samples.rollout.completion_mask).sum()), scored=[samples],
+      rows=[samples.rows[i] for i in index], rollout_rounds=1, prompts_skipped=0,
+      rollouts=rewards.size, decode_steps=samples.decode_steps,
+      batch_informative_groups=float(np.mean(informative)),
+      informative_rows=int(group_size * np.sum(informative)),
+      **statistics.draft_counters([samples]), **statistics.tool_counters([samples]))
+  return Collected(rollout=rollout, exact=samples.exact[index], selection=state,
+                   cursor=cursor + prompts_per_step, stats=stats)
+
+
+def pods_rollouts(settings: SelectionSettings, group_size: int) -> int:
+  """PODS's n: config.selection.pods.rollouts, or 2 * group_size when it is 0."""
+  return settings.pods.rollouts or 2 * group_size
+
+
+def _check_pods(settings: SelectionSettings, prompts_per_step: int, group_size: int) -> None:
+  n = pods_rollouts(settings, group_size)
+  if n <= group_size:
+    raise ValueError(f"config.selection.pods.rollouts = {settings.pods.rollouts}: PODS rolls "
+                     f"out n completions per prompt and keeps config.rollout.group_size = "
+                     f"{group_size} of them, so n must exceed it (0 = 2 * group_size).")
+
+
+SELECTION_RULES: Registry[SelectionRule] = Registry("selection kind", "config.selection.kind")
+SELECTION_RULES.register("uniform", SelectionRule(_collect_rounds, keeps_history=False,
+                                                  chooses=False))
+SELECTION_RULES.register("dynamic", SelectionRule(_collect_rounds,
+                                                  refills=lambda settings: True))
+SELECTION_RULES.register("greso", SelectionRule(
+    _collect_rounds, skips_prompts=True, needs_pool=True,
+    refills=lambda settings: settings.greso.refill))
+SELECTION_RULES.register("adaptive", SelectionRule(_collect_adaptive, check=_check_adaptive,
+                                                   equal_groups=False))
+SELECTION_RULES.register("pods", SelectionRule(_collect_pods, keeps_history=False,
+                                               check=_check_pods))

@@ -30,6 +30,8 @@ class BatchStats:
   reward_timeouts, reward_errors: scored rows whose scorer timed out or failed (reward 0).
   counters: the producer's own counts, logged as they are (decode_steps, rollout_rounds,
     leaves, generated_tokens, groups_started, ...).
+  rows: the trained batch's rows as their scorer saw them (`rl.samples.ScoredRow`, None
+    for a row nothing scored), in batch order: what training samples show; not a metric.
   """
   reward_mean: float
   exact_match: float
@@ -40,6 +42,7 @@ class BatchStats:
   reward_timeouts: int
   reward_errors: int
   counters: dict = dataclasses.field(default_factory=dict)
+  rows: tuple = ()
 
   @property
   def sampled_tokens(self) -> int:
@@ -50,7 +53,7 @@ class BatchStats:
   def metrics(self) -> dict:
     """The record as the loop logs it (the counters alongside the fixed fields)."""
     fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-              if f.name != "counters"}
+              if f.name not in ("counters", "rows")}
     return dict(fields, **self.counters)
 
 
@@ -63,14 +66,16 @@ def informative(group_rewards: np.ndarray) -> np.ndarray:
 
 def batch_stats(group_rewards: Sequence[np.ndarray], exact: np.ndarray,
                 scored_lengths: np.ndarray, trained_lengths: np.ndarray, *,
-                decoded_tokens: float, scored: Sequence, **counters) -> BatchStats:
+                decoded_tokens: float, scored: Sequence, rows: Sequence = (),
+                **counters) -> BatchStats:
   """The BatchStats of a batch.
 
   group_rewards: each scored group's rewards, in row order (groups may differ in size);
   exact [rows]: exact-match flags of the scored rows; scored_lengths [rows] and
   trained_lengths [trained rows]: completion lengths; decoded_tokens: tokens decoded for
   the batch; scored: the scoring results the rows came from (each with `reward_timeouts`
-  and `reward_errors`); counters: the producer's own counts.
+  and `reward_errors`); rows: the trained rows' `ScoredRow`s, in batch order; counters:
+  the producer's own counts.
   """
   rewards = np.concatenate([np.asarray(r).reshape(-1) for r in group_rewards])
   return BatchStats(
@@ -81,7 +86,7 @@ def batch_stats(group_rewards: Sequence[np.ndarray], exact: np.ndarray,
       decoded_tokens=float(decoded_tokens),
       completion_length_counts=np.bincount(np.asarray(trained_lengths, np.int64)),
       reward_timeouts=sum(s.reward_timeouts for s in scored),
-      reward_errors=sum(s.reward_errors for s in scored), counters=counters)
+      reward_errors=sum(s.reward_errors for s in scored), counters=counters, rows=tuple(rows))
 
 
 def tool_counters(scored: Sequence) -> dict:

@@ -9,7 +9,7 @@ the `TASKS` registry (config.task.name):
   of a chain of thought (`rl.tasks.math_answer`);
 - `dataset` (`rl.tasks.dataset`): problems from a local JSONL or Parquet file (GSM8K,
   MATH-500, your own), scored as gsm_symbolic is (docs/datasets.md);
-- reasoning-gym datasets (`rl.tasks.gym`): chain_sum, basic_arithmetic, countdown (scored
+- reasoning-gym datasets (`rl.tasks.gym`): chain_sum, basic_arithmetic, leg_counting, countdown (scored
   by `rl.tasks.countdown`'s safe verifier), and any other dataset `register_task` adds.
 
 Every task has the interface `rl.tasks.base.Task`; its scorer runs in `rl.scoring`'s

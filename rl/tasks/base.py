@@ -4,8 +4,9 @@
 A task gives the loop deterministic train and held-out prompts and scores completions.
 `examples(split, n, start)` is a pure function of its arguments, so a loop resumes from
 one integer cursor; `reward` is in [0, 1] and runs in `rl.scoring`'s worker process under
-a time limit, so a task must pickle (define it at module level). docs/add_task.md walks
-through adding one.
+a time limit (with `exact_match` and the optional `verdict`, which says why a completion
+failed), so a task must pickle (define it at module level). docs/add_task.md walks through
+adding one.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from typing import Any, Callable, Protocol
 
 from rl.registry import Registry
 
-PROMPT_STYLES = ("compact", "full")  # compact: for the character tokenizer; full: verbatim
+# compact: for the character tokenizer; full: the question verbatim; reasoned: the question and
+# an instruction to reason, then box the answer, the whole reply scored (reasoning-gym tasks).
+PROMPT_STYLES = ("compact", "full", "reasoned")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +31,11 @@ class Example:
 
 class Task(Protocol):
   """The interface the loop, the scorer and evaluation use. Optional attributes:
-  `reward_timeout_s` and `reward_limits` (rl.scoring's bounds for this task's scorer)."""
+  `reward_timeout_s` and `reward_limits` (rl.scoring's bounds for this task's scorer), and
+  the method `verdict(completion, example) -> rl.verdicts.Verdict`: why a completion
+  failed (no_answer, malformed, wrong_value; or correct), the answer the scorer read and
+  the target, shown in samples and counted at every evaluation. Without it a failure is
+  wrong_value and the target is `Example.answer` (docs/add_task.md)."""
   name: str
   prompt_style: str
   seed: int
@@ -56,7 +63,20 @@ def make_task(name: str, prompt_style: str = "compact", *, seed: int = 0,
   one is a ValueError naming it). `eval_size` defaults per task (1000 for reasoning-gym
   datasets, 100 for countdown, 500 for running_sum, 200 for gsm_symbolic).
 
-  Example: `make_task("chain_sum", min_terms=2, max_terms=3, max_digits=2)`.
+  Args:
+    name: a `TASKS` name (config.task.name).
+    prompt_style: one of PROMPT_STYLES.
+    seed: the seed of its data.
+    eval_size: held-out items (None: the task's default).
+    **difficulty: the task's own settings.
+
+  Returns:
+    The task.
+
+  >>> task = make_task("running_sum", seed=0, eval_size=4, min_steps=1, max_steps=1)
+  >>> example = task.examples("eval", 1)[0]
+  >>> task.reward(example.answer, example), task.exact_match("", example)
+  (1.0, False)
   """
   build = TASKS.get(name)
   sized = {} if eval_size is None else {"eval_size": eval_size}

@@ -31,6 +31,8 @@ import collections
 import fractions
 from typing import Sequence
 
+from rl import verdicts
+
 MAX_CHARS = 256
 MAX_DIGITS = 12
 MAX_DEPTH = 32
@@ -170,3 +172,18 @@ def reward(answer: str, entry: dict) -> float:
   the task reward of rl.tasks' countdown."""
   meta = entry["metadata"]
   return score(answer, meta["numbers"], meta["target"])
+
+
+def category(answer: str, entry: dict) -> str:
+  """Why a countdown answer that is not correct failed (rl.verdicts): no_answer when it is
+  empty, malformed when it is not an expression of the grammar (or breaks a limit: what
+  `reward` scores 0.01), else wrong_value (a well-formed expression with other numbers or
+  another value: 0.05)."""
+  del entry  # the numbers and target decide wrong_value only, which needs no check here
+  if not answer.strip():
+    return verdicts.NO_ANSWER
+  try:
+    evaluate(answer)
+  except ExpressionError:
+    return verdicts.MALFORMED
+  return verdicts.WRONG_VALUE

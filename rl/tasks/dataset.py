@@ -4,7 +4,7 @@ Select it with `config.task.name = "dataset"` and name the file and its fields:
 `config.task.path` (one row per problem), `config.task.prompt_field` (the question text) and
 `config.task.answer_field` (the reference answer). The held-out rows come from
 `config.task.eval_path` when it is set, else from `path` by the split rule below. docs/datasets.md
-has the whole story; `CONFIG_DEFAULTS` are the config fields and their defaults.
+has the whole story; `DatasetSettings` declares the config fields.
 
 Files. A file whose name ends in `.parquet` / `.pq` (or whose bytes start with Parquet's
 `PAR1`) is read with pyarrow (else pandas), which Arbor does not depend on: without either
@@ -67,46 +67,16 @@ import os
 import random
 import re
 
+from rl import verdicts
+from rl.settings.dataset import DEFAULT_TEMPLATE, NAME
 from rl.tasks import gsm
 from rl.tasks import math_answer
 from rl.tasks.base import TASKS, Example
 
-NAME = "dataset"
 PROMPT_STYLES = ("full",)
-DEFAULT_TEMPLATE = "{question} {instruction}"
-# The config.task fields only this task reads, with their defaults (experiments/configs/
-# default.py has the same values). Another task refuses any of them set to something else.
-CONFIG_DEFAULTS = dict(path="", eval_path="", prompt_field="question", answer_field="answer",
-                       instruction=None, template=DEFAULT_TEMPLATE)
 _PARQUET_SUFFIXES = (".parquet", ".pq")
 _PLACEHOLDER = re.compile(r"\{(question|instruction)\}")
 _CACHED_FILES = 8  # files kept read in this process (validate, then the run, build the task)
-
-
-def config_settings(task_config) -> dict:
-  """The keyword arguments config.task gives the task builder besides its difficulty: the
-  dataset fields (`CONFIG_DEFAULTS`) when config.task.name is 'dataset', else none. Raises
-  ValueError for a dataset field set while another task is selected (it would be accepted and
-  ignored), and for the dataset task with difficulty fields (it has none)."""
-  values = {field: task_config.get(field, default) for field, default in CONFIG_DEFAULTS.items()}
-  if task_config.name != NAME:
-    for field, default in CONFIG_DEFAULTS.items():
-      if values[field] != default:
-        raise ValueError(
-            f"config.task.{field} = {values[field]!r} is a setting of the dataset task; "
-            f"config.task.name = {task_config.name!r} never reads it. Set "
-            f"config.task.name='dataset' to train on a file, or leave config.task.{field} at "
-            f"its default {default!r}.")
-    return {}
-  difficulty = dict(task_config.get("difficulty") or {})
-  if difficulty:
-    raise ValueError(
-        f"config.task.difficulty = {difficulty} holds another task's settings (the default "
-        "config's are running_sum's); the dataset task has none: its settings are "
-        "config.task.path, eval_path, prompt_field, answer_field, instruction and template. "
-        "Pass --config.task.difficulty={} with --config.task.name=dataset, or start from a "
-        "config whose task is the dataset (experiments/configs/qwen2_5_gsm8k.py).")
-  return values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -292,7 +262,7 @@ class DatasetTask:
   """The dataset task: train and held-out rows of local files, scored like gsm_symbolic.
 
   The rl.tasks.base.Task interface (name, prompt_style, seed, eval_size, difficulty,
-  examples, reward, exact_match). Build with `rl.tasks.make_task("dataset", "full",
+  examples, reward, exact_match, verdict). Build with `rl.tasks.make_task("dataset", "full",
   eval_size=..., path=..., eval_path=..., prompt_field=..., answer_field=...)` or
   config.task.name = "dataset" (rl.wiring.build_task).
   """
@@ -441,6 +411,12 @@ class DatasetTask:
   def exact_match(self, completion: str, example: Example) -> bool:
     """True when the final answer equals the gold answer."""
     return score(completion, example.entry["answer"])[1]
+
+  def verdict(self, completion: str, example: Example) -> verdicts.Verdict:
+    """The final answer read and why it failed (`rl.tasks.math_answer.verdict`: malformed
+    only against a numeric gold; any answer to a LaTeX gold is well-formed)."""
+    gold = example.entry["answer"]
+    return math_answer.verdict(completion, gold, score(completion, gold)[1])
 
 
 TASKS.register(NAME, DatasetTask)

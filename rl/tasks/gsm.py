@@ -37,6 +37,7 @@ import re
 import reasoning_gym
 from reasoning_gym.arithmetic.gsm_symbolic import gsm_symbolic as _rg_gsm
 
+from rl import verdicts
 from rl.tasks import math_answer
 from rl.tasks.base import TASKS, Example
 
@@ -122,7 +123,7 @@ class GsmTask:
   """The gsm_symbolic task: deterministic train/eval examples and the math reward.
 
   The rl.tasks.base.Task interface (name, prompt_style, seed, eval_size, difficulty,
-  examples, reward, exact_match). Build with `rl.tasks.make_task("gsm_symbolic",
+  examples, reward, exact_match, verdict). Build with `rl.tasks.make_task("gsm_symbolic",
   prompt_style="full", ...)`.
   """
 
@@ -204,6 +205,12 @@ class GsmTask:
   def exact_match(self, completion: str, example: Example) -> bool:
     """True when the final answer equals the reference (format does not matter)."""
     return score(completion, example.entry["answer"], self.options.format_reward)[1]
+
+  def verdict(self, completion: str, example: Example) -> verdicts.Verdict:
+    """The final answer read and why it failed (`rl.tasks.math_answer.verdict`)."""
+    gold = example.entry["answer"]
+    correct = score(completion, gold, self.options.format_reward)[1]
+    return math_answer.verdict(completion, gold, correct)
 
 
 TASKS.register(NAME, GsmTask)

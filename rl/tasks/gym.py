@@ -24,21 +24,32 @@ difficulty leaves too few questions for `eval_size`, and a ValueError says so.
 Prompt styles. `compact` fits the character tokenizer (`models.tokenizer.CharTokenizer`):
 chain_sum / basic_arithmetic become "4-1=" with answer "3"; countdown becomes
 "67,50,20,82:119=" with answer "82+20+67-50". `full` uses reasoning-gym's question and
-answer text verbatim, for subword tokenizers.
+answer text verbatim, for subword tokenizers, and scores the reply's first line with the
+dataset's scorer. `reasoned` (datasets with numeric answers, not countdown) suits a chat
+model that reasons before it answers: the prompt is the question followed by
+`REASONED_INSTRUCTION` (reason step by step, then box the answer), and the whole reply up to
+an end-of-sequence marker is scored as rl.tasks.gsm scores it (`rl.tasks.math_answer`: last
+box, else last '####' line, else last number, compared with the dataset's answer by
+math-verify): reward 1 when equal, else 0. The reference for a warm start is the answer in a
+box.
 
-chain_sum, basic_arithmetic and countdown are registered here (`rl.tasks.TASKS`);
+chain_sum, basic_arithmetic, leg_counting and countdown are registered here (`rl.tasks.TASKS`);
 `register_task` adds another reasoning-gym dataset.
 """
 
 import dataclasses
 import functools
+import re
 from collections.abc import Callable, Hashable
 from typing import Any
 
 import reasoning_gym
 from reasoning_gym.factory import DATASETS as _RG_DATASETS
 
+from rl import verdicts
 from rl.tasks import countdown
+from rl.tasks import gsm
+from rl.tasks import math_answer
 from rl.tasks.base import PROMPT_STYLES, TASKS, Example
 
 _EVAL_SEED_OFFSET = 2**62
@@ -48,6 +59,9 @@ _VIRTUAL_SIZE = 2**31  # reasoning-gym needs a size; items are addressed by inde
 # A completion is cut at the first of these: a newline, or an end-of-sequence marker left
 # in text decoded by a subword tokenizer (SmolLM2 / Qwen / Llama families).
 _STOP_STRINGS = ("\n", "<|endoftext|>", "<|im_end|>", "</s>")
+REASONED = "reasoned"
+REASONED_INSTRUCTION = gsm.DEFAULT_INSTRUCTION  # appended to each question in `reasoned` style
+_NUMBER = re.compile(r"[+-]?[0-9]+(?:\.[0-9]+)?")  # a numeric answer, as the datasets write one
 
 
 def _nospace(text: str) -> str:
@@ -64,6 +78,9 @@ class _TaskSpec:
   default_eval_size: int
   # (parsed answer, entry) -> score; None: the dataset's own `score_answer`.
   reward: Callable[[str, dict], float] | None = None
+  # (parsed answer, entry) -> why an answer that is not correct failed (rl.verdicts);
+  # None: `default_category`.
+  category: Callable[[str, dict], str] | None = None
 
 
 def _expression_key(entry: dict) -> Hashable:
@@ -80,6 +97,14 @@ def _countdown_prompt(entry: dict) -> str:
   return ",".join(str(x) for x in meta["numbers"]) + f":{meta['target']}="
 
 
+def _animals_key(entry: dict) -> Hashable:
+  return tuple(sorted(entry["metadata"]["animals"].items()))
+
+
+def _animals_prompt(entry: dict) -> str:
+  return ",".join(f"{n}{animal}" for animal, n in entry["metadata"]["animals"].items()) + "="
+
+
 # Module-level functions, not lambdas: a Task pickles with its spec (see Task.__reduce__).
 def _expression_prompt(entry: dict) -> str:
   return _nospace(entry["metadata"]["expression"]) + "="
@@ -94,18 +119,46 @@ def _reference_answer_nospace(entry: dict) -> str:
   return _nospace(entry["answer"])
 
 
+def default_category(answer: str, entry: dict) -> str:
+  """The category of a parsed answer that is not correct, for a dataset that names none:
+  no_answer when it is empty, else wrong_value."""
+  del entry
+  return verdicts.WRONG_VALUE if answer else verdicts.NO_ANSWER
+
+
+def numeric_category(answer: str, entry: dict) -> str:
+  """The category of a parsed answer that is not correct, for a dataset whose answers are
+  numbers (a `category` for `register_task`): no_answer when it is empty, malformed when it
+  is not a plain decimal number ('12a', 'x = 3', a sentence), else wrong_value (partial
+  credit, such as chain_sum's for a sign error, included)."""
+  del entry
+  if not answer:
+    return verdicts.NO_ANSWER
+  return verdicts.WRONG_VALUE if _NUMBER.fullmatch(answer) else verdicts.MALFORMED
+
+
 _BUILT_IN = {
   "chain_sum": _TaskSpec(
     key=_expression_key,
     compact_prompt=_expression_prompt,
     compact_answer=reference_answer,
     default_eval_size=1000,
+    category=numeric_category,
   ),
   "basic_arithmetic": _TaskSpec(
     key=_expression_key,
     compact_prompt=_expression_prompt,
     compact_answer=reference_answer,
     default_eval_size=1000,
+    category=numeric_category,
+  ),
+  # "3 chickens, 1 spider": count the legs (the policy must know each animal's number).
+  "leg_counting": _TaskSpec(
+    key=_animals_key,
+    compact_prompt=_animals_prompt,
+    compact_answer=reference_answer,
+    default_eval_size=1000,
+    category=numeric_category,
   ),
   # Countdown items cost ~10 ms each to generate (the generator searches for a
   # solvable target), hence the smaller default eval set. Scored by rl.tasks.countdown, never
@@ -116,6 +169,7 @@ _BUILT_IN = {
     compact_answer=_reference_answer_nospace,
     default_eval_size=100,
     reward=countdown.reward,
+    category=countdown.category,
   ),
 }
 
@@ -123,22 +177,25 @@ _BUILT_IN = {
 def register_task(name: str, *, key: Callable[[dict], Hashable],
                   compact_prompt: Callable[[dict], str], compact_answer: Callable[[dict], str],
                   default_eval_size: int = 1000,
-                  reward: Callable[[str, dict], float] | None = None) -> None:
+                  reward: Callable[[str, dict], float] | None = None,
+                  category: Callable[[str, dict], str] | None = None) -> None:
   """Makes the reasoning-gym dataset `name` a task for `make_task` (and config.task.name).
 
   key(entry): the question's identity (train questions equal to an eval question are
   skipped); compact_prompt / compact_answer(entry): text for the character tokenizer
   (prompt_style "full" uses the dataset's question and answer); reward(answer, entry): a
   score in [0, 1] of the parsed answer (`parse_completion`), replacing the dataset's own
-  `score_answer`. The scoring worker (rl.scoring) rebuilds the task from a pickle, so
-  these functions must be importable: define them at module level, not as lambdas.
-  docs/add_task.md walks through an example.
+  `score_answer`; category(answer, entry): why a parsed answer that is not correct failed,
+  one of rl.verdicts' no_answer, malformed, wrong_value (default: `default_category`;
+  `numeric_category` suits numeric answers). The scoring worker (rl.scoring) rebuilds the
+  task from a pickle, so these functions must be importable: define them at module level,
+  not as lambdas. docs/add_task.md walks through an example.
   """
   if name not in _RG_DATASETS:
     raise ValueError(f"{name!r} is not a reasoning-gym dataset; known datasets: "
                      f"{', '.join(sorted(_RG_DATASETS))}.")
   spec = _TaskSpec(key=key, compact_prompt=compact_prompt, compact_answer=compact_answer,
-                   default_eval_size=default_eval_size, reward=reward)
+                   default_eval_size=default_eval_size, reward=reward, category=category)
   TASKS.register(name, functools.partial(build, name, spec))
 
 
@@ -220,6 +277,9 @@ class ReasoningGymTask:
     if self.prompt_style == "compact":
       return Example(prompt=self._spec.compact_prompt(entry),
               answer=self._spec.compact_answer(entry), entry=entry, size=size)
+    if self.prompt_style == REASONED:
+      return Example(prompt=f"{entry['question'].strip()} {REASONED_INSTRUCTION}",
+                     answer=f"\\boxed{{{entry['answer']}}}", entry=entry, size=size)
     return Example(prompt=entry["question"], answer=entry["answer"], entry=entry, size=size)
 
   def examples(self, split: str, n: int, start: int = 0) -> list[Example]:
@@ -251,7 +311,11 @@ class ReasoningGymTask:
     expressions). A scorer that raises raises here: training and evaluation score through
     `rl.scoring`, which gives such a completion reward 0 and counts it (`reward_errors`),
     as it does for a non-finite value, a crash or a timeout.
+    In `reasoned` style the whole completion is scored instead (module docstring): 1 when
+    its final answer equals the dataset's, else 0.
     """
+    if self.prompt_style == REASONED:
+      return gsm.score(completion, example.entry["answer"])[0]
     score_answer = self._spec.reward or self._scorer.score_answer
     return float(score_answer(parse_completion(completion), example.entry))
 
@@ -259,6 +323,18 @@ class ReasoningGymTask:
     """True when the scorer gives full credit (so equivalent answers such as "+03" for
     "3", or any correct countdown expression, count as exact)."""
     return self.reward(completion, example) >= 1.0
+
+  def verdict(self, completion: str, example: Example) -> verdicts.Verdict:
+    """The answer read (`parse_completion`'s first line) against the example's reference
+    answer, and why it failed (the spec's `category`, else `default_category`). In
+    `reasoned` style, the final answer of the whole reply (`rl.tasks.math_answer.verdict`)."""
+    if self.prompt_style == REASONED:
+      gold = example.entry["answer"]
+      return math_answer.verdict(completion, gold, gsm.score(completion, gold)[1])
+    answer = parse_completion(completion)
+    category = (verdicts.CORRECT if self.exact_match(completion, example)
+                else (self._spec.category or default_category)(answer, example.entry))
+    return verdicts.Verdict(category, answer, example.answer)
 
 
 def build(name: str, spec: _TaskSpec, prompt_style: str = "compact", seed: int = 0,
@@ -278,6 +354,10 @@ def build(name: str, spec: _TaskSpec, prompt_style: str = "compact", seed: int =
     raise ValueError(
       f"Task {name!r} has no difficulty field(s) {unknown}; valid fields: "
       f"{', '.join(fields)}.")
+  if prompt_style == REASONED and spec.reward is not None:
+    raise ValueError(
+      f"Task {name!r}: prompt_style {REASONED!r} scores a numeric final answer, and {name!r} "
+      "answers with something else (its own scorer); use prompt_style 'full' or 'compact'.")
   if eval_size is None:
     eval_size = spec.default_eval_size
   if eval_size < 1:

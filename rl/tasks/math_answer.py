@@ -50,6 +50,8 @@ import threading
 from math_verify import LatexExtractionConfig, parse, verify
 import sympy
 
+from rl import verdicts
+
 MAX_ANSWER_CHARS = 100  # longer boxed content is not an answer (bounds the LaTeX parser)
 MAX_DIGITS = 30         # a numeral with more digits is not a number
 VERIFY_TIMEOUT_S = 1.0  # wall-clock seconds for math-verify's parse and comparison of an answer
@@ -332,3 +334,26 @@ def is_formatted(answer: Answer | None) -> bool:
   return (answer is not None and answer.source in ("boxed", "####")
           and len(answer.text) <= MAX_ANSWER_CHARS
           and parse_number(clean(answer.text)) is not None)
+
+
+def verdict(completion: str, gold: str, correct: bool) -> verdicts.Verdict:
+  """Why a completion scored as it did against the reference `gold`, given whether it is
+  `correct` (the scorer's decision, made once): the answer `extract_answer` takes from it
+  (up to an end-of-sequence marker) and its category (`failure_category`)."""
+  answer = extract_answer(until_eos(completion))
+  category = (verdicts.CORRECT if correct else
+              failure_category(answer, numeric=parse_number(clean(gold)) is not None))
+  return verdicts.Verdict(category, None if answer is None else answer.text, gold)
+
+
+def failure_category(answer: Answer | None, numeric: bool) -> str:
+  """The category of a final answer that is not correct: no_answer when none was found
+  (no box, no '####' line, no number: prose); malformed when the reference is a number and
+  the answer is not a plain numeral (`parse_number` after `clean`: a copied '\\boxed{answer}',
+  a box holding an expression or words, where the task asks for a number); else
+  wrong_value. Never evaluates the text."""
+  if answer is None:
+    return verdicts.NO_ANSWER
+  if numeric and parse_number(clean(answer.text)) is None:
+    return verdicts.MALFORMED
+  return verdicts.WRONG_VALUE

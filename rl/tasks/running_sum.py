@@ -46,6 +46,7 @@ import re
 
 import numpy as np
 
+from rl import verdicts
 from rl.tasks.base import TASKS, Example
 
 NAME = "running_sum"
@@ -55,7 +56,7 @@ _EVAL_STREAM, _TRAIN_STREAM, _TEACHER_STREAM, _TOOL_STREAM = 1, 2, 3, 4
 _MAX_TRAIN_DRAWS = 64
 _SIZE_DRAW = _MAX_TRAIN_DRAWS  # the draw index whose generator picks k
 _FINAL_TOTAL = re.compile(r"[0-9]{1,12}")
-# A state written with the adder (rl.environments.Adder): "?+step=" or "?previous+step=",
+# A state written with the adder (rl.environments.builtins.Adder): "?+step=" or "?previous+step=",
 # and its answer.
 _TOOL_STATE = re.compile(r"\?(?:[0-9]{1,12})?\+[0-9]{1,12}=([0-9]{1,12})")
 # The text of a completion that is scored: up to the first newline or end-of-sequence
@@ -99,7 +100,7 @@ class Difficulty:
     that only the true states earn; `correct_leading_states`). A correct final total
     always scores 1.0. 0 = exact match only.
   tool_share: probability that the teacher does an addition with the adder tool
-    (config.tools.name='adder', rl.environments.Adder) instead of by hand: it writes the
+    (config.tools.name='adder', rl.environments.builtins.Adder) instead of by hand: it writes the
     state ",2:?+5=" and the tool answers "1234572", the running total plus 5 (so
     ",2:?+5=1234572"), never slipping; the rest by hand, with the slips above. 0 = no tool
     calls (the default; the demonstrations are then exactly those of earlier versions).
@@ -217,11 +218,28 @@ def parse_final_answer(completion: str) -> int | None:
   (`scored_text`; all of it when there is no colon), or the adder's answer when the last
   state is a tool call "?a+b=total"; None when that is not 1-12 decimal digits. Linear in
   the text's length; never evaluates the text."""
-  final = scored_text(completion).rsplit(":", 1)[-1].strip()
+  final = final_state(completion)
   tool = _TOOL_STATE.fullmatch(final)
   if tool:
     final = tool.group(1)
   return int(final) if _FINAL_TOTAL.fullmatch(final) else None
+
+
+def final_state(completion: str) -> str:
+  """The scored text's last state, as `parse_final_answer` reads it: the text after its
+  last colon (all of it when there is none), stripped."""
+  return scored_text(completion).rsplit(":", 1)[-1].strip()
+
+
+def failure_category(completion: str) -> str:
+  """Why a completion without the right total failed: no_answer when its last state holds
+  no digit (an empty reply, a trace cut before any total), malformed when it holds one but
+  is not a total `parse_final_answer` reads ('12a4', '1234567,'), else wrong_value."""
+  if parse_final_answer(completion) is not None:
+    return verdicts.WRONG_VALUE
+  if not any(char.isdigit() for char in final_state(completion)):
+    return verdicts.NO_ANSWER
+  return verdicts.MALFORMED
 
 
 def correct_leading_states(completion: str, problem: Problem) -> int:
@@ -251,7 +269,7 @@ class RunningSumTask:
   """The running_sum task: deterministic train/eval examples and the exact-answer reward.
 
   The rl.tasks.base.Task interface (name, prompt_style, seed, eval_size, difficulty,
-  examples, reward, exact_match). `Example.size` is k, the number of additions;
+  examples, reward, exact_match, verdict). `Example.size` is k, the number of additions;
   `Example.entry` holds the Problem, its true total and the correct worked solution;
   `Example.answer` is the teacher's worked solution (what the warm start imitates).
   Build with `rl.tasks.make_task("running_sum", ...)`.
@@ -365,6 +383,16 @@ class RunningSumTask:
 
   def exact_match(self, completion: str, example: Example) -> bool:
     return parse_final_answer(completion) == example.entry["total"]
+
+  def verdict(self, completion: str, example: Example) -> verdicts.Verdict:
+    """The final total read (for a malformed one, its last state's text; none for no
+    answer) against the true total, and why it failed (`failure_category`)."""
+    total = parse_final_answer(completion)
+    category = (verdicts.CORRECT if total == example.entry["total"]
+                else failure_category(completion))
+    answer = (str(total) if total is not None else
+              final_state(completion) if category == verdicts.MALFORMED else None)
+    return verdicts.Verdict(category, answer, str(example.entry["total"]))
 
 
 TASKS.register(NAME, RunningSumTask)

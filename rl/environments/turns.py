@@ -14,7 +14,7 @@ the loss, its length normalisation and every correction ignore them.
 An environment that answers "" says the text was not a call (a "=" in prose, for the
 calculator): the row resumes with nothing appended. A row ends when it stops (EOS), runs
 out of its N tokens (policy and environment tokens together), has had
-`ToolConfig.max_turns` answers (it ends at its next pause), or the environment ends it
+`ToolSettings.max_turns` answers (it ends at its next pause), or the environment ends it
 (answers None). A step
 that times out, raises or crashes, or an observation the tokenizer cannot encode, ends
 the row as failed: it scores 0 and is counted; the run goes on.
@@ -34,29 +34,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from rl import scoring
+from rl.environments import make_environment
+from rl.settings import Settings
+from rl.settings.tools import ToolSettings
 from sampling import partial
 from sampling.sampler import Generation, SamplingConfig, ToolRows
-
-
-@dataclasses.dataclass(frozen=True)
-class ToolConfig:
-  """Budgets of rollouts with turns.
-
-  max_turns: environment answers per rollout; the row's next pause past them ends it.
-  max_observation_tokens: an observation is cut to this many tokens (and to the row's
-    remaining budget), and counted as cut.
-  timeout_s: time limit of one environment step in the worker (0 = the environment's own
-    `timeout_s`, else rl.scoring.DEFAULT_TIMEOUT_S).
-  """
-  max_turns: int = 16
-  max_observation_tokens: int = 32
-  timeout_s: float = 0.0
-
-  def __post_init__(self):
-    if self.max_turns < 1 or self.max_observation_tokens < 1 or self.timeout_s < 0:
-      raise ValueError(f"ToolConfig(max_turns={self.max_turns}, max_observation_tokens="
-                       f"{self.max_observation_tokens}, timeout_s={self.timeout_s}): the "
-                       "budgets must be >= 1 and the time limit >= 0 (0 = the environment's).")
 
 
 def call_tokens(tokenizer, call_end: str) -> tuple[int, ...]:
@@ -92,10 +74,12 @@ class Turns:
   Args:
     environment: an `rl.environments.Environment` (it must pickle: it runs in the worker).
     tokenizer: the policy's (observations are encoded with it, no BOS).
-    config: the budgets (`ToolConfig`).
+    config: the budgets (`ToolSettings`; its `name` is the caller's business: the
+      environment is given).
   """
 
-  def __init__(self, environment, tokenizer, config: ToolConfig = ToolConfig()):
+  def __init__(self, environment, tokenizer, config: ToolSettings = ToolSettings()):
+    Settings.check(config)  # the budgets' ranges
     self.environment = environment
     self.tokenizer = tokenizer
     self.config = config
@@ -197,3 +181,11 @@ def _answered_calls(env_mask):
   xp = np if isinstance(env_mask, np.ndarray) else jnp
   starts = env_mask & ~xp.pad(env_mask, ((0, 0), (1, 0)))[:, :-1]
   return starts.sum(axis=1).astype(xp.int32)
+
+
+def make_turns(settings: ToolSettings, tokenizer) -> Turns | None:
+  """The environment `settings.name` names with its budgets, answering rows written with
+  the policy's `tokenizer` (None without an environment)."""
+  if not settings.name:
+    return None
+  return Turns(make_environment(settings.name), tokenizer, settings)

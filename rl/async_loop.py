@@ -141,7 +141,7 @@ def run_async(state: LoopState, ctx: LoopContext, producer: Producer, num_steps:
   batches: queue.Queue = queue.Queue()
 
   def produce_batches():
-    rng, producer_state = state.rng, state.producer
+    rng, producer_state, first = state.rng, state.producer, state.iteration
     updates = updates_per_batch
     try:
       for i in range(num_steps):
@@ -153,7 +153,7 @@ def run_async(state: LoopState, ctx: LoopContext, producer: Producer, num_steps:
         rng, sample_rng = jax.random.split(rng)
         rollout, metrics, producer_state = loop.produce_timed(
             producer, ctx, producer_state, newest.params, newest.version, sample_rng,
-            expected_step(newest, i, updates))
+            expected_step(newest, i, updates), iteration=first + i + 1)
         metrics.update(sampled_version=newest.version, time_producer_wait_s=waited)
         batches.put((rollout, metrics))
       batches.put((rng, producer_state))

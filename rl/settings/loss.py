@@ -1,0 +1,201 @@
+"""config.loss: the objective, its corrections and every setting they read.
+
+The objectives themselves are in rl/objectives/losses.py; this module imports no JAX, so the
+default config and the launcher's `--help` stay light.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Optional
+
+from rl.settings import Settings, setting
+
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
+PROX_ESTIMATES = ("recompute", "loglinear")
+
+# The fields an objective may fix (`make_objective(..., **overrides)`) and their values where
+# it does not. The run config leaves them unset (None) so that a value a user sets, even one
+# equal to this default, is seen, and refused where the objective fixes another.
+FIXABLE_DEFAULTS = dict(eps_low=0.2, eps_high=0.2, aggregation="seq_mean_token_mean")
+OBJECTIVE_FIXABLE = tuple(FIXABLE_DEFAULTS)
+VCPO_IS_LEVELS = ("sequence", "token")
+
+
+def resolve_norm_len(norm_len: float, max_new_tokens: int) -> float:
+  """config.loss.norm_len, with 0 meaning the completion budget (rollout.max_new_tokens):
+  Dr.GRPO divides every sequence's token sum by one constant, the generation budget."""
+  return float(norm_len) if norm_len else float(max_new_tokens)
+
+
+def _same(a, b) -> bool:
+  """Config values equal, tuples and lists alike (a flag gives a tuple as a list)."""
+  as_tuple = lambda v: tuple(v) if isinstance(v, (list, tuple)) else v
+  return as_tuple(a) == as_tuple(b)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSettings(Settings):
+  """config.loss: the objective, its corrections and every setting they read.
+
+  A correction factory's defaults (rl.objectives.corrections) are these fields' (a test
+  checks). `check()` refuses, before any training, an unknown objective, aggregation or
+  correction, a correction chain that cannot work, and a field that is set and that the
+  objective would override (DAPO fixes eps_high = 0.28) or never read (M2PO has no clip
+  widths): a setting accepted and then ignored would silently change what a run means. A
+  field of OBJECTIVE_FIXABLE counts as set when it is not None, any other when it differs
+  from its default. `resolved()` is what the objective runs with.
+
+  >>> dapo = LossSettings(name="dapo").resolved()
+  >>> dapo.eps_low, dapo.eps_high, dapo.aggregation
+  (0.2, 0.28, 'token_mean')
+  >>> LossSettings(name="m2po", eps_high=0.3).check()
+  Traceback (most recent call last):
+  ...
+  ValueError: config.loss.eps_high = 0.3: objective 'm2po' (with corrections ('m2po',)) never reads eps_high, so this setting would be ignored. Leave config.loss.eps_high at its default, or choose an objective or correction that uses it.
+  """
+  SECTION = "loss"
+  name: str = setting("grpo", "the objective: a name in rl/objectives/losses.py's LOSSES "
+                      "registry (docs/add_objective.md adds one)")
+  eps_low: Optional[float] = setting(
+      None, "PPO clip: ratio >= 1 - eps_low where A < 0 (unset: the objective's own value "
+      "where it fixes one, else 0.2; a value set is refused where the objective fixes "
+      "another or never reads it)", low=0, optional=True)
+  eps_high: Optional[float] = setting(
+      None, "PPO clip: ratio <= 1 + eps_high where A > 0 (unset: the objective's, else 0.2)",
+      low=0, optional=True)
+  aggregation: Optional[str] = setting(
+      None, "token_mean | seq_mean_token_mean | seq_mean_token_sum_norm (unset: the "
+      "objective's, else seq_mean_token_mean)", choices=AGGREGATIONS, optional=True)
+  norm_len: float = setting(0.0, "constant normaliser of seq_mean_token_sum_norm (Dr.GRPO; "
+                            "0 = rollout.max_new_tokens, the generation budget)", low=0)
+  kl_coef: float = setting(0.0, "k3 KL to a reference policy: the launcher wires none and "
+                           "refuses > 0 (rl.train's step takes batch.ref_logp)", low=0)
+  corrections: tuple[str, ...] = setting(
+      (), "off-policy corrections (rl/objectives/corrections.py) appended to the objective's "
+      "own, in order: tis | mis | m2po | sat | vcpo_baseline | vcpo_ess | mu_veto")
+  prox_estimate: str = setting("recompute", "proximal log-probs: recompute (a forward) | "
+                               "loglinear", choices=PROX_ESTIMATES)
+  is_cap: float = setting(5.0, "TIS truncation / MIS upper bound (decoupled PPO's cap)",
+                          low=0, low_open=True)
+  is_floor: float = setting(0.0, "MIS lower bound", low=0)
+  # M2PO bound on the kept tokens' mean d^2: 0.04 = (0.2)^2, a typical |log-ratio| of 0.2,
+  # about PPO's eps = 0.2 trust region in log space (log 1.2 = 0.18); the M2PO paper's value.
+  m2_tau: float = setting(0.04, "M2PO: kept tokens' mean squared log-ratio <= tau", low=0,
+                          low_open=True)
+  sat_quantile: float = setting(0.9, "SAT: tail quantile of |logp - behav| in the batch",
+                                low=0, low_open=True, high=1.0)
+  sat_bandwidth: float = setting(0.1, "SAT: kernel exp(-(|d| - q) / bandwidth)", low=0,
+                                 low_open=True)
+  vcpo_rho_ref: float = setting(1.0, "VCPO: lr scale sqrt(min(1, ESS ratio / rho_ref))",
+                                low=0, low_open=True)
+  vcpo_is_cap: float = setting(8.0, "VCPO: truncation of the IS weight", low=0,
+                               low_open=True)
+  vcpo_is_level: str = setting("sequence", "VCPO: one weight per sequence (the authors') | "
+                               "token", choices=VCPO_IS_LEVELS)
+  # Mu-GRPO's relaxed band [1/2, 2] (|log r| <= log 2, symmetric in log space): its clip
+  # interval and its veto's trigger (chosen; the paper's values were not available).
+  mu_eps_low: float = setting(0.5, "mu_grpo relaxed clip: ratio >= 1 - mu_eps_low where "
+                              "A < 0; a response with A < 0 is vetoed from its first token "
+                              "outside [1 - mu_eps_low, 1 + mu_eps_high]", low=0)
+  mu_eps_high: float = setting(1.0, "mu_grpo relaxed clip: ratio <= 1 + mu_eps_high where "
+                               "A > 0 (default interval [1/2, 2])", low=0)
+
+  def resolved(self, max_new_tokens: int | None = None,
+               overrides: Mapping[str, object] | None = None) -> "LossSettings":
+    """What the objective runs with: the fields it fixes (`overrides`, default the
+    objective `name`'s), the other unset fields at FIXABLE_DEFAULTS, and with
+    `max_new_tokens` norm_len 0 as the generation budget (`resolve_norm_len`)."""
+    if overrides is None:
+      overrides = getattr(_objective(self.name), "overrides", None) or {}
+    values = {f: v for f, v in FIXABLE_DEFAULTS.items() if getattr(self, f) is None}
+    values.update(overrides, corrections=tuple(self.corrections))
+    if max_new_tokens is not None:
+      values["norm_len"] = resolve_norm_len(self.norm_len, max_new_tokens)
+    return dataclasses.replace(self, **values)
+
+  @property
+  def chain(self) -> tuple[str, ...]:
+    """The corrections applied: the objective's own, then `corrections`."""
+    return tuple(getattr(_objective(self.name), "corrections", ())) + tuple(self.corrections)
+
+  @property
+  def needs_prox(self) -> bool:
+    """Whether the objective or one of its corrections reads proximal log-probs."""
+    return bool(getattr(_objective(self.name), "uses_prox", False)) or any(
+        _corrections().get_correction(n).needs_prox for n in self.chain)
+
+  def fields_read(self) -> set[str]:
+    """The fields the objective reads, with its corrections: name, corrections, kl_coef
+    and aggregation, its surrogate's (`Objective.reads`), its corrections', prox_estimate
+    when it needs proximal log-probs, norm_len with seq_mean_token_sum_norm."""
+    read = {"name", "corrections", "kl_coef", "aggregation",
+            *getattr(_objective(self.name), "reads", ())}
+    for name in self.chain:
+      read.update(_corrections().get_correction(name).fields.values())
+    if self.needs_prox:
+      read.add("prox_estimate")
+    if self.resolved().aggregation == "seq_mean_token_sum_norm":
+      read.add("norm_len")
+    return read
+
+  def check(self) -> None:
+    self.check_runnable()
+    self._check_read()
+
+  def check_runnable(self) -> None:
+    """`check` without refusing unread settings: what the train step checks of the
+    resolved settings it is given (resolving sets fields the objective may not read)."""
+    super().check()
+    loss_fn = _objective(self.name)
+    if isinstance(self.corrections, str):
+      raise ValueError(f"config.loss.corrections = {self.corrections!r} must be a tuple of "
+                       f"names, e.g. ({self.corrections!r},); known: "
+                       f"{list(_corrections().CORRECTIONS.names())}.")
+    aggregation = self.resolved().aggregation
+    if aggregation not in AGGREGATIONS:
+      raise ValueError(f"Unknown config.loss.aggregation {aggregation!r}; known: {AGGREGATIONS}.")
+    _corrections().check_chain(self.chain)
+    if any(_corrections().get_correction(n).replaces_logp for n in self.chain) and not getattr(
+        loss_fn, "per_token", True):
+      raise ValueError(f"config.loss.name = {self.name!r} takes sequence-level ratios, which "
+                       f"would count the tokens a correction in {self.chain} drops (their "
+                       "logp replaced by the anchor) as on-policy; use a per-token objective "
+                       "(grpo, dapo, mu_grpo, ...) with that correction.")
+
+  def _check_read(self) -> None:
+    """Refuses a set field the objective overrides or never reads (class docstring); an
+    objective registered as a plain function (no `reads`) is not checked."""
+    loss_fn = _objective(self.name)
+    if not hasattr(loss_fn, "reads"):
+      return
+    overrides, read, defaults = loss_fn.overrides, self.fields_read(), self.defaults()
+    for field in defaults:
+      value = getattr(self, field)
+      if value is None or (field not in OBJECTIVE_FIXABLE and _same(value, defaults[field])):
+        continue
+      if field in overrides and not _same(value, overrides[field]):
+        raise ValueError(
+            f"config.loss.{field} = {value!r}: objective {self.name!r} fixes {field} = "
+            f"{overrides[field]!r} (it defines the method), so this setting would be ignored. "
+            f"Leave config.loss.{field} unset, or use an objective that reads it "
+            "(e.g. 'grpo', whose clip widths and aggregation are the config's).")
+      if field not in overrides and field not in read:
+        raise ValueError(
+            f"config.loss.{field} = {value!r}: objective {self.name!r} (with corrections "
+            f"{self.chain}) never reads {field}, so this setting would be ignored. Leave "
+            f"config.loss.{field} at its default, or choose an objective or correction "
+            "that uses it.")
+
+
+def _objective(name: str):
+  """The registered objective `name` (rl/objectives/losses.py LOSSES; imported here, when a
+  check needs it, so that this module stays free of JAX)."""
+  from rl.objectives import losses  # pylint: disable=import-outside-toplevel
+  return losses.get_loss(name)
+
+
+def _corrections():
+  """rl/objectives/corrections.py, imported when a check needs it (see `_objective`)."""
+  from rl.objectives import corrections  # pylint: disable=import-outside-toplevel
+  return corrections

@@ -1,0 +1,128 @@
+"""config.rollout: how the RL phase samples its batches, with its tree and speculative
+subsections.
+
+The rollout kinds, fork policies and samplers these settings name are in
+rl/rollouts/kinds.py and sampling/; this module imports no JAX (it imports them where a
+method needs them), so the default config and the launcher's `--help` stay light.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from rl.settings import Settings, nested, setting
+
+if TYPE_CHECKING:
+  from rl.rollouts.kinds import RolloutKind
+
+
+def _resume_modes() -> tuple[str, ...]:
+  """sampling/partial.py RESUME_MODES, read when config.rollout.resume is checked."""
+  from sampling import partial  # pylint: disable=import-outside-toplevel
+  return partial.RESUME_MODES
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeSettings(Settings):
+  """config.rollout.tree: one tree per prompt (sampling/tree.py), used when kind == 'tree'."""
+  SECTION = "rollout.tree"
+  policy: str = setting("entropy", "entropy (TreeRL) | segments (TreePO) | lookahead (LATR)")
+  advantage: str = setting("treerl", "rl/objectives/advantages.py TREE_ADVANTAGES: treerl "
+                           "(value gaps / sqrt(leaves)) | treerl_normalized (/ leaf std) | "
+                           "siblings")
+  init_chains: int = setting(4, "chains grown from each prompt (M)", low=1)
+  fork_points: int = setting(2, "entropy: forks per round at the N highest-entropy tokens",
+                             low=1)
+  branches: int = setting(2, "entropy: branches per fork point (B); segments: b", low=1)
+  rounds: int = setting(1, "entropy: fork rounds (L); leaves = M + L*N*B", low=0)
+  segment_len: int = setting(2, "segments: tokens between branchings (S)", low=1)
+  max_depth: int = setting(2, "segments: branchings; leaves = M * b**max_depth", low=0)
+  leaves: int = setting(8, "lookahead: leaf budget per prompt", low=1)
+  top_k: int = setting(2, "lookahead: 1 + children per branching", low=1)
+  min_entropy: float = setting(1.0, "lookahead: branch when sampling entropy (nats) >= this",
+                               low=0)
+  lookahead_steps: int = setting(2, "lookahead: window before a child is checked", low=1)
+  prune_similarity: float = setting(1.0, "lookahead: prune when this fraction matches parent",
+                                    low=0, high=1.0)
+
+  def fork_policy(self):
+    """The fork policy `policy` names (a sampling.tree.ForkPolicy), built from these
+    settings."""
+    from rl.rollouts import kinds  # pylint: disable=import-outside-toplevel
+    return kinds.FORK_POLICIES.get(self.policy)(self)
+
+  def check(self) -> None:
+    super().check()
+    from rl.objectives import advantages  # pylint: disable=import-outside-toplevel
+    advantages.get_tree_advantage_fn(self.advantage)
+    self.fork_policy()
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeSettings(Settings):
+  """config.rollout.speculative: speculative decoding (sampling/speculative.py) drafts
+  tokens by n-gram lookup and verifies several per forward, accepting exactly (the same
+  distribution as plain decoding)."""
+  SECTION = "rollout.speculative"
+  tokens: int = setting(0, "draft tokens per forward (k; 0 = plain decoding)", low=0)
+  sources: tuple[str, ...] = setting(
+      ("prompt_lookup",), "prompt_lookup (the row's own prompt and text) | group (its "
+      "siblings' text) | history (the prompt's previous completion; needs task.train_pool); "
+      "an earlier-listed source's match wins")
+  ngram: int = setting(3, "longest suffix matched (shorter ones tried after)", low=1)
+
+  def draft_config(self, group_size: int):
+    """The sampler's sampling.speculative.DraftConfig (None when tokens = 0)."""
+    if not self.tokens:
+      return None
+    from sampling import speculative  # pylint: disable=import-outside-toplevel
+    return speculative.DraftConfig(tokens=self.tokens, sources=tuple(self.sources),
+                                   ngram=self.ngram, group_size=group_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSettings(Settings):
+  """config.rollout: how the RL phase samples its batches.
+
+  >>> RolloutSettings(kind="tree").rows_per_prompt  # 4 chains + 1 round x 2 forks x 2 branches
+  8
+  >>> RolloutSettings(kind="tree").kind_spec.tools
+  False
+  """
+  SECTION = "rollout"
+  prompt_len: int = setting(16, "prompt slots (BOS + prompt, left-padded)", low=1)
+  max_new_tokens: int = setting(101, "completion slots (the longest worked solution + EOS)",
+                                low=1)
+  temperature: float = setting(1.0, "sampling temperature of GRPO rollouts (> 0; evaluation "
+                               "decodes greedily)", low=0)
+  top_k: int = setting(0, "0 = off", low=0)
+  top_p: float = setting(1.0, "1.0 = off", low=0, low_open=True, high=1.0)
+  group_size: int = setting(8, "completions per prompt (G)", low=1)
+  prompts_per_step: int = setting(8, "prompts per GRPO step", low=1)
+  kind: str = setting("independent", "independent: group_size samples per prompt; tree: one "
+                      "tree per prompt (sampling/tree.py); partial: a resumable pool of rows, "
+                      "each round stops once prompts_per_step groups are complete (APRIL / "
+                      "CoPRIS; sampling/partial.py); ROLLOUT_KINDS")
+  tree: TreeSettings = nested(TreeSettings, "used when kind == 'tree'")
+  num_slots: int = setting(0, "partial: pool rows (0 = 2 * prompts_per_step * group_size)",
+                           low=0)
+  resume: str = setting("kept_kv", "partial: kept_kv (cheap) | reprefill (exact pi_new)",
+                        choices=_resume_modes)
+  decode_window: int = setting(0, "partial: most decode steps per round (0 = max_new_tokens)",
+                               low=0)
+  train_length_buckets: tuple[int, ...] = setting(
+      (24, 48), "completion slots the train step may cut a batch to (its longest row's "
+      "bucket; () = always max_new_tokens)")
+  speculative: SpeculativeSettings = nested(SpeculativeSettings, "speculative decoding")
+
+  @property
+  def kind_spec(self) -> "RolloutKind":
+    """The registered rollout kind `kind` names."""
+    from rl.rollouts import kinds  # pylint: disable=import-outside-toplevel
+    return kinds.ROLLOUT_KINDS.get(self.kind)
+
+  @property
+  def rows_per_prompt(self) -> int:
+    """Sequences per prompt in an RL batch: group_size, or the tree's leaf budget."""
+    return self.kind_spec.rows_per_prompt(self)

@@ -1,0 +1,92 @@
+"""config.selection: which prompts a GRPO step rolls out (uniform, DAPO dynamic sampling,
+GRESO's skip rule, adaptive allocation), with GRESO's and adaptive allocation's subsections.
+
+The rules are in rl/rollouts/selection.py; this module imports no JAX, so the default config
+and the launcher's `--help` stay light.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from rl.settings import Settings, nested, setting
+
+if TYPE_CHECKING:
+  from rl.rollouts.selection import SelectionRule
+
+SCORES = ("variance", "beta")  # adaptive allocation's per-prompt scores
+
+
+@dataclasses.dataclass(frozen=True)
+class GresoSettings(Settings):
+  """GRESO's skip rule (config.selection.greso; module docstring)."""
+  SECTION = "selection.greso"
+  explore_prob: float = setting(0.5, "initial p_e: keep prob after z all-equal groups is "
+                                "p_e**z", low=0, low_open=True, high=1.0)
+  min_keep_prob: float = setting(0.05, "exploration floor on the keep probability (<= "
+                                 "explore_prob)", low=0, low_open=True, high=1.0)
+  max_skips: int = setting(10, "a prompt skipped this many epochs in a row is rolled out",
+                           low=0)
+  target_zero_variance: float = setting(0.25, "p_e adapts to keep each class's share near "
+                                        "this", low=0, high=1.0)
+  adapt_step: float = setting(0.01, "p_e change per rollout round (0 = fixed p_e)", low=0)
+  refill: bool = setting(True, "then DAPO dynamic sampling (False: train on all rolled out)")
+
+  def check(self) -> None:
+    super().check()
+    if self.min_keep_prob > self.explore_prob:
+      raise ValueError(f"config.selection.greso needs min_keep_prob ({self.min_keep_prob}) "
+                       f"<= explore_prob ({self.explore_prob}).")
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveSettings(Settings):
+  """Adaptive allocation of the rollout budget (config.selection.adaptive)."""
+  SECTION = "selection.adaptive"
+  prompts: int = setting(0, "prompts per step given pilot rollouts (0 = prompts_per_step)",
+                         low=0)
+  initial_rollouts: int = setting(4, "pilot rollouts per prompt", low=2)
+  max_rollouts: int = setting(0, "cap per prompt (0 = 2 * group_size)", low=0)
+  score: str = setting("variance", "variance (pilot reward std) | beta (posterior std)",
+                       choices=SCORES)
+  history_decay: float = setting(0.5, "weight of a prompt's past rollouts per epoch (pool)",
+                                 low=0, high=1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class PodsSettings(Settings):
+  """PODS max-variance down-sampling (config.selection.pods)."""
+  SECTION = "selection.pods"
+  rollouts: int = setting(0, "completions sampled per prompt (n) before keeping the "
+                          "group_size with the largest reward variance (0 = 2 * group_size)",
+                          low=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionSettings(Settings):
+  """config.selection: which prompts a GRPO step rolls out, and how often.
+
+  >>> greso = SelectionSettings(kind="greso")
+  >>> greso.rule.skips_prompts, greso.rule.needs_pool, greso.rule.refills(greso)
+  (True, True, True)
+  >>> from rl.rollouts import selection
+  >>> selection.check(greso, prompts_per_step=4, group_size=4, pool_size=0)
+  Traceback (most recent call last):
+  ...
+  ValueError: config.selection.kind='greso' needs recurring prompts: set config.task.train_pool > 0 (the size of the finite prompt pool).
+  """
+  SECTION = "selection"
+  kind: str = setting("uniform", "uniform | dynamic (DAPO) | greso | adaptive | pods "
+                      "(SELECTION_RULES)")
+  max_attempts: int = setting(8, "dynamic / greso: rollout rounds to fill a batch, then error",
+                              low=1)
+  greso: GresoSettings = nested(GresoSettings, "GRESO's skip rule")
+  adaptive: AdaptiveSettings = nested(AdaptiveSettings, "adaptive allocation")
+  pods: PodsSettings = nested(PodsSettings, "PODS max-variance down-sampling")
+
+  @property
+  def rule(self) -> "SelectionRule":
+    """The registered rule `kind` names."""
+    from rl.rollouts import selection  # pylint: disable=import-outside-toplevel
+    return selection.SELECTION_RULES.get(self.kind)

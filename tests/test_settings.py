@@ -1,0 +1,62 @@
+"""The settings base (rl/settings/): choices given as a function are read when a field is
+checked (so a settings module need not import the library that defines them), and those
+fields are refused through the launcher like any other."""
+
+import dataclasses
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rl.settings import Settings, setting
+from rl.settings import model as model_settings
+from rl.settings import rollout as rollout_settings
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_choices_from_a_function_are_read_when_the_field_is_checked():
+  calls = []
+
+  def modes():
+    calls.append(1)
+    return ("a", "b")
+
+  @dataclasses.dataclass(frozen=True)
+  class Section(Settings):
+    SECTION = "section"
+    mode: str = setting("a", "a mode", choices=modes)
+
+  assert calls == []  # declaring the class reads nothing
+  Section(mode="b").check()
+  with pytest.raises(ValueError, match=r"^config.section.mode = 'c'; use one of 'a', 'b'.$"):
+    Section(mode="c").check()
+  assert len(calls) == 2
+
+
+def test_the_lazy_choices_are_the_libraries_own():
+  from models import transformer  # pylint: disable=import-outside-toplevel
+  from sampling import partial  # pylint: disable=import-outside-toplevel
+  for remat in transformer.REMAT_POLICIES:
+    model_settings.ModelSettings(remat=remat).check()
+  for resume in partial.RESUME_MODES:
+    rollout_settings.RolloutSettings(resume=resume).check()
+  with pytest.raises(ValueError, match="config.model.remat = 'some'; use one of 'none', "
+                     "'full', 'dots'"):
+    model_settings.ModelSettings(remat="some").check()
+
+
+@pytest.mark.parametrize("override,message", [
+    ("--config.model.remat=some", "config.model.remat = 'some'; use one of"),
+    ("--config.rollout.resume=never", "config.rollout.resume = 'never'; use one of"),
+])
+def test_the_launcher_refuses_a_value_outside_lazy_choices(tmp_path, override, message):
+  workdir = tmp_path / "run"
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.train", f"--config.workdir={workdir}", override],
+      cwd=_REPO, capture_output=True, text=True, timeout=600,
+      env=dict(os.environ, PYTHONPATH=_REPO, JAX_PLATFORMS="cpu"))
+  assert result.returncode != 0
+  assert message in result.stderr, result.stderr[-2000:]
+  assert not workdir.exists()  # refused before any work
