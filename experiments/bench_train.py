@@ -5,6 +5,7 @@
     python -m experiments.bench_train --smoke         # tiny shapes, one repetition (CI)
     python -m experiments.bench_train --only=lora     # LoRA vs full train step alone
     python -m experiments.bench_train --only=distill  # what a distillation teacher costs
+    python -m experiments.bench_train --only=nat      # NAT's train step at 25/50/100% tokens
     python -m experiments.bench_train --checkpoint=smollm2 --peers=torch
                                                       # B8: the GRPO step on SmolLM2, vs TRL
 
@@ -31,6 +32,14 @@ Four measurements, on the B1 decoder (f32) unless stated, best of --repeats afte
      policy (preset tiny2, the character vocabulary) on its RL batch (64 rows of 16 prompt +
      101 completion slots): GRPO alone, GRPO + the exact reverse KL to a teacher of the same
      shape, and pure OPD, alternated in each repetition, best of --repeats.
+  8. (--only=nat, alone) NAT token subsampling (config.loss.token_subsample) in the train
+     step: the testbed's policy on a batch of its RL shape with every completion slot
+     used (64 rows of 16 prompt + 101 completion tokens), cut to the budget grid's length
+     buckets (experiments/grids/budget.py): all tokens, a random prefix cut keeping 50% and
+     25% in expectation, and uniform random tokens at 50% (no cut). Each case trains on the
+     same 8 draws per pass (keys 0-7), the cases alternated pass by pass, best of
+     --repeats of the mean seconds per step; memory: XLA's temporary buffer bytes of the
+     compiled step at each draw's cut length, averaged over the draws.
   7. (--checkpoint, alone; B8) the GRPO step of item 2 on real weights (a HF folder, a .gguf
      or "smollm2", float32): 8 prompts x 4 completions x 128 new tokens (temperature 1,
      exactly 128 tokens per row), each prompt the first 64 tokens of a gsm_symbolic word
@@ -43,7 +52,8 @@ Four measurements, on the B1 decoder (f32) unless stated, best of --repeats afte
      the step. Best of --repeats after a compiling first step.
 Peers are skipped when the environment variable CI is set. Writes bench_train.json,
 bench_train.md and bench_train.png to --out (--only=lora: bench_train_lora.*, item 5 only;
---only=distill: bench_train_distill.*; --checkpoint: bench_train_b8.*).
+--only=distill: bench_train_distill.*; --only=nat: bench_train_nat.*; --checkpoint:
+bench_train_b8.*).
 """
 
 from __future__ import annotations
@@ -74,7 +84,7 @@ _SMOKE = flags.DEFINE_bool("smoke", False, "Tiny shapes, one repetition (for CI)
 _REPEATS = flags.DEFINE_integer("repeats", 5, "Timed repetitions per case (best is reported).")
 _OUT = flags.DEFINE_string("out", "runs/bench_train", "Output directory.")
 _PEERS = flags.DEFINE_list("peers", ["tunix", "torch"], "Peers to run (tunix, torch); empty: none.")
-_ONLY = flags.DEFINE_enum("only", "", ["", "lora", "distill"],
+_ONLY = flags.DEFINE_enum("only", "", ["", "lora", "distill", "nat"],
                           "Run one measurement alone (lora: item 5; distill: item 6).")
 _LORA_RANKS = flags.DEFINE_list("lora_ranks", ["8", "64"], "Adapter ranks of the LoRA cases.")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", "", "B8: time the GRPO step alone on these "
@@ -196,6 +206,76 @@ def distill_overhead(repeats: int, smoke: bool) -> dict:
         best[name] = min(best[name], seconds)
   return dict(shape=[groups * 8, 16 + completion], best_s=best,
               vs_grpo={name: best[name] / best["grpo"] for name in cases})
+
+
+NAT_CASES = (("all tokens", "none", 1.0), ("rpc 50%", "rpc", 0.5), ("rpc 25%", "rpc", 0.25),
+             ("urs 50%", "urs", 0.5))
+NAT_DRAWS = 8
+
+
+def nat_cost(repeats: int, smoke: bool) -> dict:
+  """Item 8: seconds and working memory of the train step under NAT's token subsampling
+  (module docstring), per case: the kept share of tokens, the mean trained length."""
+  from experiments.grids import budget  # pylint: disable=import-outside-toplevel
+  from models.tokenizer import CharTokenizer  # pylint: disable=import-outside-toplevel
+  from rl.objectives import token_subsample  # pylint: disable=import-outside-toplevel
+  config = get_preset("tiny2", vocab_size=CharTokenizer().vocab_size, max_seq_len=128)
+  groups, prompt_len, completion = (2, 4, 12) if smoke else (8, 16, 101)
+  batch = random_rollout(config, groups, 8, prompt_len, completion)
+  buckets = [prompt_len + b for b in budget.LENGTH_BUCKETS if b < completion]
+  optimizer = train.make_optimizer(1e-5)
+  plain = train.make_train_step(config, optimizer, GRPO)
+  step = train.make_train_step(config, optimizer, GRPO, length_buckets=buckets)
+  state = train.init_train_state(transformer.init_params(config, jax.random.PRNGKey(0)),
+                                 optimizer)
+  rows, draws = [], {}
+  for name, scheme, keep in NAT_CASES:
+    if scheme == "none":
+      cases = [batch] * NAT_DRAWS
+    else:
+      stage = token_subsample.TokenSubsample(scheme, keep, "seq_mean_token_mean")
+      cases = [stage(batch, jax.random.PRNGKey(i))[0] for i in range(NAT_DRAWS)]
+    draws[name] = cases
+    trimmed = [train.trim_to_bucket(b, buckets) for b in cases]
+    memory = [_step_memory(plain, state, b).get("temp_bytes", 0) for b in trimmed]
+    rows.append(dict(case=name, scheme=scheme, keep=keep,
+                     kept_fraction=float(np.mean([np.asarray(b.completion_mask).sum()
+                                                  / np.asarray(batch.completion_mask).sum()
+                                                  for b in cases])),
+                     mean_length=float(np.mean([b.tokens.shape[1] for b in trimmed])),
+                     temp_bytes=float(np.mean(memory))))
+  holder = {"state": state}
+
+  def one_pass(cases):
+    for b in cases:
+      holder["state"], metrics = step(holder["state"], b)
+      jax.block_until_ready(metrics)
+
+  best = dict.fromkeys(draws, float("inf"))
+  for rep in range(repeats + 1):  # the first pass compiles every bucket
+    for name, cases in draws.items():
+      seconds = timed(lambda cases=cases: one_pass(cases)) / NAT_DRAWS
+      if rep:
+        best[name] = min(best[name], seconds)
+  for row in rows:
+    row.update(step_s=best[row["case"]], time_ratio=best[row["case"]] / best[rows[0]["case"]],
+               memory_ratio=row["temp_bytes"] / max(rows[0]["temp_bytes"], 1.0))
+  return dict(shape=[groups * 8, prompt_len + completion], buckets=buckets, rows=rows)
+
+
+def nat_markdown(result: dict) -> str:
+  rows, length = result["nat"]["shape"]
+  lines = [f"Train step on {rows} x {length} tokens (every completion slot used), length "
+           f"buckets {result['nat']['buckets']}; mean over {NAT_DRAWS} draws, best of "
+           f"{result['repeats']}; load {result['load_before']} before, "
+           f"{result['load_after']} after.", "",
+           "| case | tokens trained | mean length (slots) | seconds per step | vs all | "
+           "XLA temp MiB | vs all |", "|---|---|---|---|---|---|---|"]
+  for r in result["nat"]["rows"]:
+    lines.append(f"| {r['case']} | {r['kept_fraction']:.2f} | {r['mean_length']:.1f} | "
+                 f"{r['step_s']:.4f} | {r['time_ratio']:.2f}x | {r['temp_bytes'] / 2**20:.1f} | "
+                 f"{r['memory_ratio']:.2f}x |")
+  return "\n".join(lines) + "\n"
 
 
 def distill_markdown(result: dict) -> str:
@@ -564,6 +644,13 @@ def main(argv):
     result = {"device": str(jax.devices()[0]), "repeats": repeats, "load_before": load_before,
               "load_after": load(), "distill": distill}
     write_results(_OUT.value, "bench_train_distill", result, distill_markdown, None)
+    return
+  if _ONLY.value == "nat":
+    load_before = load()
+    nat = nat_cost(repeats, _SMOKE.value)
+    result = {"device": str(jax.devices()[0]), "repeats": repeats, "load_before": load_before,
+              "load_after": load(), "nat": nat}
+    write_results(_OUT.value, "bench_train_nat", result, nat_markdown, None)
     return
   if _ONLY.value == "lora":
     load_before = load()

@@ -41,6 +41,9 @@ from rl.train import TrainState
 from rl.types import Rollout
 
 
+TOKEN_SUBSAMPLE_STREAM = 0x4E4154  # folded into an iteration's key for NAT's draws
+
+
 @flax.struct.dataclass
 class ParamHistory:
   """Ring buffer of past parameter versions for simulated staleness.
@@ -123,6 +126,9 @@ class LoopContext:
   train_samples, train_samples_every: every `train_samples_every` iterations, the
     batch's metrics carry `samples`, `train_samples` of its rows as sample records
     (`rl.samples.train_samples`; the launcher writes them); 0 = never.
+  token_subsample: NAT's stage (`rl.objectives.token_subsample.TokenSubsample`: the
+    tokens the step trains on, reweighted), applied after the advantage stage; None =
+    every completion token.
   """
   batch: BatchContext
   train_step: Callable[[TrainState, Rollout], tuple[TrainState, dict]]
@@ -131,6 +137,7 @@ class LoopContext:
   publish: Callable[[Any], Any] | None = None
   train_samples: int = 0
   train_samples_every: int = 0
+  token_subsample: Callable[[Rollout, jax.Array], tuple[Rollout, dict]] | None = None
 
   def samples_due(self, iteration: int) -> bool:
     """Whether the batch of (1-based) `iteration` carries training samples."""
@@ -240,6 +247,10 @@ def produce_timed(producer: Producer, ctx: LoopContext, state, params, version: 
                  sampled_tokens_per_s=per_second(stats.sampled_tokens, total - score_s))
   if ctx.samples_due(iteration):
     metrics["samples"] = samples.train_samples(rollout, stats.rows, ctx.train_samples)
+  if ctx.token_subsample is not None:
+    rollout, subsample_metrics = ctx.token_subsample(
+        rollout, jax.random.fold_in(rng, TOKEN_SUBSAMPLE_STREAM))
+    metrics.update(subsample_metrics)
   return rollout, metrics, state
 
 

@@ -28,6 +28,7 @@ from rl import warm_start
 from rl.environments import turns as turns_lib
 from rl.objectives import advantages
 from rl.objectives import losses
+from rl.objectives import token_subsample as subsample_lib
 from rl.rollouts import producers
 from rl.rollouts import samplers
 from rl.rollouts import selection
@@ -232,8 +233,17 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None, teache
       staleness=staleness_in_batches(config) if phase == RL else 0,
       publish=publish,
       train_samples=config.metrics.train_samples if phase == RL else 0,
-      train_samples_every=config.metrics.train_samples_every)
+      train_samples_every=config.metrics.train_samples_every,
+      token_subsample=token_subsample(config, loss) if phase == RL else None)
   return ctx, optimizer
+
+
+def token_subsample(config, loss: losses.LossSettings) -> subsample_lib.TokenSubsample | None:
+  """NAT's stage (config.loss.token_subsample) over the objective's aggregation, or None."""
+  if loss.token_subsample == "none":
+    return None
+  return subsample_lib.TokenSubsample(loss.token_subsample, loss.token_keep, loss.aggregation,
+                                      config.rl.num_minibatches)
 
 
 def distill_settings(config, teacher) -> dict:

@@ -354,3 +354,20 @@ def test_distillation_cost_benchmark_times_the_three_train_steps(tmp_path):
   assert set(result["distill"]["best_s"]) == {"grpo", "grpo + reverse KL", "pure OPD"}
   assert result["distill"]["vs_grpo"]["grpo"] == 1.0
   assert (tmp_path / "bench_train_distill.md").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_nat_cost_benchmark_cuts_the_batch_for_the_prefix_cases(tmp_path):
+  """--only=nat: the random prefix cut trains fewer tokens on shorter batches than all
+  tokens; uniform random tokens train fewer tokens at the full length."""
+  env = dict(os.environ, PYTHONPATH=str(_REPO))
+  subprocess.run([sys.executable, "-m", "experiments.bench_train", "--only=nat", "--smoke",
+                  f"--out={tmp_path}"], cwd=_REPO, env=env, check=True, timeout=300)
+  rows = {r["case"]: r for r in json.loads(
+      (tmp_path / "bench_train_nat.json").read_text())["nat"]["rows"]}
+  full = rows["all tokens"]
+  assert full["kept_fraction"] == 1.0 and full["time_ratio"] == 1.0
+  assert rows["rpc 25%"]["kept_fraction"] < rows["rpc 50%"]["kept_fraction"] < 1.0
+  assert rows["rpc 25%"]["mean_length"] < full["mean_length"]
+  assert rows["urs 50%"]["kept_fraction"] < 1.0
+  assert rows["urs 50%"]["mean_length"] == full["mean_length"]

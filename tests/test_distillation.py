@@ -305,15 +305,19 @@ def test_the_teacher_is_sharded_like_the_policy_on_a_mesh_and_chunks(tmp_path, t
   # The final parameters, rather than the final accuracies (0 in all three tiny runs, and
   # a near-tie in greedy evaluation could flip with float32 rounding). Two RL steps of Adam
   # move each weight by about 2 x the learning rate (1e-4 here); the runs must agree to 1%
-  # of that. (Measured: at most 5.2e-7; a step that distils differently moves the weights
-  # differently at the scale of the movement itself.)
-  atol = 0.01 * 2 * tiny_run_config(tmp_path / "one").rl.learning_rate
+  # of that, but for the rare weight whose gradient is at float32 rounding level, which
+  # Adam's normalisation amplifies (a slow-tier run saw 1 of 262144 at 1.3e-6): those may
+  # differ by up to 10% of the movement, and at most 1 in 10^4 weights may. (A step that
+  # distils differently moves most weights differently at the scale of the movement.)
+  movement = 2 * tiny_run_config(tmp_path / "one").rl.learning_rate
   one = _final_params(tmp_path / "one")
   for other in ("mesh", "chunked"):
     for (path, expected), actual in zip(jax.tree_util.tree_leaves_with_path(one),
                                         jax.tree.leaves(_final_params(tmp_path / other))):
-      np.testing.assert_allclose(actual, expected, rtol=0, atol=atol,
-                                 err_msg=f"{other} {jax.tree_util.keystr(path)}")
+      where = f"{other} {jax.tree_util.keystr(path)}"
+      np.testing.assert_allclose(actual, expected, rtol=0, atol=0.1 * movement, err_msg=where)
+      beyond = np.mean(np.abs(actual - expected) > 0.01 * movement)
+      assert beyond <= 1e-4, f"{where}: {beyond:.2e} of the weights differ by > 1% of a step"
 
 
 def _final_params(workdir):

@@ -1,7 +1,8 @@
 """Every combination of the RL phase's switches, through the launcher (experiments.train.run):
 
     rollout.kind x selection.kind x rl.async_ x rl.staleness x mesh.data
-    {independent, tree, partial} x {uniform, dynamic, greso, adaptive, pods} x {False, True}
+    {independent, tree, partial} x {uniform, dynamic, greso, adaptive, pods, ar3po}
+    x {False, True}
     x {0, 2} x {one device, data=2 x fsdp=4 on the 8 virtual CPU devices}
 
 either runs two GRPO steps with its effect visible in metrics.jsonl, or is refused before
@@ -36,7 +37,7 @@ from tests.launcher_config import tiny_run_config
 from rl import wiring
 
 KINDS = ("independent", "tree", "partial")
-SELECTIONS = ("uniform", "dynamic", "greso", "adaptive", "pods")
+SELECTIONS = ("uniform", "dynamic", "greso", "adaptive", "pods", "ar3po")
 STALENESS = 2
 COMBOS = list(itertools.product(KINDS, SELECTIONS, (False, True), (0, STALENESS)))
 # The quick tier's combinations: each rollout kind, selection rule, async and staleness
@@ -45,7 +46,7 @@ COMBOS = list(itertools.product(KINDS, SELECTIONS, (False, True), (0, STALENESS)
 QUICK = {("independent", "uniform", False, 0), ("tree", "uniform", False, STALENESS),
          ("partial", "uniform", True, 0), ("independent", "dynamic", False, STALENESS),
          ("independent", "greso", True, 0), ("independent", "adaptive", False, 0),
-         ("independent", "pods", False, 0)}
+         ("independent", "pods", False, 0), ("independent", "ar3po", False, 0)}
 
 
 def index_reward(answer, entry):
@@ -103,6 +104,8 @@ def _config(workdir, kind, selection, async_, staleness, data):
     c.selection.adaptive.update(initial_rollouts=2, max_rollouts=6)
   if selection == "pods":  # 6 rollouts per prompt, the 4 of largest reward variance kept
     c.selection.pods.rollouts = 6
+  if selection == "ar3po":  # stages of 2; a pool of 2 prompts, so both recur each step
+    c.task.train_pool = 2
   return c
 
 
@@ -131,6 +134,15 @@ def _check_effect(records, kind, selection, async_, staleness):
   if selection == "pods":  # 2 prompts x 6 rolled out; a group with any spread keeps some
     assert all(r["rollouts"] == 2 * 6 for r in records)
     assert all(r["batch_informative_groups"] == r["informative_groups"] for r in records)
+  if selection == "ar3po":  # every batch keeps 2 x 4 rows, sampled or padding; the
+    # untrained policy rarely answers exactly (index_reward's odd-position scores are
+    # partial credit), and a step with no exact answer samples both stages for both
+    # prompts, stores nothing and so reuses nothing in the next
+    assert all(r["rollouts"] + r["padding_rows"] == 2 * 4 for r in records)
+    unsolved = [r for r in records if r["exact_match"] == 0]
+    assert unsolved and all(r["rollout_rounds"] == 2 and r["rollouts"] == 2 * 4
+                            for r in unsolved)
+    assert records[0]["reused_responses"] == 0
   simulated = [min(t, staleness) for t in range(2)]  # iteration t samples max(t - k, 0)
   if async_:
     # Structural, not thread-timing luck: rl.max_staleness = 4 lets the producer run 4

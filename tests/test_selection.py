@@ -6,6 +6,7 @@ known in advance and the tests need no model.
 """
 
 
+import dataclasses
 import itertools
 
 import jax
@@ -306,6 +307,124 @@ def test_pods_refuses_n_not_above_the_group_size():
   with pytest.raises(ValueError, match="config.selection.pods.rollouts = 4: PODS rolls out"):
     selection.check(_config("pods", **{"pods.rollouts": G}), prompts_per_step=2,
                     group_size=G, pool_size=0)
+
+
+# --- AR3PO ---------------------------------------------------------------------------------
+
+def _versioned_sampler(probs, calls):
+  """The Bernoulli sampler whose rows record the call that sampled them: version = the
+  call's index, behavior_logp = -(call + 1) / 10 on the completion slots (so a reused row
+  is recognisable by both)."""
+  sample = _bernoulli_sampler(probs, calls)
+
+  def versioned(row_positions, key):
+    samples = sample(row_positions, key)
+    call = len(calls) - 1
+    r = samples.rollout
+    return dataclasses.replace(samples, rollout=r.replace(
+        version=jnp.where(r.completion_mask, call, -1).astype(jnp.int32),
+        behavior_logp=jnp.where(r.completion_mask, -(call + 1) / 10, 0.0)))
+  return versioned
+
+
+def _collect_ar3po(state, probs, cursor, calls, prompts=4, pool=4):
+  return selection.collect(state, cursor, jax.random.PRNGKey(cursor),
+                           _versioned_sampler(probs, calls), settings=_config("ar3po"),
+                           prompts_per_step=prompts, group_size=G, pool_size=pool)
+
+
+def test_ar3po_stops_sampling_a_prompt_once_it_has_an_exact_answer():
+  """Two stages of G / 2 = 2: the prompts answered exactly in stage 1 (0 and 3) get no
+  stage 2; the batch keeps 4 x G rows, the unused ones padding rows of their own groups."""
+  calls = []
+  state = selection.init_state(4, _config("ar3po"), sequence_length=4)
+  collected = _collect_ar3po(state, np.array([1.0, 0.0, 0.0, 1.0]), 0, calls)
+  np.testing.assert_array_equal(calls[0], np.repeat([0, 1, 2, 3], 2))
+  np.testing.assert_array_equal(calls[1], np.repeat([1, 2], 2))
+  group = np.asarray(collected.rollout.group)
+  np.testing.assert_array_equal(group, [0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 4, 5, 6, 7])
+  mask = np.asarray(collected.rollout.completion_mask)
+  assert mask[:12].any(axis=1).all() and not mask[12:].any()
+  counters = collected.stats.counters
+  assert counters["rollouts"] == 12 and counters["padding_rows"] == 4
+  assert counters["reused_responses"] == 0  # nothing stored yet
+  # Prompts 0 and 3 are stored (their last exact row), 1 and 2 are not.
+  memory = collected.selection.memory
+  np.testing.assert_array_equal(memory.stored, [True, False, False, True])
+  np.testing.assert_array_equal(memory.version[0], [-1, -1, 0, 0])
+
+
+def test_ar3po_reuses_a_stored_response_with_its_log_probs_and_version():
+  """Visit 1 solves every prompt (stored from call 0); visit 2 fails them all: after both
+  stages each group's last row is the stored response, with call 0's version and
+  log-probs, so every group has a non-zero advantage."""
+  calls = []
+  state = selection.init_state(4, _config("ar3po"), sequence_length=4)
+  first = _collect_ar3po(state, np.ones(4), 0, calls)
+  second = _collect_ar3po(first.selection, np.zeros(4), 4, calls)
+  assert len(calls) == 3  # visit 2: both stages
+  r = second.rollout
+  group, reward = np.asarray(r.group), np.asarray(r.reward)
+  version, logp = np.asarray(r.version), np.asarray(r.behavior_logp)
+  assert second.stats.counters["reused_responses"] == 4
+  for i in range(4):
+    rows = np.flatnonzero(group == i)
+    assert len(rows) == G
+    np.testing.assert_array_equal(reward[rows], [0, 0, 0, 1])
+    np.testing.assert_array_equal(version[rows[-1]], [-1, -1, 0, 0])
+    np.testing.assert_allclose(logp[rows[-1]], [0, 0, -0.1, -0.1])
+    assert (version[rows[:-1]][:, 2:] > 0).all()  # the fresh rows: calls 1 and 2
+  adv = advantages.group_relative(advantages.grpo_advantages)(r)
+  assert (np.abs(np.asarray(adv)[np.asarray(r.completion_mask)]) > 0).all()
+  assert [row is None for row in second.stats.rows[:G]] == [False, False, False, True]
+
+
+def test_ar3po_without_reuse_keeps_no_memory_and_trains_all_wrong_groups_as_they_are():
+  calls = []
+  config = _config("ar3po", **{"ar3po.reuse": False})
+  state = selection.init_state(4, config)
+  assert state.memory is None
+  collected = selection.collect(state, 0, jax.random.PRNGKey(0),
+                                _versioned_sampler(np.zeros(4), calls), settings=config,
+                                prompts_per_step=4, group_size=G, pool_size=4)
+  assert collected.stats.counters["reused_responses"] == 0
+  assert not np.asarray(collected.rollout.reward).any()
+
+
+def test_ar3po_memory_checkpoint_round_trip_resumes_exactly(tmp_path):
+  """Two steps that solve part of the pool, a checkpoint, two steps that solve nothing (so
+  the stored responses are reused): the restored memory equals the saved one and the
+  resumed steps' batches equal the uninterrupted run's."""
+  config = _config("ar3po")
+  solve = lambda step: np.array([1.0, 0.0, 0.5, 0.8, 1.0, 0.0]) if step < 2 else np.zeros(6)
+
+  def steps(state, cursor, first, count):
+    out = []
+    for step in range(first, first + count):
+      collected = _collect_ar3po(state, solve(step), cursor, [], pool=6)
+      state, cursor = collected.selection, collected.cursor
+      out.append(collected)
+    return out, state, cursor
+
+  full, _, _ = steps(selection.init_state(6, config, sequence_length=4), 0, 0, 4)
+  _, saved, saved_cursor = steps(selection.init_state(6, config, sequence_length=4), 0, 0, 2)
+  manager = checkpoint.make_manager(str(tmp_path))
+  checkpoint.save(manager, 2, {"selection": saved}, {"data_cursor": saved_cursor})
+  _, restored, meta = checkpoint.restore_latest(
+      manager, {"selection": selection.init_state(6, config, sequence_length=4)})
+  jax.tree.map(np.testing.assert_array_equal, restored["selection"], saved)
+  resumed, _, _ = steps(restored["selection"], meta["data_cursor"], 2, 2)
+  for expected, got in zip(full[2:], resumed):
+    jax.tree.map(np.testing.assert_array_equal, got.rollout, expected.rollout)
+  assert sum(c.stats.counters["reused_responses"] for c in resumed) >= 2  # prompts 0 and 4
+
+
+def test_ar3po_refuses_stages_that_do_not_divide_the_group():
+  with pytest.raises(ValueError, match="ar3po.stages = 3 must divide"):
+    selection.check(_config("ar3po", **{"ar3po.stages": 3}), prompts_per_step=2,
+                    group_size=G, pool_size=4)
+  with pytest.raises(ValueError, match="needs recurring prompts"):
+    selection.check(_config("ar3po"), prompts_per_step=2, group_size=G, pool_size=0)
 
 
 # --- dynamic sampling ----------------------------------------------------------------------

@@ -141,7 +141,9 @@ def independent(ctx: BatchContext,
         tokens=np.zeros((ctx.train_pool, new_tokens), np.int32),
         mask=np.zeros((ctx.train_pool, new_tokens), bool))
     return SelectionProducerState(cursor=cursor_array(start),
-                                  history=selection_lib.init_state(ctx.train_pool, selection),
+                                  history=selection_lib.init_state(
+                                      ctx.train_pool, selection,
+                                      ctx.prompt_len + ctx.sampling_config.max_new_tokens),
                                   previous=previous)
 
   def produce(state: SelectionProducerState, params, version, rng, trains_at=None):

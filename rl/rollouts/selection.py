@@ -27,6 +27,21 @@ selected by `config.selection.kind`, each a registered `SelectionRule` whose set
             (`max_variance_subset`); advantages are then computed over the m kept rows, as
             the paper's GRPO-PODS does. Sampling is cheap and parallel, the update is not:
             the batch's train cost is that of m rows per prompt.
+  ar3po     AR3PO adaptive rollout and response reuse (arXiv 2509.25808): rollouts come in
+            `ar3po.stages` stages of group_size / stages completions; a prompt stops
+            getting more once one of its completions is an exact answer, so easy prompts
+            cost one stage and only unsolved ones get the whole group_size. A prompt whose
+            group stays all wrong gets, with `ar3po.reuse`, the exact response it produced
+            on an earlier visit (`ResponseMemory`), with the log-probs and parameter
+            version it was sampled with, in place of its group's last row, so the group
+            has a non-zero advantage. Details the paper's abstract leaves open, chosen
+            here: "correct" is the task's exact match; the memory keeps each prompt's
+            latest exact response; the batch keeps the fixed prompts_per_step x
+            group_size rows of the other rules (one compiled train step), the rows a
+            stopped prompt did not sample being padding (no completion tokens, a
+            singleton group of reward 0: zero advantage, left out of every loss mean but
+            Dr.GRPO's constant normaliser); a reused row has no scored text (training
+            samples skip it).
 
 Prompt identity. With `train_pool = P > 0` the train split is a finite pool: data cursor c
 reads train position c mod P, so prompts recur once per epoch of P cursor steps and their
@@ -34,7 +49,7 @@ history (`SelectionState`, indexed by pool position) means something. GRESO need
 the adaptive Beta score uses the history when there is one. With P = 0 the train split is
 unbounded and no per-prompt state is kept.
 
-The state lives in `LoopState.selection` and is checkpointed with it, and every random
+The state lives in `LoopState.selection` (AR3PO's stored responses too) and is checkpointed with it, and every random
 decision is drawn from the loop's key, so a resumed run repeats the uninterrupted one.
 """
 
@@ -65,6 +80,34 @@ SampleFn = Callable[[np.ndarray, jax.Array], ScoredSamples]
 
 
 @flax.struct.dataclass
+class ResponseMemory:
+  """AR3PO's stored exact responses, one per pool prompt, each row as it was sampled:
+  tokens, prompt_mask, completion_mask, env_mask [P, T] (an environment's answers, all
+  False without one), behavior_logp [P, T] (the sampler's log-probs) and version [P, T]
+  (the parameter version that generated each token), reward [P]; stored [P]: whether the
+  prompt has one yet."""
+  tokens: jax.Array
+  prompt_mask: jax.Array
+  completion_mask: jax.Array
+  env_mask: jax.Array
+  behavior_logp: jax.Array
+  version: jax.Array
+  reward: jax.Array
+  stored: jax.Array
+
+
+def init_memory(pool_size: int, sequence_length: int) -> ResponseMemory:
+  """An empty ResponseMemory for a pool of `pool_size` prompts of `sequence_length` slots."""
+  shape = (pool_size, sequence_length)
+  no = np.zeros(shape, bool)
+  return ResponseMemory(tokens=np.zeros(shape, np.int32), prompt_mask=no, completion_mask=no,
+                        env_mask=no, behavior_logp=np.zeros(shape, np.float32),
+                        version=np.full(shape, -1, np.int32),
+                        reward=np.zeros(pool_size, np.float32),
+                        stored=np.zeros(pool_size, bool))
+
+
+@flax.struct.dataclass
 class SelectionState:
   """Per-prompt selection history over a train pool of P prompts (checkpointed).
 
@@ -75,6 +118,7 @@ class SelectionState:
   reward_sum, failure_sum [P] float32: discounted Beta pseudo-counts, sum(r) and sum(1 - r)
     over the prompt's past rollouts (rewards in [0, 1]; partial credit counts fractionally).
   explore_prob [2] float32: GRESO's exploration probability p_e for (easy, hard) prompts.
+  memory: AR3PO's stored responses (`ResponseMemory`), None for the other rules.
   """
   uninformative_run: jax.Array
   uninformative_easy: jax.Array
@@ -82,6 +126,7 @@ class SelectionState:
   reward_sum: jax.Array
   failure_sum: jax.Array
   explore_prob: jax.Array
+  memory: Optional[ResponseMemory] = None
 
 
 @dataclasses.dataclass
@@ -117,6 +162,7 @@ class SelectionRule:
       group_size rows, which every rollout kind can do).
     equal_groups: every group has exactly group_size rows (False: adaptive allocation
       sizes them per prompt).
+    stores_responses: keeps a `ResponseMemory` in its state (AR3PO's reuse).
 
   >>> greso = SELECTION_RULES.get("greso")
   >>> greso.refills(SelectionSettings(kind="greso")), SELECTION_RULES.get("uniform").refills(
@@ -135,18 +181,28 @@ class SelectionRule:
   check: Callable[[SelectionSettings, int, int], None] = lambda settings, prompts, group: None
   chooses: bool = True
   equal_groups: bool = True
+  stores_responses: Callable[[SelectionSettings], bool] = lambda settings: False
 
 
-def init_state(pool_size: int, settings: SelectionSettings) -> Optional[SelectionState]:
-  """Fresh history for a pool of `pool_size` prompts (None when the pool is unbounded)."""
+def init_state(pool_size: int, settings: SelectionSettings,
+               sequence_length: int = 0) -> Optional[SelectionState]:
+  """Fresh history for a pool of `pool_size` prompts (None when the pool is unbounded);
+  with a rule that stores responses, an empty `ResponseMemory` of rows of
+  `sequence_length` slots (prompt_len + max_new_tokens)."""
   if pool_size <= 0:
     return None
+  memory = None
+  if settings.rule.stores_responses(settings):
+    if sequence_length <= 0:
+      raise ValueError(f"config.selection.kind={settings.kind!r} stores responses: "
+                       "init_state needs their sequence_length (prompt_len + max_new_tokens).")
+    memory = init_memory(pool_size, sequence_length)
   zeros_i = jnp.zeros((pool_size,), jnp.int32)
   zeros_f = jnp.zeros((pool_size,), jnp.float32)
   p_e = settings.greso.explore_prob
   return SelectionState(uninformative_run=zeros_i, uninformative_easy=jnp.zeros((pool_size,), bool),
                         skip_run=zeros_i, reward_sum=zeros_f, failure_sum=zeros_f,
-                        explore_prob=jnp.array([p_e, p_e], jnp.float32))
+                        explore_prob=jnp.array([p_e, p_e], jnp.float32), memory=memory)
 
 
 def check(settings: SelectionSettings, *, prompts_per_step: int, group_size: int,
@@ -505,6 +561,143 @@ def _collect_pods(state, cursor, rng, sample, *, settings, prompts_per_step, gro
                    cursor=cursor + prompts_per_step, stats=stats)
 
 
+def _collect_ar3po(state, cursor, rng, sample, *, settings, prompts_per_step, group_size,
+                   pool_size) -> Collected:
+  """AR3PO: stages of group_size / stages rollouts for the prompts not yet solved, then a
+  stored exact response into each group left all wrong (module docstring). Stage s > 0
+  samples with fold_in(rng, s)."""
+  per_stage = group_size // settings.ar3po.stages
+  positions = train_position(np.arange(cursor, cursor + prompts_per_step), pool_size)
+  unsolved = np.ones(prompts_per_step, bool)
+  rounds, groups = [], []
+  for stage in range(settings.ar3po.stages):
+    waiting = np.flatnonzero(unsolved)
+    if not waiting.size:
+      break
+    samples = sample(np.repeat(positions[waiting], per_stage),
+                     rng if stage == 0 else jax.random.fold_in(rng, stage))
+    group = np.repeat(waiting, per_stage)
+    rounds.append(samples)
+    groups.append(group)
+    unsolved[group[np.asarray(samples.exact, bool)]] = False
+  group = np.concatenate(groups)
+  order = np.argsort(group, kind="stable")  # groups contiguous, earlier stages first
+  rollout, group = _take_rows([s.rollout for s in rounds], order), group[order]
+  exact = np.concatenate([s.exact for s in rounds])[order]
+  rows_all = [row for s in rounds for row in s.rows]
+  rows = [rows_all[i] for i in order]
+  memory = None if state is None else state.memory
+  reused = np.zeros(len(group), bool)
+  if memory is not None:
+    rollout, reused = _reuse_responses(rollout, group, unsolved, positions, memory)
+    state = state.replace(memory=_store_responses(memory, rollout, group, exact & ~reused,
+                                                  positions))
+    rows = [None if r else row for row, r in zip(rows, reused)]
+  sampled_rewards = _group_rewards(np.concatenate(
+      [np.asarray(s.rollout.reward) for s in rounds])[order], group, prompts_per_step)
+  trained_rewards = _group_rewards(np.asarray(rollout.reward), group, prompts_per_step)
+  informative = np.array([np.ptp(r) > 0 for r in trained_rewards])
+  padding = prompts_per_step * group_size - len(group)
+  rollout = _pad_rows(_finish(rollout, group, np.ones(len(group), bool)), padding,
+                      first_group=prompts_per_step)
+  scored_lengths = _lengths([s.rollout for s in rounds])
+  stats = statistics.batch_stats(
+      sampled_rewards, exact, scored_lengths, _lengths([rollout]),
+      decoded_tokens=int(scored_lengths.sum()), scored=rounds, rows=rows + [None] * padding,
+      rollout_rounds=len(rounds), prompts_skipped=0, rollouts=len(group),
+      decode_steps=sum(s.decode_steps for s in rounds),
+      batch_informative_groups=float(informative.mean()),
+      informative_rows=int(sum(len(r) for r, i in zip(trained_rewards, informative) if i)),
+      reused_responses=int(reused.sum()), padding_rows=padding,
+      **statistics.draft_counters(rounds), **statistics.tool_counters(rounds))
+  return Collected(rollout=rollout,
+                   exact=np.concatenate([exact | reused, np.zeros(padding, bool)]),
+                   selection=state, cursor=cursor + prompts_per_step, stats=stats)
+
+
+def _memory_row(memory: ResponseMemory, position: int, env_mask: bool) -> dict:
+  """The stored row of pool `position` as Rollout fields (env_mask when the batch has one)."""
+  row = dict(tokens=memory.tokens, prompt_mask=memory.prompt_mask,
+             completion_mask=memory.completion_mask, behavior_logp=memory.behavior_logp,
+             version=memory.version, reward=memory.reward)
+  if env_mask:
+    row["env_mask"] = memory.env_mask
+  return {name: np.asarray(value)[position] for name, value in row.items()}
+
+
+def _reuse_responses(rollout: Rollout, group: np.ndarray, unsolved: np.ndarray,
+                     positions: np.ndarray,
+                     memory: ResponseMemory) -> tuple[Rollout, np.ndarray]:
+  """The rollout with each unsolved group's last row replaced by its prompt's stored exact
+  response (where one is stored), and which rows were replaced."""
+  fields = {name: np.array(value) for name, value in jax.device_get(dict(
+      tokens=rollout.tokens, prompt_mask=rollout.prompt_mask,
+      completion_mask=rollout.completion_mask, behavior_logp=rollout.behavior_logp,
+      version=rollout.version, reward=rollout.reward,
+      **({} if rollout.env_mask is None else dict(env_mask=rollout.env_mask)))).items()}
+  reused = np.zeros(len(group), bool)
+  stored = np.asarray(memory.stored)
+  for i in np.flatnonzero(unsolved):
+    if stored[positions[i]]:
+      row = np.flatnonzero(group == i)[-1]
+      for name, value in _memory_row(memory, positions[i], "env_mask" in fields).items():
+        fields[name][row] = value
+      reused[row] = True
+  if not reused.any():
+    return rollout, reused
+  return rollout.replace(**{name: jnp.asarray(v) for name, v in fields.items()}), reused
+
+
+def _store_responses(memory: ResponseMemory, rollout: Rollout, group: np.ndarray,
+                     exact: np.ndarray, positions: np.ndarray) -> ResponseMemory:
+  """The memory with each prompt's last freshly sampled exact row of `rollout` stored."""
+  if not exact.any():
+    return memory
+  new = {f.name: np.array(jax.device_get(getattr(memory, f.name)))
+         for f in dataclasses.fields(memory)}
+  batch = jax.device_get(dict(tokens=rollout.tokens, prompt_mask=rollout.prompt_mask,
+                              completion_mask=rollout.completion_mask,
+                              behavior_logp=rollout.behavior_logp, version=rollout.version,
+                              reward=rollout.reward))
+  if rollout.env_mask is not None:
+    batch["env_mask"] = jax.device_get(rollout.env_mask)
+  for row in np.flatnonzero(exact):  # in batch order: a prompt's last exact row wins
+    position = positions[group[row]]
+    for name, value in batch.items():
+      new[name][position] = value[row]
+    new["stored"][position] = True
+  return ResponseMemory(**new)
+
+
+def _pad_rows(rollout: Rollout, count: int, first_group: int) -> Rollout:
+  """`rollout` with `count` padding rows appended: copies of its first row with no
+  completion tokens, reward 0, each its own group (first_group, first_group + 1, ...)."""
+  if not count:
+    return rollout
+  def pad(name, x):
+    x = np.asarray(x)
+    if name == "group":
+      extra = np.arange(first_group, first_group + count, dtype=x.dtype)
+    elif name in ("completion_mask", "reward", "behavior_logp"):
+      extra = np.zeros((count, *x.shape[1:]), x.dtype)
+    elif name == "version":
+      extra = np.full((count, *x.shape[1:]), -1, x.dtype)
+    else:
+      extra = np.repeat(x[:1], count, axis=0)
+    return jnp.asarray(np.concatenate([x, extra]))
+  return rollout.replace(**{f.name: pad(f.name, getattr(rollout, f.name))
+                            for f in dataclasses.fields(rollout)
+                            if getattr(rollout, f.name) is not None and f.name != "tree"})
+
+
+def _check_ar3po(settings: SelectionSettings, prompts_per_step: int, group_size: int) -> None:
+  stages = settings.ar3po.stages
+  if group_size % stages:
+    raise ValueError(f"config.selection.ar3po.stages = {stages} must divide "
+                     f"config.rollout.group_size = {group_size} (each stage samples "
+                     "group_size / stages completions of every unsolved prompt).")
+
+
 def pods_rollouts(settings: SelectionSettings, group_size: int) -> int:
   """PODS's n: config.selection.pods.rollouts, or 2 * group_size when it is 0."""
   return settings.pods.rollouts or 2 * group_size
@@ -530,3 +723,6 @@ SELECTION_RULES.register("adaptive", SelectionRule(_collect_adaptive, check=_che
                                                    equal_groups=False))
 SELECTION_RULES.register("pods", SelectionRule(_collect_pods, keeps_history=False,
                                                check=_check_pods))
+SELECTION_RULES.register("ar3po", SelectionRule(
+    _collect_ar3po, keeps_history=False, needs_pool=True, check=_check_ar3po,
+    equal_groups=False, stores_responses=lambda settings: settings.ar3po.reuse))

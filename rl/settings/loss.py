@@ -20,6 +20,7 @@ PROX_ESTIMATES = ("recompute", "loglinear")
 FIXABLE_DEFAULTS = dict(eps_low=0.2, eps_high=0.2, aggregation="seq_mean_token_mean")
 OBJECTIVE_FIXABLE = tuple(FIXABLE_DEFAULTS)
 VCPO_IS_LEVELS = ("sequence", "token")
+TOKEN_SUBSAMPLES = ("none", "urs", "rpc")
 
 
 def resolve_norm_len(norm_len: float, max_new_tokens: int) -> float:
@@ -101,6 +102,16 @@ class LossSettings(Settings):
   mu_eps_high: float = setting(1.0, "mu_grpo relaxed clip: ratio <= 1 + mu_eps_high where "
                                "A > 0 (default interval [1/2, 2])", low=0)
 
+  token_subsample: str = setting(
+      "none", "NAT (arXiv 2603.06619): train on a random subset of the completion tokens, "
+      "Horvitz-Thompson reweighted (rl/objectives/token_subsample.py): none | urs (each "
+      "token kept with probability token_keep) | rpc (a random prefix of every row, one cut "
+      "draw per batch: the batch gets shorter, and with rollout.train_length_buckets the step "
+      "cheaper)",
+      choices=TOKEN_SUBSAMPLES)
+  token_keep: float = setting(0.5, "NAT: the expected fraction of completion tokens trained "
+                              "(the paper's headline: 0.5)", low=0, low_open=True, high=1.0)
+
   def resolved(self, max_new_tokens: int | None = None,
                overrides: Mapping[str, object] | None = None) -> "LossSettings":
     """What the objective runs with: the fields it fixes (`overrides`, default the
@@ -127,10 +138,13 @@ class LossSettings(Settings):
 
   def fields_read(self) -> set[str]:
     """The fields the objective reads, with its corrections: name, corrections, kl_coef
-    and aggregation, its surrogate's (`Objective.reads`), its corrections', prox_estimate
-    when it needs proximal log-probs, norm_len with seq_mean_token_sum_norm."""
-    read = {"name", "corrections", "kl_coef", "aggregation",
+    and aggregation, token_subsample (and token_keep when it is on), its surrogate's
+    (`Objective.reads`), its corrections', prox_estimate when it needs proximal log-probs,
+    norm_len with seq_mean_token_sum_norm."""
+    read = {"name", "corrections", "kl_coef", "aggregation", "token_subsample",
             *getattr(_objective(self.name), "reads", ())}
+    if self.token_subsample != "none":
+      read.add("token_keep")
     for name in self.chain:
       read.update(_corrections().get_correction(name).fields.values())
     if self.needs_prox:
@@ -156,6 +170,12 @@ class LossSettings(Settings):
     if aggregation not in AGGREGATIONS:
       raise ValueError(f"Unknown config.loss.aggregation {aggregation!r}; known: {AGGREGATIONS}.")
     _corrections().check_chain(self.chain)
+    if self.token_subsample != "none" and not getattr(loss_fn, "per_token", True):
+      raise ValueError(f"config.loss.token_subsample = {self.token_subsample!r} with "
+                       f"config.loss.name = {self.name!r}: NAT reweights each kept token's "
+                       "term, and this objective's ratio is a sequence's, which a subset "
+                       "of its tokens would change; use a per-token objective (grpo, dapo, "
+                       "drgrpo, m2po, mu_grpo, ...) or token_subsample='none'.")
     if any(_corrections().get_correction(n).replaces_logp for n in self.chain) and not getattr(
         loss_fn, "per_token", True):
       raise ValueError(f"config.loss.name = {self.name!r} takes sequence-level ratios, which "

@@ -429,6 +429,12 @@ def _distillation(settings: RunSettings) -> None:
   if settings.distill.teacher and settings.rl.prefix_shared_forward:
     raise ValueError("config.distill needs the full per-token distributions of the batch; "
                      "turn config.rl.prefix_shared_forward off.")
+  if settings.distill.teacher and settings.loss.token_subsample != "none":
+    raise ValueError(f"config.loss.token_subsample = {settings.loss.token_subsample!r} with "
+                     "config.distill.teacher: NAT reweights the policy objective's kept "
+                     "tokens, and the distillation term would be taken over the kept tokens "
+                     "unweighted (a biased estimate); set loss.token_subsample='none' or "
+                     "distill.teacher=''.")
 
 
 _CROSS_CHECKS = (_batch_layout, _prefix_sharing, _speculative, _no_reference_policy, _groups,

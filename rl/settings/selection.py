@@ -1,5 +1,5 @@
 """config.selection: which prompts a GRPO step rolls out (uniform, DAPO dynamic sampling,
-GRESO's skip rule, adaptive allocation), with GRESO's and adaptive allocation's subsections.
+GRESO's skip rule, adaptive allocation, PODS, AR3PO), with the rules' subsections.
 
 The rules are in rl/rollouts/selection.py; this module imports no JAX, so the default config
 and the launcher's `--help` stay light.
@@ -64,6 +64,15 @@ class PodsSettings(Settings):
 
 
 @dataclasses.dataclass(frozen=True)
+class Ar3poSettings(Settings):
+  """AR3PO's adaptive rollout and response reuse (config.selection.ar3po)."""
+  SECTION = "selection.ar3po"
+  stages: int = setting(2, "rollout stages: each gives group_size / stages completions to "
+                        "every prompt with no exact answer yet", low=1)
+  reuse: bool = setting(True, "put a prompt's stored exact response into its all-wrong group")
+
+
+@dataclasses.dataclass(frozen=True)
 class SelectionSettings(Settings):
   """config.selection: which prompts a GRPO step rolls out, and how often.
 
@@ -77,13 +86,14 @@ class SelectionSettings(Settings):
   ValueError: config.selection.kind='greso' needs recurring prompts: set config.task.train_pool > 0 (the size of the finite prompt pool).
   """
   SECTION = "selection"
-  kind: str = setting("uniform", "uniform | dynamic (DAPO) | greso | adaptive | pods "
-                      "(SELECTION_RULES)")
+  kind: str = setting("uniform", "uniform | dynamic (DAPO) | greso | adaptive | pods | "
+                      "ar3po (SELECTION_RULES)")
   max_attempts: int = setting(8, "dynamic / greso: rollout rounds to fill a batch, then error",
                               low=1)
   greso: GresoSettings = nested(GresoSettings, "GRESO's skip rule")
   adaptive: AdaptiveSettings = nested(AdaptiveSettings, "adaptive allocation")
   pods: PodsSettings = nested(PodsSettings, "PODS max-variance down-sampling")
+  ar3po: Ar3poSettings = nested(Ar3poSettings, "AR3PO adaptive rollout and response reuse")
 
   @property
   def rule(self) -> "SelectionRule":
