@@ -1,6 +1,6 @@
 """Fewer tokens for the same learning, on the testbed: uniform GRPO against PODS
-max-variance down-sampling and NAT token subsampling (random prefix cut and uniform
-random tokens), 3 seeds, each cell's RL phase from its seed's shared warm start
+max-variance down-sampling, NAT token subsampling (random prefix cut and uniform random
+tokens) and AR3PO's adaptive rollout with response reuse, 3 seeds, each cell's RL phase from its seed's shared warm start
 (experiments/grids/warm_starts.py).
 
     python -m experiments.grid --spec=experiments/grids/warm_starts.py --out=runs/warm
@@ -21,6 +21,10 @@ number, only the time):
   update.
 - `nat_urs`: NAT's uniform random tokens, half in expectation: the estimator without the
   shorter update.
+- `ar3po`: AR3PO (arXiv 2509.25808): 4 rollouts of each prompt, 4 more only for the
+  prompts with no exact answer yet, and a prompt's earlier exact response reused in a group
+  left all wrong (the pool makes prompts recur about 3.75 times, so there is something to
+  reuse).
 """
 
 SEEDS = (0, 1, 2)
@@ -33,6 +37,7 @@ METHOD_FLAGS = {
     "pods": {"config.selection.kind": "pods", "config.selection.pods.rollouts": 16},
     "nat_rpc": {"config.loss.token_subsample": "rpc", "config.loss.token_keep": 0.5},
     "nat_urs": {"config.loss.token_subsample": "urs", "config.loss.token_keep": 0.5},
+    "ar3po": {"config.selection.kind": "ar3po", "config.selection.ar3po.stages": 2},
 }
 METHODS = tuple(METHOD_FLAGS)
 
