@@ -27,6 +27,10 @@ number, only the time):
   reuse).
 """
 
+import os
+
+from experiments.grids import pages
+
 SEEDS = (0, 1, 2)
 WARM_START = "runs/warm/runs/warm_s{seed}"  # experiments/grids/warm_starts.py's cells
 TRAIN_POOL = 256
@@ -47,3 +51,73 @@ SPEC = {"cells": [{"name": f"{method}_s{seed}", "module": "experiments.train", "
                              "config.rollout.train_length_buckets": str(LENGTH_BUCKETS),
                              **flags}}
                   for seed in SEEDS for method, flags in METHOD_FLAGS.items()]}
+
+
+# --- The page ---
+
+TARGET = 0.80  # held-out accuracy the methods race to (uniform GRPO ends near 0.87)
+
+
+def _to_target(result: dict, axis: str) -> float | None:
+  return pages.first_reaching(*pages.rl_curve(result, axis), TARGET)
+
+
+def _final(result: dict) -> float:
+  return result["summary"]["final_accuracy"]
+
+
+def _mean_step(result: dict, field: str) -> float | None:
+  return result["summary"]["rl_step_means"].get(field)
+
+
+def own_counters(name: str, group: list[dict]) -> str:
+  """What the method does per RL step, from its cells' step means: PODS's rows sampled,
+  NAT's kept share of tokens, AR3PO's rows sampled and responses reused."""
+  def mean(field):
+    return pages.mean_std([_mean_step(r, field) for r in group], 2)
+  if name == "nat_rpc" or name == "nat_urs":
+    return f"kept share {mean('token_subsample_kept_fraction')}"
+  if name == "ar3po":
+    return f"{mean('rollouts')} rows sampled, {mean('reused_responses')} reused"
+  return f"{mean('rollouts')} rows sampled"
+
+
+def _row(name: str, group: list[dict], uniform: list[dict]) -> str:
+  s = [r["summary"] for r in group]
+  return pages.table_row(name, group, [
+      pages.mean_std([x["final_accuracy"] for x in s]),
+      pages.paired_difference(group, uniform, _final) if name != "uniform" else "-",
+      pages.mean_std([x["tokens"]["sampled"] / 1e3 for x in s], 0) + "k",
+      pages.mean_std([x["tokens"]["trained"] / 1e3 for x in s], 0) + "k",
+      pages.per_seed([_to_target(r, "tokens") for r in group], lambda t: f"{t / 1e3:.0f}k"),
+      pages.per_seed([_to_target(r, "updates") for r in group], lambda u: f"{u:.0f}"),
+      pages.per_seed([_to_target(r, "seconds") for r in group], lambda t: f"{t:.0f}"),
+      pages.mean_std([x["time_s"]["rollout"] for x in s], 0),
+      pages.mean_std([x["time_s"]["train"] for x in s], 0),
+      own_counters(name, group)])
+
+
+def render_page(results: list[dict], page_path: str) -> str:
+  """The budget grid's table and figure from the finished cells' results (experiments.grid)."""
+  groups = pages.by_setting(results)
+  uniform = groups.get("uniform", [])
+  lines = [pages.provenance(results, len(SPEC["cells"])), "",
+           f"To {TARGET}: RL tokens sampled, optimiser updates and RL wall seconds before the "
+           f"first held-out evaluation at or above {TARGET} (per seed; - = never); paired: "
+           "final accuracy minus uniform GRPO's, seed by seed; rollout s and train s: the RL "
+           "phase's time sampling and scoring, and in train steps; the last column is what "
+           "the method did per step (means over the RL steps).", "",
+           pages.table_head(["method", "seeds", "final accuracy", "minus uniform's, paired",
+                             "RL tokens sampled", "tokens trained", "tokens to 0.80",
+                             "updates to 0.80", "seconds to 0.80", "rollout s", "train s",
+                             "per step"])]
+  lines += [_row(name, groups[name], uniform) for name in METHODS if name in groups]
+  stem = os.path.splitext(page_path)[0]
+  if results:
+    series = {name: groups.get(name, []) for name in METHODS}
+    pages.plot_panels([("accuracy per update", "updates", series),
+                       ("accuracy per RL token sampled", "tokens", series),
+                       ("accuracy per RL second", "seconds", series)], stem + ".png")
+    lines += ["", f"![accuracy against updates, tokens and seconds]({os.path.basename(stem)}"
+              ".png)"]
+  return "\n".join(lines) + "\n"
