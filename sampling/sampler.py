@@ -332,7 +332,8 @@ def put_rows(state: SamplerState, index: jax.Array, part: SamplerState) -> Sampl
 def decode(params, state: SamplerState, version: jax.Array, model_config: ModelConfig,
            sampling_config: SamplingConfig, max_steps: jax.Array | int | None = None, *,
            position_limit: jax.Array | None = None,
-           until: Callable[[SamplerState], jax.Array] | None = None) -> SamplerState:
+           until: Callable[[SamplerState], jax.Array] | None = None,
+           row_ids: jax.Array | None = None) -> SamplerState:
   """Decodes until every row is done, the slots run out, or `max_steps` more steps.
 
   Each step equals `decode_step`. Inside the loop the KV cache is held per layer in the
@@ -354,6 +355,9 @@ def decode(params, state: SamplerState, version: jax.Array, model_config: ModelC
     until: a predicate of the state (traced inside the loop); decoding stops as soon as it
       is true, e.g. "the target number of complete groups is reached" (APRIL). It sees
       every row, so rows are never compacted when it is given.
+  row_ids [B]: the id each row draws its tokens with (`draw_rows`; default its index). A
+    caller that continues some rows of an earlier, wider state (`take_rows`) passes their
+    indices there, so they draw exactly what they would have in the wide batch.
   """
   batch = state.done.shape[0]
   total = state.tokens.shape[1] - state.prompt_len
@@ -386,7 +390,7 @@ def decode(params, state: SamplerState, version: jax.Array, model_config: ModelC
     part = run_phase(end, take_rows(s, index), rows[index], budget[index])
     return put_rows(s, index, part)
 
-  rows = jnp.arange(batch)
+  rows = jnp.arange(batch) if row_ids is None else jnp.asarray(row_ids, jnp.int32)
   full_cache = transformer.to_decode_cache(state.cache)
   state = exhausted(state, position_limit)
   ends = phase_ends(total, sampling_config.phase_tokens)

@@ -1,7 +1,7 @@
 """Every combination of the RL phase's switches, through the launcher (experiments.train.run):
 
     rollout.kind x selection.kind x rl.async_ x rl.staleness x mesh.data
-    {independent, tree, partial} x {uniform, dynamic, greso, adaptive, pods, ar3po}
+    {independent, tree, partial, pruned} x {uniform, dynamic, greso, adaptive, pods, ar3po}
     x {False, True}
     x {0, 2} x {one device, data=2 x fsdp=4 on the 8 virtual CPU devices}
 
@@ -36,7 +36,7 @@ from rl import verdicts
 from tests.launcher_config import tiny_run_config
 from rl import wiring
 
-KINDS = ("independent", "tree", "partial")
+KINDS = ("independent", "tree", "partial", "pruned")
 SELECTIONS = ("uniform", "dynamic", "greso", "adaptive", "pods", "ar3po")
 STALENESS = 2
 COMBOS = list(itertools.product(KINDS, SELECTIONS, (False, True), (0, STALENESS)))
@@ -46,7 +46,8 @@ COMBOS = list(itertools.product(KINDS, SELECTIONS, (False, True), (0, STALENESS)
 QUICK = {("independent", "uniform", False, 0), ("tree", "uniform", False, STALENESS),
          ("partial", "uniform", True, 0), ("independent", "dynamic", False, STALENESS),
          ("independent", "greso", True, 0), ("independent", "adaptive", False, 0),
-         ("independent", "pods", False, 0), ("independent", "ar3po", False, 0)}
+         ("independent", "pods", False, 0), ("independent", "ar3po", False, 0),
+         ("pruned", "uniform", False, 0)}
 
 
 def index_reward(answer, entry):
@@ -93,6 +94,7 @@ def _config(workdir, kind, selection, async_, staleness, data):
       "mesh.data": data, "mesh.fsdp": 1 if data == 1 else -1})  # data=2 x fsdp=4: 8 devices
   c.task.difficulty = {"max_value": 100}
   c.rollout.tree.update(init_chains=2, fork_points=1, branches=2, rounds=1)  # 4 leaves
+  c.rollout.pruning.update(candidates=6, prefix_tokens=1)  # 6 started, 4 kept after 1 token
   c.selection.max_attempts = 30
   if selection == "greso":  # a pool of 2 prompts seen every round: position 0's all-zero
     # group makes it skipped with probability 0.99 each time it comes up again, at least
@@ -120,6 +122,8 @@ def _check_effect(records, kind, selection, async_, staleness):
   assert len(records) == 2 and all(np.isfinite(r["loss"]) for r in records)
   if kind == "tree":
     assert all(r["leaves"] >= 2 * 2 and r["decoded_tokens_per_leaf"] > 0 for r in records)
+  if kind == "pruned":  # 2 prompts x 6 started, 2 x 4 decoded to the end and trained
+    assert all(r["rollouts"] == 2 * 6 and r["pruned_rows"] == 2 * 2 for r in records)
   if kind == "partial":  # the pool holds 4 groups, a batch takes 2: 2 carry over each step
     assert all(r["groups_finished"] >= 2 and r["groups_in_flight"] > 0 for r in records)
   if selection == "uniform":

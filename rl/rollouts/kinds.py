@@ -7,6 +7,9 @@
                its leaves scored and tree advantages computed; one device.
   partial      resumable partial rollouts (APRIL / CoPRIS): a pool of group slots decoded in
                rounds, unfinished rows carried to the next step; one device.
+  pruned       arrol's online pruning: more rollouts than group_size start, a quality head
+               learned online keeps group_size of them after a prefix (rl/rollouts/pruning.py);
+               one device.
 
 config.rollout is `RolloutSettings` (rl/settings/rollout.py, with the tree's and
 speculative decoding's settings nested). `rl.wiring.validate` refuses a combination a kind's
@@ -24,6 +27,7 @@ from rl.objectives import advantages
 from rl.registry import Registry
 from rl.rollouts import partial as partial_rollout
 from rl.rollouts import producers
+from rl.rollouts import pruning
 from rl.settings.rollout import RolloutSettings
 from sampling import partial as partial_lib
 from sampling import tree as tree_lib
@@ -132,3 +136,12 @@ def _partial_producer(rollout: RolloutSettings, ctx, selection, max_staleness):
 ROLLOUT_KINDS.register("partial", RolloutKind(
     make_producer=_partial_producer, rows_per_prompt=_group_size, check=_check_partial,
     tools=True))
+
+
+ROLLOUT_KINDS.register("pruned", RolloutKind(
+    make_producer=lambda rollout, ctx, selection, max_staleness: pruning.producer(
+        ctx, rollout.pruning.resolved(rollout.group_size, rollout.max_new_tokens)),
+    rows_per_prompt=_group_size,
+    check=lambda rollout, tools: pruning.check(rollout.pruning, rollout.group_size,
+                                               rollout.max_new_tokens),
+    identical_prompt_groups=True))

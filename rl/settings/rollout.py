@@ -82,6 +82,29 @@ class SpeculativeSettings(Settings):
 
 
 @dataclasses.dataclass(frozen=True)
+class PruningSettings(Settings):
+  """config.rollout.pruning: arrol's online rollout pruning (rl/rollouts/pruning.py), used
+  when kind == 'pruned'."""
+  SECTION = "rollout.pruning"
+  candidates: int = setting(0, "rollouts started per prompt, pruned to group_size after "
+                            "prefix_tokens (0 = 2 * group_size)", low=0)
+  prefix_tokens: int = setting(0, "completion tokens decoded before the quality head "
+                               "decides (0 = max_new_tokens // 4)", low=0)
+  positive_share: float = setting(0.5, "share of the survivors taken from the highest "
+                                  "predicted success, the rest from the lowest (the target "
+                                  "positive-reward ratio rho)", low=0, high=1.0)
+  head_lr: float = setting(0.01, "Adam learning rate of the quality head", low=0,
+                           low_open=True)
+  head_steps: int = setting(4, "quality-head updates on each batch's survivors", low=0)
+
+  def resolved(self, group_size: int, max_new_tokens: int) -> "PruningSettings":
+    """The settings with their 0 defaults filled in."""
+    return dataclasses.replace(
+        self, candidates=self.candidates or 2 * group_size,
+        prefix_tokens=self.prefix_tokens or max(max_new_tokens // 4, 1))
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutSettings(Settings):
   """config.rollout: how the RL phase samples its batches.
 
@@ -103,8 +126,11 @@ class RolloutSettings(Settings):
   kind: str = setting("independent", "independent: group_size samples per prompt; tree: one "
                       "tree per prompt (sampling/tree.py); partial: a resumable pool of rows, "
                       "each round stops once prompts_per_step groups are complete (APRIL / "
-                      "CoPRIS; sampling/partial.py); ROLLOUT_KINDS")
+                      "CoPRIS; sampling/partial.py); pruned: more rollouts than group_size, "
+                      "cut back to group_size after a prefix by a learned quality head "
+                      "(arrol; rl/rollouts/pruning.py); ROLLOUT_KINDS")
   tree: TreeSettings = nested(TreeSettings, "used when kind == 'tree'")
+  pruning: PruningSettings = nested(PruningSettings, "used when kind == 'pruned'")
   num_slots: int = setting(0, "partial: pool rows (0 = 2 * prompts_per_step * group_size)",
                            low=0)
   resume: str = setting("kept_kv", "partial: kept_kv (cheap) | reprefill (exact pi_new)",
