@@ -1,6 +1,6 @@
 """Fewer tokens for the same learning, on the testbed: uniform GRPO against PODS
 max-variance down-sampling, NAT token subsampling (random prefix cut and uniform random
-tokens) and AR3PO's adaptive rollout with response reuse, 3 seeds, each cell's RL phase from its seed's shared warm start
+tokens), AR3PO's adaptive rollout with response reuse and arrol's learned pruning, 3 seeds, each cell's RL phase from its seed's shared warm start
 (experiments/grids/warm_starts.py).
 
     python -m experiments.grid --spec=experiments/grids/warm_starts.py --out=runs/warm
@@ -25,6 +25,9 @@ number, only the time):
   prompts with no exact answer yet, and a prompt's earlier exact response reused in a group
   left all wrong (the pool makes prompts recur about 3.75 times, so there is something to
   reuse).
+- `arrol`: arrol's online pruning (arXiv 2603.24840): 8 rollouts of each prompt start, and
+  after 12 tokens the quality head keeps 4 (its 2 most and 2 least promising), which decode
+  to the end and are trained: fewer tokens sampled and half the rows trained per update.
 """
 
 import os
@@ -35,6 +38,7 @@ SEEDS = (0, 1, 2)
 WARM_START = "runs/warm/runs/warm_s{seed}"  # experiments/grids/warm_starts.py's cells
 TRAIN_POOL = 256
 LENGTH_BUCKETS = (8, 16, 24, 32, 48, 64, 80)
+ARROL_PREFIX = 12  # tokens before the head decides: the first two or three ",k:state" steps
 
 METHOD_FLAGS = {
     "uniform": {},
@@ -42,6 +46,9 @@ METHOD_FLAGS = {
     "nat_rpc": {"config.loss.token_subsample": "rpc", "config.loss.token_keep": 0.5},
     "nat_urs": {"config.loss.token_subsample": "urs", "config.loss.token_keep": 0.5},
     "ar3po": {"config.selection.kind": "ar3po", "config.selection.ar3po.stages": 2},
+    "arrol": {"config.rollout.kind": "pruned", "config.rollout.group_size": 4,
+              "config.rollout.pruning.candidates": 8,
+              "config.rollout.pruning.prefix_tokens": ARROL_PREFIX},
 }
 METHODS = tuple(METHOD_FLAGS)
 
@@ -79,6 +86,9 @@ def own_counters(name: str, group: list[dict]) -> str:
     return f"kept share {mean('token_subsample_kept_fraction')}"
   if name == "ar3po":
     return f"{mean('rollouts')} rows sampled, {mean('reused_responses')} reused"
+  if name == "arrol":
+    return (f"{mean('rollouts')} rows started, {mean('pruned_rows')} pruned; head accuracy "
+            f"{mean('head_accuracy')}")
   return f"{mean('rollouts')} rows sampled"
 
 
