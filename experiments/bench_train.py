@@ -32,14 +32,6 @@ Four measurements, on the B1 decoder (f32) unless stated, best of --repeats afte
      policy (preset tiny2, the character vocabulary) on its RL batch (64 rows of 16 prompt +
      101 completion slots): GRPO alone, GRPO + the exact reverse KL to a teacher of the same
      shape, and pure OPD, alternated in each repetition, best of --repeats.
-  8. (--only=nat, alone) NAT token subsampling (config.loss.token_subsample) in the train
-     step: the testbed's policy on a batch of its RL shape with every completion slot
-     used (64 rows of 16 prompt + 101 completion tokens), cut to the budget grid's length
-     buckets (experiments/grids/budget.py): all tokens, a random prefix cut keeping 50% and
-     25% in expectation, and uniform random tokens at 50% (no cut). Each case trains on the
-     same 8 draws per pass (keys 0-7), the cases alternated pass by pass, best of
-     --repeats of the mean seconds per step; memory: XLA's temporary buffer bytes of the
-     compiled step at each draw's cut length, averaged over the draws.
   7. (--checkpoint, alone; B8) the GRPO step of item 2 on real weights (a HF folder, a .gguf
      or "smollm2", float32): 8 prompts x 4 completions x 128 new tokens (temperature 1,
      exactly 128 tokens per row), each prompt the first 64 tokens of a gsm_symbolic word
@@ -50,6 +42,14 @@ Four measurements, on the B1 decoder (f32) unless stated, best of --repeats afte
      (`experiments.peers.export_weights`), with the same prompt texts (the peer checks that its
      tokenizer gives Arbor's ids); the time each side spends sampling is reported beside
      the step. Best of --repeats after a compiling first step.
+  8. (--only=nat, alone) NAT token subsampling (config.loss.token_subsample) in the train
+     step: the testbed's policy on a batch of its RL shape with every completion slot used
+     (64 rows of 16 prompt + 101 completion tokens), cut to the default train length
+     buckets (24 and 48 completion slots, as in the budget grid): all tokens, a random
+     prefix cut keeping 50% and 25% in expectation, and uniform random tokens at 50% (no
+     cut). Each case trains on the same 8 draws per pass (keys 0-7), the cases alternated
+     pass by pass, best of --repeats of the mean seconds per step; memory: XLA's temporary
+     buffer bytes of the compiled step at each draw's cut length, averaged over the draws.
 Peers are skipped when the environment variable CI is set. Writes bench_train.json,
 bench_train.md and bench_train.png to --out (--only=lora: bench_train_lora.*, item 5 only;
 --only=distill: bench_train_distill.*; --only=nat: bench_train_nat.*; --checkpoint:
@@ -216,13 +216,13 @@ NAT_DRAWS = 8
 def nat_cost(repeats: int, smoke: bool) -> dict:
   """Item 8: seconds and working memory of the train step under NAT's token subsampling
   (module docstring), per case: the kept share of tokens, the mean trained length."""
-  from experiments.grids import budget  # pylint: disable=import-outside-toplevel
+  from rl.settings.rollout import RolloutSettings  # pylint: disable=import-outside-toplevel
   from models.tokenizer import CharTokenizer  # pylint: disable=import-outside-toplevel
   from rl.objectives import token_subsample  # pylint: disable=import-outside-toplevel
   config = get_preset("tiny2", vocab_size=CharTokenizer().vocab_size, max_seq_len=128)
-  groups, prompt_len, completion = (2, 4, 12) if smoke else (8, 16, 101)
+  groups, prompt_len, completion = (2, 4, 60) if smoke else (8, 16, 101)
   batch = random_rollout(config, groups, 8, prompt_len, completion)
-  buckets = [prompt_len + b for b in budget.LENGTH_BUCKETS if b < completion]
+  buckets = [prompt_len + b for b in RolloutSettings().train_length_buckets if b < completion]
   optimizer = train.make_optimizer(1e-5)
   plain = train.make_train_step(config, optimizer, GRPO)
   step = train.make_train_step(config, optimizer, GRPO, length_buckets=buckets)

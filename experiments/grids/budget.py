@@ -10,9 +10,10 @@ tokens), AR3PO's adaptive rollout with response reuse and arrol's learned prunin
 
 Cells (the default config otherwise: 120 RL steps of 8 prompts x 8 completions, GRPO,
 held-out greedy accuracy every 30 steps), all on the same finite pool of 256 train
-prompts (as the selection grid, B6) and with fine train length buckets, so that a batch
-whose rows are cut is trained at its cut length in every cell alike (trimming changes no
-number, only the time):
+prompts (so `uniform` is the selection grid's, B6, and equals it), with the default train
+length buckets (a batch is trained at 24 or 48 completion slots when its longest row fits,
+else at all 101; trimming changes no number, only the time; the shared warm starts were
+trained with them):
 - `uniform`: plain GRPO, 8 rollouts of each of the next 8 prompts.
 - `pods`: 16 rollouts of each prompt, trained on the 8 with the largest reward variance
   (PODS, arXiv 2504.13818): twice the sampling, the same update.
@@ -37,7 +38,6 @@ from experiments.grids import pages
 SEEDS = (0, 1, 2)
 WARM_START = "runs/warm/runs/warm_s{seed}"  # experiments/grids/warm_starts.py's cells
 TRAIN_POOL = 256
-LENGTH_BUCKETS = (8, 16, 24, 32, 48, 64, 80)
 ARROL_PREFIX = 12  # tokens before the head decides: the first two or three ",k:state" steps
 
 METHOD_FLAGS = {
@@ -55,7 +55,6 @@ METHODS = tuple(METHOD_FLAGS)
 SPEC = {"cells": [{"name": f"{method}_s{seed}", "module": "experiments.train", "seed": seed,
                    "flags": {"config.warm_start.init_from": WARM_START,
                              "config.task.train_pool": TRAIN_POOL,
-                             "config.rollout.train_length_buckets": str(LENGTH_BUCKETS),
                              **flags}}
                   for seed in SEEDS for method, flags in METHOD_FLAGS.items()]}
 
