@@ -135,6 +135,27 @@ def test_nat_gradient_is_unbiased_and_zero_on_untrained_tokens(name, scheme):
   assert np.abs(g - full)[mask].max() > 0.2 * scale
 
 
+@pytest.mark.parametrize("scheme", ["urs", "rpc"])
+def test_kept_tokens_have_the_full_batchs_log_probs(scheme):
+  """Subsampling changes which tokens train, never what a kept token is conditioned on:
+  under urs the dropped tokens stay context (prompt mask), under rpc only tokens after
+  every kept one leave; the policy's log-probs at the kept tokens equal the full batch's."""
+  from models import transformer  # pylint: disable=import-outside-toplevel
+  from models.config import get_preset  # pylint: disable=import-outside-toplevel
+  from rl.objectives import composite  # pylint: disable=import-outside-toplevel
+  config = get_preset("tiny2", vocab_size=50, max_seq_len=64)
+  params = transformer.init_params(config, jax.random.PRNGKey(0))
+  batch = _batch(_mask([3, 12, 20, 30]))
+  sub, _ = ts.TokenSubsample(scheme, 0.5, "token_mean")(batch, jax.random.PRNGKey(4))
+  kept = np.asarray(sub.completion_mask)
+  assert 0 < kept.sum() < np.asarray(batch.completion_mask).sum()
+  full_logp = np.asarray(composite.policy_logprobs(params, batch, config))
+  sub_logp = np.asarray(composite.policy_logprobs(params, sub, config))
+  np.testing.assert_allclose(sub_logp[kept], full_logp[kept], rtol=1e-5, atol=1e-5)
+  if scheme == "urs":
+    np.testing.assert_array_equal(np.asarray(sub.token_mask), np.asarray(batch.token_mask))
+
+
 def test_rpc_masks_the_slots_after_the_cut_and_the_batch_gets_shorter():
   mask = _mask([10, 20, 30], slots=40)
   batch = _batch(mask)
@@ -188,6 +209,8 @@ def test_token_subsample_through_the_launcher_trains_on_fewer_tokens(tmp_path, k
      r"token_subsample = 'urs' with config.loss.name = 'gspo'"),
     ({"loss.token_subsample": "rpc", "distill.teacher": "somewhere", "distill.coef": 1.0},
      r"token_subsample = 'rpc' with config.distill.teacher"),
+    ({"loss.token_subsample": "urs", "rl.prefix_shared_forward": True},
+     r"token_subsample = 'urs' keeps the tokens it drops as context"),
 ])
 def test_token_subsample_refusals(tmp_path, overrides, message):
   with pytest.raises(ValueError, match=message):

@@ -10,7 +10,8 @@ tokens), AR3PO's adaptive rollout with response reuse and arrol's learned prunin
 
 Cells (the default config otherwise: 120 RL steps of 8 prompts x 8 completions, GRPO,
 held-out greedy accuracy every 30 steps), all on the same finite pool of 256 train
-prompts (so `uniform` is the selection grid's, B6, and equals it), with the default train
+prompts (`uniform` has the selection grid's (B6) flags; its numbers differ from B6's,
+which ran from warm starts trained by older code), with the default train
 length buckets (a batch is trained at 24 or 48 completion slots when its longest row fits,
 else at all 101; trimming changes no number, only the time; the shared warm starts were
 trained with them):

@@ -8,8 +8,10 @@ kept, pi_t, so that E[sum_t s_t l_t / pi_t] = sum_t l_t. Rewards, rollouts and a
 are untouched. Two selection schemes:
 
   urs  Uniform Random Sampling: every completion token is kept independently with
-       probability `keep` (pi_t = keep). Saves no forward work on a padded batch (the
-       dropped tokens are still context for the kept ones); it is the estimator's baseline.
+       probability `keep` (pi_t = keep). A dropped token stays context for the tokens
+       after it (it moves from the completion mask to the prompt mask, as a tree's shared
+       prefix does), so the kept tokens' log-probs are exactly the full batch's; no
+       forward work is saved on a padded batch. It is the estimator's baseline.
   rpc  Random Prefix Cutting: each row keeps its first c completion tokens and drops the
        rest, which then need no forward at all (causal attention: no kept token sees them),
        so the batch is shorter and the train step cheaper (with
@@ -37,6 +39,15 @@ Choices the paper's abstract leaves open, made here:
 
 The subsample is drawn on the host after the advantage stage (rl.loop.produce_timed) from
 the iteration's key, so a resumed run draws the same subsets.
+
+Composes with every rollout kind (independent, tree, partial and pruned batches are cut
+alike; tests/test_token_subsample.py runs it through the launcher on independent, tree and
+partial rollouts), with the async loop and simulated staleness (the stage runs where the
+batch is made), with speculative decoding (it acts after sampling) and with tools (under
+rpc an environment's answers after the cut leave the batch with the tokens they follow),
+and with PPO minibatches (the weights are per minibatch). Refused: sequence-level
+objectives (above) and on-policy distillation, whose term would be taken over the kept
+tokens unweighted.
 """
 
 from __future__ import annotations
@@ -153,8 +164,10 @@ class TokenSubsample:
 
   def __call__(self, batch: Rollout, key: jax.Array) -> tuple[Rollout, dict]:
     """The batch with completion_mask the kept tokens and the advantages reweighted
-    (`horvitz_thompson_weights`); under rpc the slots after a row's last kept token are
-    masked out of it altogether (an environment's answers there are no longer context).
+    (`horvitz_thompson_weights`). Under urs a dropped token joins the prompt mask (still
+    context, never trained); under rpc the slots after a row's last kept token are masked
+    out of it altogether (nothing kept attends to them; an environment's answers there
+    are no longer context either).
     Metrics: token_subsample_kept_fraction, the kept share of the completion tokens."""
     mask = np.asarray(jax.device_get(batch.completion_mask), bool)
     shape = mask.shape if self.scheme == "urs" else (1,)
@@ -164,12 +177,15 @@ class TokenSubsample:
     weights = horvitz_thompson_weights(mask, kept, pi, self.aggregation, self.num_minibatches)
     advantages = np.asarray(jax.device_get(batch.advantages), np.float32)
     new = dict(completion_mask=kept, advantages=(advantages * weights).astype(np.float32))
-    if self.scheme == "rpc":
+    prompt_mask = np.asarray(jax.device_get(batch.prompt_mask), bool)
+    if self.scheme == "urs":
+      new["prompt_mask"] = prompt_mask | (mask & ~kept)
+    else:
       slots = np.arange(mask.shape[1])
       last_kept = np.where(kept, slots, -1).max(axis=1, keepdims=True)
       cut_rows = mask.any(axis=1, keepdims=True)
       before_cut = ~cut_rows | (slots <= last_kept)
-      new["prompt_mask"] = np.asarray(jax.device_get(batch.prompt_mask), bool) & before_cut
+      new["prompt_mask"] = prompt_mask & before_cut
       if batch.env_mask is not None:
         new["env_mask"] = np.asarray(jax.device_get(batch.env_mask), bool) & before_cut
     fraction = float(kept.sum()) / max(int(mask.sum()), 1)

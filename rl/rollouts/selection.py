@@ -41,7 +41,13 @@ selected by `config.selection.kind`, each a registered `SelectionRule` whose set
             stopped prompt did not sample being padding (no completion tokens, a
             singleton group of reward 0: zero advantage, left out of every loss mean but
             Dr.GRPO's constant normaliser); a reused row has no scored text (training
-            samples skip it).
+            samples skip it). A reused row is as old as the visit that sampled it: the
+            step's `staleness` metric counts it, and rl.max_staleness (which schedules
+            the async producer) does not bound it; the objective's clipping or
+            correction is what handles it, as for any off-policy row. With tools, the
+            stored row keeps its environment tokens.
+            Like adaptive allocation its groups differ in size, so the prefix-shared
+            forward and the 'group' draft source are refused with it.
 
 Prompt identity. With `train_pool = P > 0` the train split is a finite pool: data cursor c
 reads train position c mod P, so prompts recur once per epoch of P cursor steps and their

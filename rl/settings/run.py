@@ -303,6 +303,11 @@ def _prefix_sharing(settings: RunSettings) -> None:
   if rl.logprob_chunk:
     raise ValueError("config.rl.logprob_chunk chunks the plain forward's log-probs; the "
                      "prefix-shared forward has its own layout: turn one of them off.")
+  if settings.loss.token_subsample == "urs":
+    raise ValueError("config.loss.token_subsample = 'urs' keeps the tokens it drops as "
+                     "context after the prompt, which the prefix-shared forward does not "
+                     "allow; use token_subsample='rpc' or turn config.rl.prefix_shared_forward "
+                     "off.")
 
 
 def _speculative(settings: RunSettings) -> None:
