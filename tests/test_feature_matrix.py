@@ -142,7 +142,8 @@ def _check_effect(records, kind, selection, async_, staleness):
     # untrained policy rarely answers exactly (index_reward's odd-position scores are
     # partial credit), and a step with no exact answer samples both stages for both
     # prompts, stores nothing and so reuses nothing in the next
-    assert all(r["rollouts"] + r["padding_rows"] == 2 * 4 for r in records)
+    assert all(r["rollouts"] - r["stage_padding_rows"] + r["padding_rows"] == 2 * 4
+               for r in records)
     unsolved = [r for r in records if r["exact_match"] == 0]
     assert unsolved and all(r["rollout_rounds"] == 2 and r["rollouts"] == 2 * 4
                             for r in unsolved)

@@ -334,23 +334,26 @@ def _collect_ar3po(state, probs, cursor, calls, prompts=4, pool=4):
 
 
 def test_ar3po_stops_sampling_a_prompt_once_it_has_an_exact_answer():
-  """Two stages of G / 2 = 2: the prompts answered exactly in stage 1 (0 and 3) get no
-  stage 2; the batch keeps 4 x G rows, the unused ones padding rows of their own groups."""
+  """Two stages of G / 2 = 2: prompt 0, answered exactly in stage 1, gets no stage 2; the
+  other three do, sampled as four prompts (a power of two: the copy of prompt 3 is decoded
+  and dropped). The batch keeps 4 x G rows, the unused ones padding rows of their own
+  groups."""
   calls = []
   state = selection.init_state(4, _config("ar3po"), sequence_length=4)
-  collected = _collect_ar3po(state, np.array([1.0, 0.0, 0.0, 1.0]), 0, calls)
+  collected = _collect_ar3po(state, np.array([1.0, 0.0, 0.0, 0.0]), 0, calls)
   np.testing.assert_array_equal(calls[0], np.repeat([0, 1, 2, 3], 2))
-  np.testing.assert_array_equal(calls[1], np.repeat([1, 2], 2))
+  np.testing.assert_array_equal(calls[1], np.repeat([1, 2, 3, 3], 2))
   group = np.asarray(collected.rollout.group)
-  np.testing.assert_array_equal(group, [0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 4, 5, 6, 7])
+  np.testing.assert_array_equal(group, [0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 5])
   mask = np.asarray(collected.rollout.completion_mask)
-  assert mask[:12].any(axis=1).all() and not mask[12:].any()
+  assert mask[:14].any(axis=1).all() and not mask[14:].any()
   counters = collected.stats.counters
-  assert counters["rollouts"] == 12 and counters["padding_rows"] == 4
-  assert counters["reused_responses"] == 0  # nothing stored yet
-  # Prompts 0 and 3 are stored (their last exact row), 1 and 2 are not.
+  assert counters["rollouts"] == 16 and counters["stage_padding_rows"] == 2
+  assert counters["padding_rows"] == 2 and counters["reused_responses"] == 0
+  assert collected.stats.decoded_tokens == 16 * 2  # every decoded row, the dropped copy too
+  # Only prompt 0 is stored (its last exact row).
   memory = collected.selection.memory
-  np.testing.assert_array_equal(memory.stored, [True, False, False, True])
+  np.testing.assert_array_equal(memory.stored, [True, False, False, False])
   np.testing.assert_array_equal(memory.version[0], [-1, -1, 0, 0])
 
 

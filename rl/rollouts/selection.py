@@ -40,7 +40,10 @@ selected by `config.selection.kind`, each a registered `SelectionRule` whose set
             group_size rows of the other rules (one compiled train step), the rows a
             stopped prompt did not sample being padding (no completion tokens, a
             singleton group of reward 0: zero advantage, left out of every loss mean but
-            Dr.GRPO's constant normaliser); a reused row has no scored text (training
+            Dr.GRPO's constant normaliser); a later stage samples its waiting prompts
+            padded to a power of two (`stage_prompts`: a few sampler shapes, each
+            compiled once; the padding rows are decoded, counted and dropped); a reused
+            row has no scored text (training
             samples skip it). A reused row is as old as the visit that sampled it: the
             step's `staleness` metric counts it, and rl.max_staleness (which schedules
             the async producer) does not bound it; the objective's clipping or
@@ -576,12 +579,18 @@ def _collect_ar3po(state, cursor, rng, sample, *, settings, prompts_per_step, gr
   positions = train_position(np.arange(cursor, cursor + prompts_per_step), pool_size)
   unsolved = np.ones(prompts_per_step, bool)
   rounds, groups = [], []
+  decoded_rows = decoded_tokens = decode_steps = 0
   for stage in range(settings.ar3po.stages):
     waiting = np.flatnonzero(unsolved)
     if not waiting.size:
       break
-    samples = sample(np.repeat(positions[waiting], per_stage),
+    sampled = stage_prompts(waiting, prompts_per_step)
+    samples = sample(np.repeat(positions[sampled], per_stage),
                      rng if stage == 0 else jax.random.fold_in(rng, stage))
+    decoded_rows += len(sampled) * per_stage
+    decoded_tokens += int(np.asarray(samples.rollout.completion_mask).sum())
+    decode_steps += samples.decode_steps
+    samples = _first_rows(samples, len(waiting) * per_stage)
     group = np.repeat(waiting, per_stage)
     rounds.append(samples)
     groups.append(group)
@@ -609,9 +618,9 @@ def _collect_ar3po(state, cursor, rng, sample, *, settings, prompts_per_step, gr
   scored_lengths = _lengths([s.rollout for s in rounds])
   stats = statistics.batch_stats(
       sampled_rewards, exact, scored_lengths, _lengths([rollout]),
-      decoded_tokens=int(scored_lengths.sum()), scored=rounds, rows=rows + [None] * padding,
-      rollout_rounds=len(rounds), prompts_skipped=0, rollouts=len(group),
-      decode_steps=sum(s.decode_steps for s in rounds),
+      decoded_tokens=decoded_tokens, scored=rounds, rows=rows + [None] * padding,
+      rollout_rounds=len(rounds), prompts_skipped=0, rollouts=decoded_rows,
+      stage_padding_rows=decoded_rows - len(group), decode_steps=decode_steps,
       batch_informative_groups=float(informative.mean()),
       informative_rows=int(sum(len(r) for r, i in zip(trained_rewards, informative) if i)),
       reused_responses=int(reused.sum()), padding_rows=padding,
@@ -619,6 +628,28 @@ def _collect_ar3po(state, cursor, rng, sample, *, settings, prompts_per_step, gr
   return Collected(rollout=rollout,
                    exact=np.concatenate([exact | reused, np.zeros(padding, bool)]),
                    selection=state, cursor=cursor + prompts_per_step, stats=stats)
+
+
+def stage_prompts(waiting: np.ndarray, prompts_per_step: int) -> np.ndarray:
+  """The prompts a stage samples for the `waiting` ones: those, then copies of the last
+  up to the next power of two (at most prompts_per_step), so that the sampler sees at most
+  log2(prompts_per_step) + 1 batch shapes (each compiles once) instead of one per count;
+  the copies' rows are decoded and dropped (`stage_padding_rows`).
+
+  >>> stage_prompts(np.array([1, 4, 6]), 8).tolist()
+  [1, 4, 6, 6]
+  """
+  size = min(prompts_per_step, 1 << int(np.ceil(np.log2(len(waiting)))))
+  return np.concatenate([waiting, np.full(size - len(waiting), waiting[-1])])
+
+
+def _first_rows(samples: ScoredSamples, count: int) -> ScoredSamples:
+  """The first `count` rows of a scored sample (its counters stay whole)."""
+  if count == len(samples.exact):
+    return samples
+  rollout = jax.tree.map(lambda x: x[:count], samples.rollout)
+  return dataclasses.replace(samples, rollout=rollout, exact=samples.exact[:count],
+                             rows=samples.rows[:count], completions=samples.completions[:count])
 
 
 def _memory_row(memory: ResponseMemory, position: int, env_mask: bool) -> dict:
