@@ -27,6 +27,8 @@ trained with them):
   prompts with no exact answer yet, and a prompt's earlier exact response reused in a group
   left all wrong (the pool makes prompts recur about 3.75 times, so there is something to
   reuse).
+- `uniform_hard`, `ar3po_hard`: the hard setting (HARD_FLAGS, below), where AR3PO's
+  response reuse has all-wrong groups to act on.
 - `arrol`: arrol's online pruning (arXiv 2603.24840): 8 rollouts of each prompt start, and
   after 12 tokens the quality head keeps 4 (its 2 most and 2 least promising), which decode
   to the end and are trained: fewer tokens sampled and half the rows trained per update.
@@ -53,11 +55,24 @@ METHOD_FLAGS = {
 }
 METHODS = tuple(METHOD_FLAGS)
 
+# AR3PO's reuse needs groups that stay all wrong after every stage, for prompts solved on an
+# earlier visit: long problems early in RL. The hard setting trains on k >= 5 additions
+# only (61-101 tokens), from its own warm starts (experiments/grids/warm_starts.py's
+# `warm_hard` cells: 300 supervised steps on those problems), for 60 updates.
+HARD_FLAGS = {"config.task.difficulty.min_steps": 5, "config.warm_start.steps": 300}
+HARD_WARM_START = "runs/warm/runs/warm_hard_s{seed}"
+HARD_METHODS = ("uniform", "ar3po")
+
 SPEC = {"cells": [{"name": f"{method}_s{seed}", "module": "experiments.train", "seed": seed,
                    "flags": {"config.warm_start.init_from": WARM_START,
                              "config.task.train_pool": TRAIN_POOL,
                              **flags}}
-                  for seed in SEEDS for method, flags in METHOD_FLAGS.items()]}
+                  for seed in SEEDS for method, flags in METHOD_FLAGS.items()]
+         + [{"name": f"{method}_hard_s{seed}", "module": "experiments.train", "seed": seed,
+             "flags": {"config.warm_start.init_from": HARD_WARM_START,
+                       "config.task.train_pool": TRAIN_POOL, "config.rl.steps": 60,
+                       **HARD_FLAGS, **METHOD_FLAGS[method]}}
+            for seed in SEEDS for method in HARD_METHODS]}
 
 
 # --- The page ---
@@ -82,21 +97,24 @@ def own_counters(name: str, group: list[dict]) -> str:
   NAT's kept share of tokens, AR3PO's rows sampled and responses reused."""
   def mean(field):
     return pages.mean_std([_mean_step(r, field) for r in group], 2)
-  if name == "nat_rpc" or name == "nat_urs":
+  if name in ("nat_rpc", "nat_urs"):
     return f"kept share {mean('token_subsample_kept_fraction')}"
-  if name == "ar3po":
-    return f"{mean('rollouts')} rows sampled, {mean('reused_responses')} reused"
+  if name in ("ar3po", "ar3po_hard"):
+    return (f"{mean('rollouts')} rows sampled, {mean('reused_responses')} reused, "
+            f"informative groups {mean('batch_informative_groups')}")
   if name == "arrol":
     return (f"{mean('rollouts')} rows started, {mean('pruned_rows')} pruned; head accuracy "
             f"{mean('head_accuracy')}")
-  return f"{mean('rollouts')} rows sampled"
+  return (f"{mean('rollouts')} rows sampled, informative groups "
+          f"{mean('batch_informative_groups')}")
 
 
 def _row(name: str, group: list[dict], uniform: list[dict]) -> str:
   s = [r["summary"] for r in group]
   return pages.table_row(name, group, [
       pages.mean_std([x["final_accuracy"] for x in s]),
-      pages.paired_difference(group, uniform, _final) if name != "uniform" else "-",
+      pages.paired_difference(group, uniform, _final) if not name.startswith("uniform")
+      else "-",
       pages.mean_std([x["tokens"]["sampled"] / 1e3 for x in s], 0) + "k",
       pages.mean_std([x["tokens"]["trained"] / 1e3 for x in s], 0) + "k",
       pages.per_seed([_to_target(r, "tokens") for r in group], lambda t: f"{t / 1e3:.0f}k"),
@@ -122,6 +140,16 @@ def render_page(results: list[dict], page_path: str) -> str:
                              "updates to 0.80", "seconds to 0.80", "rollout s", "train s",
                              "per step"])]
   lines += [_row(name, groups[name], uniform) for name in METHODS if name in groups]
+  hard_uniform = groups.get("uniform_hard", [])
+  hard = [f"{name}_hard" for name in HARD_METHODS if f"{name}_hard" in groups]
+  if hard:
+    lines += ["", "The hard setting (k >= 5 additions only, its own warm starts, 60 updates; "
+              "tokens, updates and seconds to 0.80 rarely apply):", "",
+              pages.table_head(["method", "seeds", "final accuracy",
+                                "minus uniform's, paired", "RL tokens sampled",
+                                "tokens trained", "tokens to 0.80", "updates to 0.80",
+                                "seconds to 0.80", "rollout s", "train s", "per step"])]
+    lines += [_row(name, groups[name], hard_uniform) for name in hard]
   stem = os.path.splitext(page_path)[0]
   if results:
     series = {name: groups.get(name, []) for name in METHODS}

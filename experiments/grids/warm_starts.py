@@ -10,9 +10,11 @@ phase alone and every cell of a seed starts from the same parameters. The `teach
 is the on-policy distillation teacher: the seed-0 warm start trained on demonstrations
 without carry slips (held-out accuracy 0.96 against the students' 0.27-0.33). The
 `warm_tools` cells are the tool grid's (experiments/grids/tools.py): the same warm start
-with running_sum's adder, demonstrated at a share of the additions.
+with running_sum's adder, demonstrated at a share of the additions. The `warm_hard` cells
+are the budget grid's hard setting: 300 supervised steps on problems of 5 to 9 additions.
 """
 
+from experiments.grids import budget
 from experiments.grids import tools
 
 SEEDS = (0, 1, 2)
@@ -25,4 +27,7 @@ SPEC = {"cells": [{"name": "warm", "module": "experiments.train", "seeds": list(
                    "flags": {"config.rl.steps": 0,
                              "config.task.difficulty.teacher_carry_slip": "(0.0, 0.0)"}},
                   {"name": "warm_tools", "module": "experiments.train", "seeds": list(SEEDS),
-                   "flags": {"config.rl.steps": 0, **tools.TOOL_FLAGS}}]}
+                   "flags": {"config.rl.steps": 0, **tools.TOOL_FLAGS}},
+                  # The budget grid's hard setting (experiments/grids/budget.py).
+                  {"name": "warm_hard", "module": "experiments.train", "seeds": list(SEEDS),
+                   "flags": {"config.rl.steps": 0, **budget.HARD_FLAGS}}]}
