@@ -99,5 +99,5 @@ def test_a_rollout_kinds_declarations_decide_what_it_composes_with(tmp_path, toy
     wiring.validate(config)
   config = tiny_run_config(tmp_path, {"rollout.kind": "forest"})
   with pytest.raises(ValueError, match=r"Unknown rollout kind 'forest' \(config.rollout.kind\); "
-                                       "known: independent, partial, toy, tree"):
+                                       "known: independent, partial, pruned, toy, tree"):
     wiring.validate(config)
