@@ -638,19 +638,14 @@ def main(argv):
     return
   batch, length = step_shape
   step_batch = random_rollout(config, batch, 1, length // 5, length - length // 5)
-  if _ONLY.value == "distill":
+  alone = {"distill": (distill_overhead, distill_markdown), "nat": (nat_cost, nat_markdown)}
+  if _ONLY.value in alone:
+    measure, render = alone[_ONLY.value]
     load_before = load()
-    distill = distill_overhead(repeats, _SMOKE.value)
+    measured = measure(repeats, _SMOKE.value)
     result = {"device": str(jax.devices()[0]), "repeats": repeats, "load_before": load_before,
-              "load_after": load(), "distill": distill}
-    write_results(_OUT.value, "bench_train_distill", result, distill_markdown, None)
-    return
-  if _ONLY.value == "nat":
-    load_before = load()
-    nat = nat_cost(repeats, _SMOKE.value)
-    result = {"device": str(jax.devices()[0]), "repeats": repeats, "load_before": load_before,
-              "load_after": load(), "nat": nat}
-    write_results(_OUT.value, "bench_train_nat", result, nat_markdown, None)
+              "load_after": load(), _ONLY.value: measured}
+    write_results(_OUT.value, f"bench_train_{_ONLY.value}", result, render, None)
     return
   if _ONLY.value == "lora":
     load_before = load()
