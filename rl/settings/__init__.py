@@ -69,7 +69,9 @@ def nested(cls: type, doc: str) -> Any:
   return dataclasses.field(default=cls(), metadata=dict(doc=doc, nested=True))
 
 
-def _as_tuple(value):
+def as_tuple(value):
+  """A list as a tuple (a command-line flag gives a tuple field as a list), anything else
+  as it is: so that config values compare and hash alike however they were given."""
   return tuple(value) if isinstance(value, list) else value
 
 
@@ -95,7 +97,7 @@ class Settings:
       elif f.name in node:
         value = node[f.name]
         values[f.name] = (type(f.default).from_config(value) if _is_nested(f)
-                          else _as_tuple(value))
+                          else as_tuple(value))
     return cls(**values)
 
   @classmethod

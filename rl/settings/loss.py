@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Optional
 
-from rl.settings import Settings, setting
+from rl.settings import Settings, as_tuple, setting
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 PROX_ESTIMATES = ("recompute", "loglinear")
@@ -31,7 +31,6 @@ def resolve_norm_len(norm_len: float, max_new_tokens: int) -> float:
 
 def _same(a, b) -> bool:
   """Config values equal, tuples and lists alike (a flag gives a tuple as a list)."""
-  as_tuple = lambda v: tuple(v) if isinstance(v, (list, tuple)) else v
   return as_tuple(a) == as_tuple(b)
 
 

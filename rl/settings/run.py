@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from rl.settings import Settings, nested, setting
+from rl.settings import Settings, as_tuple, nested, setting
 from rl.settings.dataset import DatasetSettings
 from rl.settings.distill import DistillSettings
 from rl.settings.loss import LossSettings
@@ -134,7 +134,7 @@ class LoraSettings(Settings):
       return
     defaults = self.defaults()
     changed = [name for name in ("alpha", "targets")
-               if _as_tuple(getattr(self, name)) != _as_tuple(defaults[name])]
+               if as_tuple(getattr(self, name)) != as_tuple(defaults[name])]
     if changed:
       raise ValueError(f"config.lora.{changed[0]} = {getattr(self, changed[0])!r} has no "
                        "effect with config.lora.rank = 0 (LoRA off, RL trains full "
@@ -207,10 +207,6 @@ class MeshSettings(Settings):
   @property
   def is_single_device(self) -> bool:
     return (self.data, self.fsdp, self.tensor) == (1, 1, 1)
-
-
-def _as_tuple(value):
-  return tuple(value) if isinstance(value, (list, tuple)) else value
 
 
 @dataclasses.dataclass(frozen=True)
