@@ -51,6 +51,8 @@ import time
 from absl import app
 from absl import flags
 
+from experiments.peers.results_file import Part
+
 _OUT = flags.DEFINE_string("out", "runs/accelerator", "Output directory.")
 _SMOKE = flags.DEFINE_bool("smoke", False, "Tiny shapes (preset b1), one repetition, for any "
                            "host: replaces the shape flags not given.")
@@ -93,25 +95,6 @@ def settings() -> dict:
 
 # ----------------------------------------------------------------------------------------
 # The sections (each runs in its own process: `run_child`).
-
-
-class Part:
-  """A section's results file, rewritten whole after each case (a killed section keeps
-  what it measured)."""
-
-  def __init__(self, path: str, header: dict):
-    self.path, self.data = path, dict(header, cases=[])
-    self.write()
-
-  def add(self, case: dict) -> None:
-    self.data["cases"].append(case)
-    print(json.dumps(case), flush=True)
-    self.write()
-
-  def write(self) -> None:
-    with open(self.path + ".tmp", "w") as f:
-      json.dump(self.data, f, indent=1)
-    os.replace(self.path + ".tmp", self.path)
 
 
 def device_peak_bytes() -> int | None:

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import transformers
 
+from results_file import Part  # this folder
 import torch_peer  # this folder
 
 
@@ -47,24 +48,6 @@ def synchronize(device: str) -> None:
 
 def peak_bytes(device: str) -> int | None:
   return int(torch.cuda.max_memory_allocated()) if device == "cuda" else None
-
-
-class Part:
-  """The results file, rewritten whole after each case."""
-
-  def __init__(self, path: str, header: dict):
-    self.path, self.data = path, dict(header, cases=[])
-    self.write()
-
-  def add(self, case: dict) -> None:
-    self.data["cases"].append(case)
-    print(json.dumps(case), flush=True)
-    self.write()
-
-  def write(self) -> None:
-    with open(self.path + ".tmp", "w") as f:
-      json.dump(self.data, f, indent=1)
-    os.replace(self.path + ".tmp", self.path)
 
 
 def bench_generate(spec: dict, device: str, part: Part) -> None:

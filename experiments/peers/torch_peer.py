@@ -190,15 +190,7 @@ def bench_grpo(spec: dict) -> dict:
                             processing_class=tokenizer)
   times, generate_times = [], []
   # The sampling part of each step: TRL calls the model's `generate` (once per step here).
-  inner_generate = trainer.model.generate
-
-  def timed_generate(*a, **k):
-    start = time.perf_counter()
-    result = inner_generate(*a, **k)
-    generate_times.append(time.perf_counter() - start)
-    return result
-
-  trainer.model.generate = timed_generate
+  record_generate_times(trainer.model, generate_times)
 
   class Timer(transformers.TrainerCallback):
     def on_step_begin(self, *a, **k):
@@ -219,6 +211,32 @@ def bench_grpo(spec: dict) -> dict:
               model_dtype=str(next(trainer.model.parameters()).dtype),
               gradient_checkpointing=bool(getattr(trainer.model, "is_gradient_checkpointing",
                                                   False)))
+
+
+def record_generate_times(model, seconds: list) -> None:
+  """Wraps `model.generate` so that each call appends its wall seconds to `seconds` (the
+  sampling part of a TRL step)."""
+  inner = model.generate
+
+  def timed_generate(*a, **k):
+    start = time.perf_counter()
+    result = inner(*a, **k)
+    seconds.append(time.perf_counter() - start)
+    return result
+
+  model.generate = timed_generate
+
+
+def trl_main(run) -> None:
+  """The entry point of a TRL peer script: `run(spec)` on the JSON spec in argv[1], with the
+  spec's thread count, printed as one JSON line with the library versions."""
+  spec = json.loads(sys.argv[1])
+  torch.set_num_threads(spec.get("threads", os.cpu_count()))
+  import trl  # pylint: disable=import-outside-toplevel
+  result = {"torch": torch.__version__, "transformers": transformers.__version__,
+            "trl": trl.__version__}
+  result.update(run(spec))
+  print(json.dumps(result), flush=True)
 
 
 def main():

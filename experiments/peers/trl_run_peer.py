@@ -27,8 +27,9 @@ import os
 import sys
 import time
 
-import torch
 import transformers
+
+import torch_peer  # this folder
 
 
 def load_math_answer(path: str):
@@ -90,15 +91,7 @@ def run(spec: dict) -> dict:
                             train_dataset=datasets.Dataset.from_dict({"prompt": spec["prompts"]}),
                             processing_class=tokenizer, peft_config=lora)
   generated = []
-  inner_generate = trainer.model.generate
-
-  def timed_generate(*a, **k):
-    start = time.perf_counter()
-    result = inner_generate(*a, **k)
-    generated.append(time.perf_counter() - start)
-    return result
-
-  trainer.model.generate = timed_generate
+  torch_peer.record_generate_times(trainer.model, generated)
   steps_path = os.path.join(spec["out"], "steps.jsonl")  # appended: survives a resume
   logs_path = os.path.join(spec["out"], "logs.jsonl")
 
@@ -129,15 +122,5 @@ def run(spec: dict) -> dict:
           "checkpoints": sorted(glob.glob(os.path.join(spec["out"], "checkpoint-*")))}
 
 
-def main():
-  spec = json.loads(sys.argv[1])
-  torch.set_num_threads(spec.get("threads", os.cpu_count()))
-  import trl  # pylint: disable=import-outside-toplevel
-  result = {"torch": torch.__version__, "transformers": transformers.__version__,
-            "trl": trl.__version__}
-  result.update(run(spec))
-  print(json.dumps(result), flush=True)
-
-
 if __name__ == "__main__":
-  main()
+  torch_peer.trl_main(run)

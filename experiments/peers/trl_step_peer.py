@@ -30,14 +30,14 @@ gradient: the gradient itself, compared element by element).
 from __future__ import annotations
 
 import collections
-import json
 import os
-import sys
 import tempfile
 
 import numpy as np
 import torch
 import transformers
+
+import torch_peer  # this folder
 
 
 def lora_tensors(model) -> dict[str, torch.Tensor]:
@@ -162,15 +162,5 @@ def run(spec: dict) -> dict:
   return result
 
 
-def main():
-  spec = json.loads(sys.argv[1])
-  torch.set_num_threads(spec.get("threads", os.cpu_count()))
-  import trl  # pylint: disable=import-outside-toplevel
-  result = {"torch": torch.__version__, "transformers": transformers.__version__,
-            "trl": trl.__version__}
-  result.update(run(spec))
-  print(json.dumps(result), flush=True)
-
-
 if __name__ == "__main__":
-  main()
+  torch_peer.trl_main(run)

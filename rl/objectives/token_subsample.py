@@ -57,10 +57,8 @@ import dataclasses
 import jax
 import numpy as np
 
+from rl.settings.loss import AGGREGATIONS, TOKEN_SUBSAMPLES as SCHEMES
 from rl.types import Rollout
-
-SCHEMES = ("none", "urs", "rpc")
-AGGREGATIONS_WEIGHTED = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
 
 
 def completion_positions(completion_mask: np.ndarray) -> np.ndarray:
@@ -124,8 +122,8 @@ def horvitz_thompson_weights(completion_mask: np.ndarray, kept: np.ndarray, pi: 
   0 off `kept`.
   """
   mask, kept = np.asarray(completion_mask, bool), np.asarray(kept, bool)
-  if aggregation not in AGGREGATIONS_WEIGHTED:
-    raise ValueError(f"Unknown aggregation {aggregation!r}; known: {AGGREGATIONS_WEIGHTED}.")
+  if aggregation not in AGGREGATIONS:
+    raise ValueError(f"Unknown aggregation {aggregation!r}; known: {AGGREGATIONS}.")
   rows = mask.shape[0]
   if rows % num_minibatches:
     raise ValueError(f"{rows} rows do not split into {num_minibatches} minibatches.")
