@@ -2,7 +2,7 @@
 
     python -m experiments.eval --config.workdir=runs/default                 # newest checkpoint
     python -m experiments.eval --config.workdir=runs/short --steps=all --num_samples=16 --k=1,4,16
-    python -m experiments.eval --config=experiments/configs/smollm2_chain_sum.py --steps=initial \
+    python -m experiments.eval --config=experiments/configs/smollm2_basic_arithmetic.py --steps=initial \
         --num_samples=8 --k=1,8 --temperature=1      # the untrained policy: a task's headroom
 
 Takes the same `--config` (file and overrides) as experiments/train.py, so the task,

@@ -1,7 +1,7 @@
 """One GRPO update, Arbor against TRL, on the same weights and batch (B9; docs/real_model.md).
 
-    python -m experiments.trl_parity --config=experiments/configs/smollm2_chain_sum.py
-    python -m experiments.trl_parity --config=experiments/configs/smollm2_chain_sum.py \\
+    python -m experiments.trl_parity --config=experiments/configs/smollm2_basic_arithmetic.py
+    python -m experiments.trl_parity --config=experiments/configs/smollm2_basic_arithmetic.py \\
         --config.lora.rank=0 --parity_json=docs/results/b9/trl_parity_full.json     # full weights
 
 Arbor loads the run's policy (`--config`: model, LoRA, loss, learning rate, AdamW, gradient
