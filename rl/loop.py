@@ -221,8 +221,10 @@ def train_throughput(batch: Rollout, seconds: float) -> dict:
 
 def with_advantages(rollout: Rollout, ctx: LoopContext) -> Rollout:
   """The advantage stage: the produced batch with its per-token advantages, computed once
-  on the final batch by ctx.batch_advantages (whatever rounds, rejections or pool made it)."""
-  return rollout.replace(advantages=ctx.batch_advantages(rollout))
+  on the final batch by ctx.batch_advantages (whatever rounds, rejections or pool made it).
+  Step rewards (a process estimator's input) are consumed here: the batch goes on without
+  them."""
+  return rollout.replace(advantages=ctx.batch_advantages(rollout), step_rewards=None)
 
 
 def produce_timed(producer: Producer, ctx: LoopContext, state, params, version: int,

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 
 from rl.verdicts import Verdict
@@ -36,10 +36,12 @@ TRAIN_FIELDS = ("row", "group", "category", "reward", "advantage", "behavior_log
 @dataclasses.dataclass(frozen=True)
 class ScoredRow:
   """One scored completion as its scorer saw it: the example's prompt, the completion's
-  text (environment answers included) and the verdict."""
+  text (environment answers included) and the verdict; `example`, the task's Example it
+  answers (what rl.rewards' stage re-scores; not shown in samples)."""
   prompt: str
   completion: str
   verdict: Verdict
+  example: Any = None
 
 
 def spread_indices(num_examples: int, count: int) -> list[int]:

@@ -21,6 +21,15 @@ class TreeRows:
 
 
 @flax.struct.dataclass
+class StepRewards:
+  """Process rewards of a batch's rows (rl.rewards.step_rewards): value [B, T] float32, each
+  step's reward at the last token of the step (0 elsewhere); mask [B, T] bool, those tokens.
+  A row with no step has an empty mask."""
+  value: jax.Array
+  mask: jax.Array
+
+
+@flax.struct.dataclass
 class Rollout:
   """One training batch of B sequences of T slots (prompt left-padded, then completion).
 
@@ -39,6 +48,9 @@ class Rollout:
   env_mask [B, T]: with turns (rl.environments.turns), the tokens an environment wrote; they are
   context, in prompt_mask and never in completion_mask, so nothing trains on them (None
   without an environment).
+  step_rewards: per-step process rewards (`StepRewards`) for a process advantage stage
+  (rl.objectives.advantages.process_relative), which consumes them: the batch it returns
+  to the loop has None here (as every batch without process rewards).
   """
   tokens: jax.Array
   prompt_mask: jax.Array
@@ -52,6 +64,7 @@ class Rollout:
   ref_logp: Optional[jax.Array] = None
   tree: Optional[TreeRows] = None
   env_mask: Optional[jax.Array] = None
+  step_rewards: Optional[StepRewards] = None
 
   @property
   def token_mask(self) -> jax.Array:

@@ -22,6 +22,7 @@ from models import lora as lora_lib
 from models import transformer
 from rl import loop
 from rl import policy
+from rl import rewards
 from rl import tasks
 from rl import train
 from rl import warm_start
@@ -98,8 +99,10 @@ def validate(config: ml_collections.ConfigDict) -> None:
   it before anything else, so a bad config fails before the first training step: the typed
   settings' checks (`RunSettings.check`), the task's own settings (built here) and a warm
   start's source."""
-  settings(config).check()
-  build_task(config)  # a task's own settings (difficulty fields, prompt style) fail here
+  run = settings(config)
+  run.check()
+  task = build_task(config)  # a task's own settings (difficulty fields, prompt style) fail here
+  rewards.make_stage(run.reward, task, None, config.seed, run.advantage.is_process)
   if config.warm_start.init_from:
     warm_start.check_source(config.warm_start.init_from, config.warm_start.steps,
                             json.loads(config.to_json_best_effort()))
@@ -228,14 +231,24 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None, teache
                                         drafts=drafts, turns=turns))
   ctx = loop.LoopContext(
       batch=batch, train_step=step,
-      batch_advantages=rollout_settings(config).kind_spec.batch_advantages(
-          rollout_settings(config), advantages.get_advantage_fn(config.advantage.name)),
+      batch_advantages=batch_advantages(config),
       staleness=staleness_in_batches(config) if phase == RL else 0,
       publish=publish,
       train_samples=config.metrics.train_samples if phase == RL else 0,
       train_samples_every=config.metrics.train_samples_every,
       token_subsample=token_subsample(config, loss) if phase == RL else None)
   return ctx, optimizer
+
+
+def batch_advantages(config) -> advantages.BatchAdvantages:
+  """The advantage stage: a process estimator over the batch's step rewards (PURE), else
+  the rollout kind's stage over config.advantage.name's outcome estimator."""
+  advantage = settings(config).advantage
+  if advantage.is_process:
+    return advantages.process_relative(advantages.PROCESS_ADVANTAGES.get(advantage.name),
+                                       advantage.verifier_coef)
+  rollout = rollout_settings(config)
+  return rollout.kind_spec.batch_advantages(rollout, advantages.get_advantage_fn(advantage.name))
 
 
 def token_subsample(config, loss: losses.LossSettings) -> subsample_lib.TokenSubsample | None:
@@ -283,11 +296,17 @@ def new_train_state(config, model_config, params, optimizer, phase: str, mesh=No
 
 def make_rl_producer(config, ctx) -> producers.Producer:
   """The RL phase's batch producer (the one strategy-specific piece of the RL phase) for
-  the RL LoopContext `ctx`: config.rollout.kind's entry of rl.rollouts.kinds."""
+  the RL LoopContext `ctx`: config.rollout.kind's entry of rl.rollouts.kinds, its batches
+  leaving through the reward stage when config.reward or a process estimator asks for one
+  (rl.rewards)."""
   rollout = rollout_settings(config)
-  return rollout.kind_spec.make_producer(
+  producer = rollout.kind_spec.make_producer(
       rollout, ctx.batch, selection=selection.SelectionSettings.from_config(config.selection),
       max_staleness=config.rl.max_staleness)
+  run = settings(config)
+  stage = rewards.make_stage(run.reward, ctx.batch.task, ctx.batch.tokenizer, config.seed,
+                             run.advantage.is_process)
+  return producer if stage is None else rewards.with_reward_stage(producer, stage)
 
 
 def loop_state_like(config, model_config, params_like, phase: str, optimizer,

@@ -18,6 +18,7 @@ from rl.settings import dataset
 from rl.settings import distill
 from rl.settings import loss
 from rl.settings import model
+from rl.settings import reward
 from rl.settings import rollout
 from rl.settings import run
 from rl.settings import selection
@@ -78,6 +79,10 @@ def get_config() -> ml_collections.ConfigDict:
 
   # The advantage estimator (rl/settings/run.py AdvantageSettings).
   c.advantage = run.AdvantageSettings.config_section()
+
+  # What the trainer is rewarded with: a noisy verifier and its second opinion, or TTRL's
+  # majority vote (rl/rewards.py; rl/settings/reward.py RewardSettings declares each field).
+  c.reward = reward.RewardSettings.config_section()
 
   # On-policy distillation (docs/distillation.md; rl/settings/distill.py
   # DistillSettings declares each field).

@@ -304,3 +304,108 @@ def per_tree(estimator: Callable[..., jax.Array], prompt_len: int) -> BatchAdvan
                           path)
     return jnp.pad(token_adv, ((0, 0), (prompt_len, 0))) * batch.completion_mask
   return batch_advantages
+
+
+# --- Process advantages (PURE, arXiv 2504.15275): per-step rewards, per-token returns. ---
+
+
+def _suffix_sum(x: jax.Array) -> jax.Array:
+  """sum over positions >= t of x[:, t'], for every t: [B, T] -> [B, T]."""
+  return jnp.flip(jnp.cumsum(jnp.flip(x, axis=1), axis=1), axis=1)
+
+
+def _leave_one_out_mean(values: jax.Array, group: jax.Array) -> jax.Array:
+  """Mean of `values` over the other rows of each row's group [B] (0 for a group of one)."""
+  same = _same_group(group)
+  size = same.sum(axis=1)
+  return jnp.where(size > 1, (same @ values - values) / jnp.maximum(size - 1.0, 1.0), 0.0)
+
+
+def pure_advantages(step_value: jax.Array, step_mask: jax.Array, reward: jax.Array,
+                    group: jax.Array, completion_mask: jax.Array, *, form: str,
+                    verifier_coef: float = 1.0) -> jax.Array:
+  """PURE's process-reward returns (arXiv 2504.15275) as per-token advantages [B, T].
+
+  A row's steps j = 1..m end at tokens p_1 < ... < p_m with process rewards r_j (a perfect
+  process reward model's p(correct) - p(wrong): +1 or -1). Each form turns them into
+  per-step rewards r'_j whose return-to-go is the value of token t:
+  - min-form: r'_j = M_j - M_{j+1} with M_j = min over l >= j of r_l (M_{m+1} = 0), so
+    the return at a token of step t is min over j >= t of r_j: the worst step still ahead
+    (METHODS.md's exact min; PURE's code approximates a min with softmax(-r / 0.1) weights
+    over all steps, which we do not).
+  - sum-form: r'_j = r_j / m, so the return is the mean reward over the row's steps
+    summed from t on (PURE's code divides by the step count with its
+    disable_weighted_reward switch; the paper's comparison is this form's credit).
+  Baseline (PURE's `reward_baseline='step'`, a leave-one-out baseline per step): each row
+  has o = sum_j r'_j (its return at its first step), and b_i = the mean of o_k / m_k over
+  the other rows k of its group (o_k / m_k = 0 for a row without steps); every step
+  reward becomes r'_j - b_i, so token t's return is the form's value at t minus b_i times
+  the number of steps that end at or after t.
+  Verifier reward (PURE's PRM+VR mode): v_i = reward_i - 1 (0 for a pass, -1 for a
+  failure), centred leave-one-out over the group and added at the row's last token with
+  weight `verifier_coef`, so every completion token's return includes it. A group of one
+  has neither baseline: its verifier term is 0 (as RLOO's advantage) and its process
+  returns are the form's values.
+  Unlike PURE's code, step-end tokens keep their return (PURE zeroes their advantage: its
+  step separators are special tokens; a running_sum step ends on a digit the policy
+  chose).
+
+  Args:
+    step_value: [B, T] each step's reward at its last token (`rl.types.StepRewards`).
+    step_mask: [B, T] the steps' last tokens.
+    reward: [B] the outcome reward (the verifier's pass: 1).
+    group: [B] group ids.
+    completion_mask: [B, T] the tokens trained.
+    form: 'min' or 'sum'.
+    verifier_coef: weight of the verifier reward (0: process rewards alone).
+
+  Returns:
+    [B, T] advantages, 0 outside completion_mask.
+  """
+  if form not in ("min", "sum"):
+    raise ValueError(f"PURE credit form {form!r}: use 'min' or 'sum'.")
+  mask = step_mask & completion_mask
+  value = jnp.where(mask, step_value.astype(jnp.float32), 0.0)
+  steps = mask.sum(axis=1).astype(jnp.float32)
+  steps_ahead = _suffix_sum(mask.astype(jnp.float32))
+  if form == "min":
+    ahead = jax.lax.cummin(jnp.where(mask, value, jnp.inf), axis=1, reverse=True)
+    credit = jnp.where(steps_ahead > 0, ahead, 0.0)
+  else:
+    credit = _suffix_sum(value) / jnp.maximum(steps, 1.0)[:, None]
+  first = credit[:, 0]  # o_i: the return over all steps (a step ends after position 0)
+  per_step = jnp.where(steps > 0, first / jnp.maximum(steps, 1.0), 0.0)
+  baseline = _leave_one_out_mean(per_step, group)
+  returns = credit - baseline[:, None] * steps_ahead
+  verifier = reward.astype(jnp.float32) - 1.0
+  alone = _same_group(group).sum(axis=1) < 2
+  verifier = jnp.where(alone, 0.0, verifier - _leave_one_out_mean(verifier, group))
+  returns = returns + verifier_coef * verifier[:, None]
+  return jnp.where(completion_mask, returns, 0.0)
+
+
+# Process estimators fn(step_value, step_mask, reward, group, completion_mask, verifier_coef)
+# -> per-token advantages, by config.advantage.name (they need process rewards: the
+# task's `step_rewards`, rl/rewards.py).
+PROCESS_ADVANTAGES: Registry[Callable[..., jax.Array]] = Registry(
+    "process advantage estimator", "config.advantage.name")
+PROCESS_ADVANTAGES.register(
+    "pure_min", lambda *args, verifier_coef: pure_advantages(*args, form="min",
+                                                             verifier_coef=verifier_coef))
+PROCESS_ADVANTAGES.register(
+    "pure_sum", lambda *args, verifier_coef: pure_advantages(*args, form="sum",
+                                                             verifier_coef=verifier_coef))
+
+
+def process_relative(estimator: Callable[..., jax.Array], verifier_coef: float) -> BatchAdvantages:
+  """The advantage stage of batches with process rewards (`Rollout.step_rewards`, set by
+  rl.rewards' stage): `estimator` (a PROCESS_ADVANTAGES entry) over each row's steps."""
+  def batch_advantages(batch: Rollout) -> jax.Array:
+    if batch.step_rewards is None:
+      raise ValueError("A process advantage estimator (config.advantage.name = pure_min | "
+                       "pure_sum) needs the batch's step rewards; rl.wiring sets the reward "
+                       "stage that adds them (rl.rewards.RewardStage with process=True).")
+    steps = batch.step_rewards
+    return estimator(steps.value, steps.mask, batch.reward, batch.group,
+                     batch.completion_mask, verifier_coef=verifier_coef)
+  return batch_advantages

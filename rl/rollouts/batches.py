@@ -247,8 +247,8 @@ def with_rollout_failures(scores: scoring.Scores, stopped: np.ndarray,
 
 def scored_rows(examples: Sequence[Example], completions: Sequence[str],
                 judged: Sequence[verdicts.Verdict]) -> list[ScoredRow]:
-  """Each row's prompt, completion and verdict, in row order."""
-  return [ScoredRow(e.prompt, c, v) for e, c, v in zip(examples, completions, judged)]
+  """Each row's prompt, completion, verdict and example, in row order."""
+  return [ScoredRow(e.prompt, c, v, e) for e, c, v in zip(examples, completions, judged)]
 
 
 def score(task: Task, examples: Sequence[Example], completions: Sequence[str]) -> scoring.Scores:
@@ -369,7 +369,7 @@ def tree_sample_and_score(params, examples: Sequence[Example], *, task: Task,
   scored = [None] * len(leaf)
   for r, verdict in zip(rows, scores.verdicts):
     judged = verdicts.after_rollout(verdict, stopped=bool(stopped[r]), tool_failed=False)
-    scored[r] = ScoredRow(repeated[r].prompt, completions[r], judged)
+    scored[r] = ScoredRow(repeated[r].prompt, completions[r], judged, repeated[r])
   group = jnp.repeat(jnp.arange(len(examples), dtype=jnp.int32), policy.leaves)
   rollout = tree_rollout(generation, jnp.asarray(rewards, jnp.float32), group)
   return ScoredTree(rollout=rollout, completions=completions, exact=exact, rows=scored,

@@ -18,6 +18,7 @@ from rl.settings.dataset import DatasetSettings
 from rl.settings.distill import DistillSettings
 from rl.settings.loss import LossSettings
 from rl.settings.model import ModelSettings
+from rl.settings.reward import RewardSettings
 from rl.settings.rollout import RolloutSettings
 from rl.settings.selection import SelectionSettings
 from rl.settings.tools import ToolSettings
@@ -153,13 +154,32 @@ class LoraSettings(Settings):
 class AdvantageSettings(Settings):
   """config.advantage: the group advantage estimator."""
   SECTION = "advantage"
-  name: str = setting("grpo", "rl/objectives/advantages.py registry: grpo | drgrpo | rloo | "
-                      "median")
+  name: str = setting("grpo", "rl/objectives/advantages.py registries: grpo | drgrpo | rloo | "
+                      "median (outcome rewards), pure_min | pure_sum (PURE's process-reward "
+                      "credit, arXiv 2504.15275: the task's per-step rewards)")
+  verifier_coef: float = setting(1.0, "pure_min / pure_sum: weight of the verifier's outcome "
+                                 "reward beside the process rewards (PURE's PRM+VR; 0 = "
+                                 "process rewards alone)", low=0)
+
+  @property
+  def is_process(self) -> bool:
+    """Whether the estimator reads per-step process rewards."""
+    from rl.objectives import advantages  # pylint: disable=import-outside-toplevel
+    return self.name in advantages.PROCESS_ADVANTAGES.names()
 
   def check(self) -> None:
     super().check()
     from rl.objectives import advantages  # pylint: disable=import-outside-toplevel
-    advantages.get_advantage_fn(self.name)
+    known = advantages.ADVANTAGES.names() + advantages.PROCESS_ADVANTAGES.names()
+    if self.name not in known:
+      raise ValueError(f"Unknown advantage estimator {self.name!r} (config.advantage.name); "
+                       f"known: {', '.join(known)}.")
+    if not self.is_process:
+      if self.verifier_coef != 1.0:
+        raise ValueError(f"config.advantage.verifier_coef = {self.verifier_coef} weighs the "
+                         f"outcome reward beside process rewards, and config.advantage.name = "
+                         f"{self.name!r} reads none, so it would be ignored; leave it at 1.0 or "
+                         "use pure_min / pure_sum.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,6 +249,7 @@ class RunSettings(Settings):
   lora: LoraSettings = nested(LoraSettings, "LoRA adapters")
   loss: LossSettings = nested(LossSettings, "the objective")
   advantage: AdvantageSettings = nested(AdvantageSettings, "the advantage estimator")
+  reward: RewardSettings = nested(RewardSettings, "the reward stage")
   distill: DistillSettings = nested(DistillSettings, "on-policy distillation")
   selection: SelectionSettings = nested(SelectionSettings, "prompt selection")
   tools: ToolSettings = nested(ToolSettings, "the environment")
@@ -258,6 +279,7 @@ class RunSettings(Settings):
     self.model.check()
     self.loss.check()
     self.advantage.check()
+    self.reward.check()
     self.rollout.check()
     self.rollout.kind_spec.check(self.rollout, bool(self.tools.name))
     for rule in _CROSS_CHECKS:
@@ -438,5 +460,26 @@ def _distillation(settings: RunSettings) -> None:
                      "distill.teacher=''.")
 
 
+def _reward_stage(settings: RunSettings) -> None:
+  reward, process = settings.reward, settings.advantage.is_process
+  what = (f"config.advantage.name = {settings.advantage.name!r}" if process and not reward.active
+          else "an active config.reward (noise, second opinion or majority vote)")
+  if (reward.active or process) and settings.selection.kind != "uniform":
+    raise ValueError(f"{what} changes rewards after the batch is made, and config.selection.kind "
+                     f"= {settings.selection.kind!r} chooses prompts from the task's own "
+                     "rewards, which it would then read instead; set selection.kind='uniform'.")
+  if (reward.active or process) and settings.rollout.kind == "pruned":
+    raise ValueError(f"{what} changes rewards after the batch is made, and "
+                     "config.rollout.kind = 'pruned' trains its head on the task's own rewards; "
+                     "use another rollout kind.")
+  if process and settings.rollout.kind == "tree":
+    raise ValueError(f"{what} needs independent rows; a tree batch has its own advantage "
+                     "stage (config.rollout.tree.advantage). Use rollout.kind 'independent' or "
+                     "'partial', or an outcome estimator.")
+  if process and settings.tools.name:
+    raise ValueError(f"{what} places step rewards on the policy's tokens, and "
+                     "config.tools.name puts environment text between them; turn one off.")
+
+
 _CROSS_CHECKS = (_batch_layout, _prefix_sharing, _speculative, _no_reference_policy, _groups,
-                 check_composition, _tools, _distillation)
+                 check_composition, _tools, _distillation, _reward_stage)

@@ -206,6 +206,11 @@ class GsmTask:
     """True when the final answer equals the reference (format does not matter)."""
     return score(completion, example.entry["answer"], self.options.format_reward)[1]
 
+  def second_opinion(self, completion: str, example: Example) -> bool:
+    """A second verifier of a completion the rule scorer failed (rl.rewards): math-verify's
+    own extraction over the completion's tail (`math_answer.verified_anywhere`)."""
+    return math_answer.verified_anywhere(completion, example.entry["answer"])
+
   def verdict(self, completion: str, example: Example) -> verdicts.Verdict:
     """The final answer read and why it failed (`rl.tasks.math_answer.verdict`)."""
     gold = example.entry["answer"]

@@ -327,6 +327,30 @@ def _equals(answer: Answer, reference: fractions.Fraction) -> bool:
                      timeout_seconds=None))
 
 
+SECOND_OPINION_CHARS = 400  # the completion's tail math-verify's own extraction reads
+
+
+def verified_anywhere(completion: str, gold: str) -> bool:
+  """A second opinion on a completion the rule scorer failed: math-verify's own LaTeX
+  extraction (inline `$...$`, `\\(...\\)`, display math and boxes, with its "final answer"
+  priorities) over the last SECOND_OPINION_CHARS characters of the completion, compared with
+  the numeric `gold`. It reads answers the rule extraction misses, such as "the answer is
+  $\\frac{3}{4}$ of the 8 cakes" (the rule takes the last number, 8). TimeoutError after
+  VERIFY_TIMEOUT_S, as `equivalent`."""
+  reference = parse_number(gold)
+  if reference is None:
+    raise ValueError(f"Reference answer {gold!r} is not a numeral; the math task compares "
+                     "numeric answers only.")
+  text = until_eos(completion)[-SECOND_OPINION_CHARS:]
+  return _within(VERIFY_TIMEOUT_S, _verified_text, text, reference)
+
+
+def _verified_text(text: str, reference: fractions.Fraction) -> bool:
+  found = parse(text, extraction_config=[LatexExtractionConfig()], parsing_timeout=None)
+  return bool(found) and bool(verify(sympy.Rational(reference.numerator, reference.denominator),
+                                     found, timeout_seconds=None))
+
+
 def is_formatted(answer: Answer | None) -> bool:
   """True for a number given in a final-answer format: a box or a '####' line holding a
   plain numeral (not '\\boxed{answer}', a copied placeholder), not a number found only as

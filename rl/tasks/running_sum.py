@@ -59,6 +59,8 @@ _FINAL_TOTAL = re.compile(r"[0-9]{1,12}")
 # A state written with the adder (rl.environments.builtins.Adder): "?+step=" or "?previous+step=",
 # and its answer.
 _TOOL_STATE = re.compile(r"\?(?:[0-9]{1,12})?\+[0-9]{1,12}=([0-9]{1,12})")
+# One written state after its comma: "count:total" or "count:?[previous]+step=total".
+_STATE = re.compile(r"([0-9]):(?:([0-9]{1,12})|\?(?:([0-9]{1,12}))?\+([0-9])=([0-9]{1,12}))")
 # The text of a completion that is scored: up to the first newline or end-of-sequence
 # marker left in text decoded by a subword tokenizer.
 _STOP_STRINGS = ("\n", "<|endoftext|>", "<|im_end|>", "</s>")
@@ -265,6 +267,48 @@ def correct_leading_states(completion: str, problem: Problem) -> int:
   return problem.steps
 
 
+def step_rewards(completion: str, problem: Problem) -> list[tuple[int, float]]:
+  """The exact process reward of every written state: (the character offset in
+  `completion` just past the state, +1.0 when the step is right, else -1.0), in order.
+
+  Each ",count:total" of the scored text (`scored_text`) is a step. The first restates the
+  prompt's state and is right when it is exactly ",k:start". A later one is judged on its
+  own, given the state it reads (the convention of step-level process labels: is this step
+  a correct step?): right when its count is one less than the previous written count and
+  its total the previous written total plus the step (an adder call's answer counts as its
+  total; an adder call naming a previous total must name the written one), so a state after
+  count 0, a carry forgotten or a total copied wrong is -1, and the steps after a slip are
+  judged from what was written. Text that is not a state (junk after a comma) is a wrong
+  step; text before the first comma is none. Linear in the text's length; never
+  evaluates it."""
+  lead = len(completion) - len(completion.lstrip())
+  text = scored_text(completion)
+  rewards, position, previous = [], lead, None
+  for index, piece in enumerate(text.split(",")):
+    position += len(piece) + (1 if index else 0)
+    if not index:
+      continue
+    state = _STATE.fullmatch(piece)
+    count = total = None
+    named = None
+    if state:
+      count = int(state.group(1))
+      total = int(state.group(2) if state.group(2) is not None else state.group(5))
+      named = state.group(3)
+      if state.group(4) is not None and int(state.group(4)) != problem.step:
+        state = None
+    if previous is None:
+      right = state is not None and (count, total) == (problem.steps, problem.start) and (
+          state.group(2) is not None)
+    else:
+      right = (state is not None and previous[0] is not None and count == previous[0] - 1
+               and total == previous[1] + problem.step
+               and (named is None or int(named) == previous[1]))
+    rewards.append((position, 1.0 if right else -1.0))
+    previous = (count, total) if state is not None else (None, None)
+  return rewards
+
+
 class RunningSumTask:
   """The running_sum task: deterministic train/eval examples and the exact-answer reward.
 
@@ -383,6 +427,16 @@ class RunningSumTask:
 
   def exact_match(self, completion: str, example: Example) -> bool:
     return parse_final_answer(completion) == example.entry["total"]
+
+  def step_rewards(self, completion: str, example: Example) -> list[tuple[int, float]]:
+    """Exact per-step process rewards (`step_rewards`): (character offset past the step, +1
+    right / -1 wrong) for each written state."""
+    return step_rewards(completion, example.entry["problem"])
+
+  def second_opinion(self, completion: str, example: Example) -> bool:
+    """A second verifier of a completion a rule verifier failed (rl.rewards): here the
+    exact check itself, so it rescues every false negative."""
+    return self.exact_match(completion, example)
 
   def verdict(self, completion: str, example: Example) -> verdicts.Verdict:
     """The final total read (for a malformed one, its last state's text; none for no
