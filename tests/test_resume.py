@@ -45,8 +45,12 @@ def _final_meta(workdir):
 
 
 # LoRA: the kill falls in the RL phase, so the resume restores adapters, their optimiser
-# state and the frozen base (a checkpoint structure other than the warm start's).
-@pytest.mark.parametrize("overrides", [{}, {"lora.rank": 2}], ids=["full", "lora"])
+# state and the frozen base (a checkpoint structure other than the warm start's). TTRL: the
+# reward stage's vote memory (every RL step revisits the pool's 4 prompts, so its flip
+# counts in the logs read what the checkpoint restored).
+@pytest.mark.parametrize("overrides", [{}, {"lora.rank": 2},
+                                       {"reward.kind": "majority_vote", "task.train_pool": 4}],
+                         ids=["full", "lora", "ttrl"])
 @pytest.mark.slow
 def test_killed_during_save_resumes_bit_for_bit(overrides, tmp_path):
   reference = _tiny_config(tmp_path / "reference", overrides)

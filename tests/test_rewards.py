@@ -323,6 +323,19 @@ def test_each_reward_path_through_the_launcher(tmp_path):
   assert all(0 <= s["vote_label_agreement"] <= 1 for s in ttrl)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["partial", "tree"])
+def test_the_stage_wraps_every_rollout_kind(tmp_path, kind):
+  """A verifier that passes every wrong completion: every scored row trains with reward 1,
+  while the task's own reward (the truth) is unchanged."""
+  launcher.run(_config(tmp_path / "plain", {"rollout.kind": kind}))
+  launcher.run(_config(tmp_path / "fp", {"rollout.kind": kind, "reward.false_positive": 1.0}))
+  plain, fp = _rl_steps(tmp_path / "plain"), _rl_steps(tmp_path / "fp")
+  assert [s["trained_reward_mean"] for s in fp] == [1.0, 1.0]
+  assert [s["reward_mean"] for s in fp] == [s["reward_mean"] for s in plain]
+  assert fp[0]["verifier_false_positives"] == fp[0]["verifier_wrong_rows"] > 0
+
+
 @pytest.mark.parametrize("overrides,message", [
     ({"reward.kind": "majority_vote", "reward.false_negative": 0.2},
      r"false_negative = 0.2 injects verifier errors"),

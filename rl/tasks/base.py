@@ -35,7 +35,10 @@ class Task(Protocol):
   the method `verdict(completion, example) -> rl.verdicts.Verdict`: why a completion
   failed (no_answer, malformed, wrong_value; or correct), the answer the scorer read and
   the target, shown in samples and counted at every evaluation. Without it a failure is
-  wrong_value and the target is `Example.answer` (docs/add_task.md)."""
+  wrong_value and the target is `Example.answer` (docs/add_task.md). For the reward stage
+  (rl/rewards.py, docs/rewards.md): `step_rewards(completion, example) -> [(offset, reward)]`
+  (process rewards, per step: the character offset just past it) and
+  `second_opinion(completion, example) -> bool` (a second verifier)."""
   name: str
   prompt_style: str
   seed: int
