@@ -4,15 +4,16 @@ seconds), how to override its fields, and the killed-run script of the resume te
 import textwrap
 
 from experiments.configs import chain_sum_compact
+from experiments.configs import default
 
 
-def tiny_run_config(workdir, overrides: dict | None = None):
-  """`experiments/configs/chain_sum_compact.py` (answers of a few tokens) with tiny sizes:
-  3 warm-start steps of 8, 2 GRPO steps of 2 prompts x 4 completions, 16 held-out items
-  evaluated and checkpoints saved every 2 steps. `overrides` maps dotted field paths
-  ("rl.steps", "rollout.tree.rounds") to values.
+def tiny_run_config(workdir, overrides: dict | None = None, base=chain_sum_compact):
+  """`experiments/configs/chain_sum_compact.py` (answers of a few tokens; or another config
+  module `base`) with tiny sizes: 3 warm-start steps of 8, 2 GRPO steps of 2 prompts x 4
+  completions, 16 held-out items evaluated and checkpoints saved every 2 steps. `overrides`
+  maps dotted field paths ("rl.steps", "rollout.tree.rounds") to values.
   """
-  c = chain_sum_compact.get_config()
+  c = base.get_config()
   c.workdir = str(workdir)
   c.task.eval_size = 16
   c.warm_start.steps = 3
@@ -24,6 +25,13 @@ def tiny_run_config(workdir, overrides: dict | None = None):
   c.eval.batch_size = 16
   c.checkpoint.every = 2
   return apply_overrides(c, overrides)
+
+
+def tiny_running_sum_config(workdir, overrides: dict | None = None):
+  """The default run (running_sum) at `tiny_run_config`'s sizes, on problems of 1-3
+  additions."""
+  return tiny_run_config(workdir, {"task.difficulty.max_steps": 3, **(overrides or {})},
+                         base=default)
 
 
 def apply_overrides(c, overrides: dict | None):

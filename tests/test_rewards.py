@@ -1,7 +1,6 @@
 """The reward stage (rl/rewards.py) and PURE's process advantages: each against a hand
 computation or a slow reference, then each path through the launcher, then its refusals."""
 
-import collections
 import json
 import os
 
@@ -10,7 +9,6 @@ import numpy as np
 import pytest
 
 from experiments import train as launcher
-from experiments.configs import default
 from models.tokenizer import CharTokenizer
 from rl import rewards
 from rl import verdicts
@@ -20,8 +18,8 @@ from rl.tasks import make_task
 from rl.tasks import math_answer
 from rl.tasks.running_sum import Problem, step_rewards, worked_solution
 from rl.verdicts import Verdict
-from tests.launcher_config import apply_overrides
 from tests.launcher_config import tiny_run_config
+from tests.launcher_config import tiny_running_sum_config
 
 
 # --- PURE's process advantages ---
@@ -272,24 +270,6 @@ def test_flip_counter_follows_each_prompt_between_visits():
 # --- Through the launcher ---
 
 
-def _config(workdir, overrides):
-  """The default running_sum run shrunk to seconds: 3 warm-start steps, 2 RL steps of 2
-  prompts x 4 completions, problems of 1-3 additions."""
-  c = default.get_config()
-  c.workdir = str(workdir)
-  c.task.eval_size = 16
-  c.task.difficulty.max_steps = 3
-  c.warm_start.steps = 3
-  c.warm_start.batch_size = 8
-  c.rl.steps = 2
-  c.rollout.prompts_per_step = 2
-  c.rollout.group_size = 4
-  c.eval.every = 2
-  c.eval.batch_size = 16
-  c.checkpoint.every = 2
-  return apply_overrides(c, overrides)
-
-
 def _rl_steps(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [json.loads(line) for line in f if '"phase": "rl"' in line and '"loss"' in line]
@@ -301,12 +281,12 @@ def test_each_reward_path_through_the_launcher(tmp_path):
   rewards every row 1 while the true reward stays the task's; the second opinion is called
   on every row the verifier failed; PURE adds step rewards and changes the loss of the same
   first batch; the vote's memory sees the pool's prompts again at step 2."""
-  launcher.run(_config(tmp_path / "grpo", {}))
-  launcher.run(_config(tmp_path / "fp", {"reward.false_positive": 1.0}))
-  launcher.run(_config(tmp_path / "second", {"reward.false_negative": 0.5,
+  launcher.run(tiny_running_sum_config(tmp_path / "grpo", {}))
+  launcher.run(tiny_running_sum_config(tmp_path / "fp", {"reward.false_positive": 1.0}))
+  launcher.run(tiny_running_sum_config(tmp_path / "second", {"reward.false_negative": 0.5,
                                              "reward.second_opinion": True}))
-  launcher.run(_config(tmp_path / "pure", {"advantage.name": "pure_min"}))
-  launcher.run(_config(tmp_path / "ttrl", {"reward.kind": "majority_vote",
+  launcher.run(tiny_running_sum_config(tmp_path / "pure", {"advantage.name": "pure_min"}))
+  launcher.run(tiny_running_sum_config(tmp_path / "ttrl", {"reward.kind": "majority_vote",
                                            "task.train_pool": 2}))
   grpo, fp, second, pure, ttrl = (_rl_steps(tmp_path / n)
                                   for n in ("grpo", "fp", "second", "pure", "ttrl"))
@@ -328,8 +308,8 @@ def test_each_reward_path_through_the_launcher(tmp_path):
 def test_the_stage_wraps_every_rollout_kind(tmp_path, kind):
   """A verifier that passes every wrong completion: every scored row trains with reward 1,
   while the task's own reward (the truth) is unchanged."""
-  launcher.run(_config(tmp_path / "plain", {"rollout.kind": kind}))
-  launcher.run(_config(tmp_path / "fp", {"rollout.kind": kind, "reward.false_positive": 1.0}))
+  launcher.run(tiny_running_sum_config(tmp_path / "plain", {"rollout.kind": kind}))
+  launcher.run(tiny_running_sum_config(tmp_path / "fp", {"rollout.kind": kind, "reward.false_positive": 1.0}))
   plain, fp = _rl_steps(tmp_path / "plain"), _rl_steps(tmp_path / "fp")
   assert [s["trained_reward_mean"] for s in fp] == [1.0, 1.0]
   assert [s["reward_mean"] for s in fp] == [s["reward_mean"] for s in plain]
@@ -350,7 +330,7 @@ def test_the_stage_wraps_every_rollout_kind(tmp_path, kind):
 ])
 def test_reward_refusals(tmp_path, overrides, message):
   with pytest.raises(ValueError, match=message):
-    launcher.run(_config(tmp_path / "run", overrides))
+    launcher.run(tiny_running_sum_config(tmp_path / "run", overrides))
   assert not (tmp_path / "run").exists()
 
 

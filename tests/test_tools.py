@@ -27,7 +27,6 @@ import orbax.checkpoint as ocp
 import pytest
 
 from experiments import train as launcher
-from experiments.configs import default
 from models import transformer
 from models.config import get_preset
 from models.tokenizer import CharTokenizer
@@ -46,7 +45,7 @@ from rl.types import Rollout
 from sampling import partial
 from sampling.sampler import SamplingConfig
 from tests import tool_environments
-from tests.launcher_config import KILLED_RUN, apply_overrides, without_clock
+from tests.launcher_config import KILLED_RUN, tiny_running_sum_config, without_clock
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = CharTokenizer()
@@ -452,24 +451,10 @@ def _tool_run_config(workdir, overrides=None):
   """The running_sum testbed with the adder, shrunk to seconds: problems of 1-3 additions,
   every one demonstrated with the tool (tool_share 1), 40 warm-start steps, 2 RL steps of 2
   prompts x 4 completions, 16 held-out problems."""
-  c = default.get_config()
-  c.workdir = str(workdir)
-  c.task.eval_size = 16
-  c.task.difficulty.max_steps = 3
-  c.task.difficulty.tool_share = 1.0
-  c.tools.name = "adder"
-  c.rollout.max_new_tokens = 80
-  c.rollout.train_length_buckets = ()
-  c.warm_start.steps = 40
-  c.warm_start.batch_size = 16
-  c.warm_start.learning_rate = 3e-3
-  c.rl.steps = 2
-  c.rollout.prompts_per_step = 2
-  c.rollout.group_size = 4
-  c.eval.every = 2
-  c.eval.batch_size = 16
-  c.checkpoint.every = 2
-  return apply_overrides(c, overrides)
+  return tiny_running_sum_config(workdir, {
+      "task.difficulty.tool_share": 1.0, "tools.name": "adder", "rollout.max_new_tokens": 80,
+      "rollout.train_length_buckets": (), "warm_start.steps": 40, "warm_start.batch_size": 16,
+      "warm_start.learning_rate": 3e-3, **(overrides or {})})
 
 
 def _records(workdir):
