@@ -110,10 +110,10 @@ class SecondOpinion:
     self.reward_limits = getattr(task, "reward_limits", scoring.DEFAULT_LIMITS)
 
   def reward(self, completion: str, example) -> float:
+    """1.0 when the second scorer passes the completion. There is no `exact_match`: the
+    scoring worker then takes a reward of 1 as the exact match, so each completion costs
+    one call."""
     return 1.0 if self.task.second_opinion(completion, example) else 0.0
-
-  def exact_match(self, completion: str, example) -> bool:
-    return self.reward(completion, example) == 1.0
 
 
 def second_opinion(judge: SecondOpinion, rewards: np.ndarray, rows: Sequence) -> tuple[np.ndarray, dict]:

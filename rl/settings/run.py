@@ -462,22 +462,28 @@ def _distillation(settings: RunSettings) -> None:
 
 def _reward_stage(settings: RunSettings) -> None:
   reward, process = settings.reward, settings.advantage.is_process
-  what = (f"config.advantage.name = {settings.advantage.name!r}" if process and not reward.active
-          else "an active config.reward (noise, second opinion or majority vote)")
-  if (reward.active or process) and settings.selection.kind != "uniform":
-    raise ValueError(f"{what} changes rewards after the batch is made, and config.selection.kind "
-                     f"= {settings.selection.kind!r} chooses prompts from the task's own "
-                     "rewards, which it would then read instead; set selection.kind='uniform'.")
-  if (reward.active or process) and settings.rollout.kind == "pruned":
-    raise ValueError(f"{what} changes rewards after the batch is made, and "
-                     "config.rollout.kind = 'pruned' trains its head on the task's own rewards; "
-                     "use another rollout kind.")
-  if process and settings.rollout.kind == "tree":
-    raise ValueError(f"{what} needs independent rows; a tree batch has its own advantage "
-                     "stage (config.rollout.tree.advantage). Use rollout.kind 'independent' or "
-                     "'partial', or an outcome estimator.")
+  name = f"config.advantage.name = {settings.advantage.name!r}"
+  if reward.active and settings.selection.kind != "uniform":
+    raise ValueError("An active config.reward (noise, second opinion or majority vote) changes "
+                     f"rewards after the batch is made, and config.selection.kind = "
+                     f"{settings.selection.kind!r} chooses prompts from the task's own rewards, "
+                     "which it would then read instead; set selection.kind='uniform'.")
+  if reward.active and settings.rollout.kind == "pruned":
+    raise ValueError("An active config.reward (noise, second opinion or majority vote) changes "
+                     "rewards after the batch is made, and config.rollout.kind = 'pruned' trains "
+                     "its head on the task's own rewards; use another rollout kind.")
+  if process and settings.selection.kind != "uniform":
+    raise ValueError(f"{name} reads step rewards of rows scored for this batch, and "
+                     f"config.selection.kind = {settings.selection.kind!r} may train rows no "
+                     "scorer saw this step (AR3PO's reused responses would get no step "
+                     "reward); process estimators run with selection.kind='uniform'.")
+  if process and settings.rollout.kind not in ("independent", "partial"):
+    raise ValueError(f"{name} needs independent rows (rollout.kind 'independent' or "
+                     f"'partial'); config.rollout.kind = {settings.rollout.kind!r} "
+                     + ("has its own advantage stage (config.rollout.tree.advantage)."
+                        if settings.rollout.kind == "tree" else "is not one of them."))
   if process and settings.tools.name:
-    raise ValueError(f"{what} places step rewards on the policy's tokens, and "
+    raise ValueError(f"{name} places step rewards on the policy's tokens, and "
                      "config.tools.name puts environment text between them; turn one off.")
 
 
