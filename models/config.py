@@ -1,4 +1,5 @@
-"""Configuration of the Llama / Qwen2 / Qwen3 decoder family, with named presets."""
+"""Configuration of the Llama / Qwen2 / Qwen3 decoder family and its mixture-of-experts
+variants (Qwen3-MoE, Mixtral), with named presets."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ class ModelConfig:
     n_heads: query heads.
     n_kv_heads: key/value heads (grouped-query attention; divides n_heads).
     head_dim: width of one attention head.
-    mlp_dim: hidden width of the SwiGLU MLP.
+    mlp_dim: hidden width of the SwiGLU MLP; in a mixture-of-experts model, of each expert
+      (Qwen3-MoE's `moe_intermediate_size`, Mixtral's `intermediate_size`).
     rope_theta: RoPE base frequency.
     norm_eps: RMSNorm epsilon.
     qkv_bias: add biases to the q/k/v projections (Qwen2).
@@ -35,6 +37,16 @@ class ModelConfig:
     remat: what the layer scan keeps for the backward of a training forward (no cache):
       'none' every activation, 'full' each layer's input only (the rest is recomputed),
       'dots' each layer's input and matmul outputs (`models.transformer.REMAT_POLICIES`).
+    num_experts: 0 for a dense SwiGLU MLP in every block; otherwise every block's MLP is a
+      mixture of this many SwiGLU experts (models/moe.py).
+    experts_per_token: experts each token is routed to (top-k; MoE only).
+    routing: 'softmax_topk' (Qwen3-MoE, Qwen2-MoE) or 'topk_softmax' (Mixtral).
+    normalize_routing: with 'softmax_topk', divide the k weights by their sum (Qwen3-MoE's
+      `norm_topk_prob`); False keeps the raw probabilities (Qwen2-MoE).
+    shared_expert_dim: width of an always-on shared SwiGLU expert scaled by a sigmoid gate,
+      as in Qwen2-MoE (0 = none).
+    moe_dispatch: 'ragged' (capacity-free grouped matmul, `jax.lax.ragged_dot`) or 'dense'
+      (every expert on every token: the reference, O(num_experts) compute).
   """
 
   vocab_size: int
@@ -53,6 +65,12 @@ class ModelConfig:
   dtype: str = "float32"
   compute_dtype: str = ""
   remat: str = "none"
+  num_experts: int = 0
+  experts_per_token: int = 0
+  routing: str = "softmax_topk"
+  normalize_routing: bool = True
+  shared_expert_dim: int = 0
+  moe_dispatch: str = "ragged"
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
@@ -73,6 +91,41 @@ class ModelConfig:
                        "parameters' dtype), 'float32' or 'bfloat16'.")
     if self.remat not in ("none", "full", "dots"):
       raise ValueError(f"ModelConfig.remat={self.remat!r}: use 'none', 'full' or 'dots'.")
+    self._check_experts()
+
+  def _check_experts(self):
+    if self.num_experts < 0 or self.experts_per_token < 0 or self.shared_expert_dim < 0:
+      raise ValueError("ModelConfig.num_experts, experts_per_token and shared_expert_dim must "
+                       "be >= 0.")
+    if not self.num_experts:
+      if self.experts_per_token or self.shared_expert_dim:
+        raise ValueError(
+            f"ModelConfig.experts_per_token={self.experts_per_token}, shared_expert_dim="
+            f"{self.shared_expert_dim} need a mixture-of-experts model: set num_experts.")
+      return
+    if not 1 <= self.experts_per_token <= self.num_experts:
+      raise ValueError(f"ModelConfig.experts_per_token={self.experts_per_token} must be in "
+                       f"[1, num_experts={self.num_experts}].")
+    if self.num_experts > 32767:
+      raise ValueError(f"ModelConfig.num_experts={self.num_experts}: at most 32767 (expert "
+                       "ids are recorded as int16).")
+    if self.routing not in ("softmax_topk", "topk_softmax"):
+      raise ValueError(f"ModelConfig.routing={self.routing!r}: use 'softmax_topk' "
+                       "(Qwen3-MoE, Qwen2-MoE) or 'topk_softmax' (Mixtral).")
+    if self.moe_dispatch not in ("ragged", "dense"):
+      raise ValueError(f"ModelConfig.moe_dispatch={self.moe_dispatch!r}: use 'ragged' or "
+                       "'dense'.")
+
+  @property
+  def is_moe(self) -> bool:
+    """Whether the blocks' MLPs are mixtures of experts."""
+    return self.num_experts > 0
+
+  @property
+  def expert_id_dtype(self):
+    """The dtype expert ids are recorded in (the sampler's routing record): uint8 up to
+    256 experts, else int16."""
+    return jnp.dtype(jnp.uint8 if self.num_experts <= 256 else jnp.int16)
 
   @property
   def jnp_dtype(self):
@@ -126,6 +179,21 @@ PRESETS = {
     "llama3_1_8b": ModelConfig(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32,
                                n_kv_heads=8, head_dim=128, mlp_dim=14336, rope_theta=500000.0,
                                norm_eps=1e-5, tie_embeddings=False, max_seq_len=131072),
+    # Mixture-of-experts presets. tiny2_moe: the testbed's MoE policy, tiny2 with each
+    # MLP replaced by 8 experts of width 256, top 2: the same MLP width per token as tiny2.
+    "tiny2_moe": ModelConfig(vocab_size=64, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
+                             head_dim=32, mlp_dim=256, max_seq_len=64, tie_embeddings=True,
+                             rope_theta=100.0, num_experts=8, experts_per_token=2),
+    # Shapes only (the memory planner): Qwen/Qwen3-30B-A3B and
+    # mistralai/Mixtral-8x7B-v0.1, from their config.json files.
+    "qwen3_30b_a3b": ModelConfig(vocab_size=151936, d_model=2048, n_layers=48, n_heads=32,
+                                 n_kv_heads=4, head_dim=128, mlp_dim=768, rope_theta=1000000.0,
+                                 norm_eps=1e-6, qk_norm=True, tie_embeddings=False,
+                                 max_seq_len=40960, num_experts=128, experts_per_token=8),
+    "mixtral_8x7b": ModelConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32,
+                                n_kv_heads=8, head_dim=128, mlp_dim=14336, rope_theta=1000000.0,
+                                norm_eps=1e-5, tie_embeddings=False, max_seq_len=32768,
+                                num_experts=8, experts_per_token=2, routing="topk_softmax"),
 }
 
 

@@ -79,7 +79,13 @@ def adapter_count(config: ModelConfig, lora: LoraConfig) -> int:
 
 
 def check_rank(config: ModelConfig, lora: LoraConfig) -> None:
-  """Raises ValueError when r exceeds a target's smaller side (a full-rank update or more)."""
+  """Raises ValueError when r exceeds a target's smaller side (a full-rank update or more),
+  or a mixture-of-experts model is given MLP targets (its experts take no adapters)."""
+  mlp = sorted(set(lora.targets) & {"gate", "up", "down"})
+  if config.is_moe and mlp:
+    raise ValueError(f"LoRA targets {mlp} are dense-MLP projections; this model's MLPs are "
+                     "mixtures of experts, which take no adapters: set config.lora.targets "
+                     "to attention projections (q, k, v, o).")
   for target in lora.targets:
     d_in, d_out = projection_shape(config, target)
     if lora.rank > min(d_in, d_out):

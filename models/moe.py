@@ -20,7 +20,10 @@ Routing replay (R3, arXiv 2510.11370; `replay_weights`): the trainer's forward t
 experts the sampler chose for each token and layer, and weighs them by its own router's
 probabilities renormalised over those experts (softmax of its logits restricted to them), so
 gradients still reach the router through the weights while the expert choice is the
-sampler's.
+sampler's. R3 states the rule for renormalising families (Qwen3-MoE, Mixtral); for
+`softmax_topk` without normalisation (Qwen2-MoE) we replay the family's own weighting, the
+full softmax's probabilities at the replayed experts (our choice: replaying the router's
+own top-k then reproduces its own forward exactly, as it does for the other families).
 """
 
 from __future__ import annotations
@@ -49,11 +52,17 @@ def route(logits: jax.Array, k: int, routing: str, normalize: bool = True
   return weights, experts
 
 
-def replay_weights(logits: jax.Array, experts: jax.Array) -> jax.Array:
-  """R3's weights [N, k]: the router's probabilities over the given (replayed) experts
-  [N, k], renormalised over them: softmax of the logits [N, E] gathered at those experts."""
-  chosen = jnp.take_along_axis(logits.astype(jnp.float32), experts, axis=-1)
-  return jax.nn.softmax(chosen, axis=-1)
+def replay_weights(logits: jax.Array, experts: jax.Array, routing: str = "softmax_topk",
+                   normalize: bool = True) -> jax.Array:
+  """R3's weights [N, k] for the given (replayed) experts [N, k] from router logits [N, E]:
+  the router's probabilities renormalised over those experts (softmax of the logits
+  gathered there); for `softmax_topk` without normalisation, the full softmax's
+  probabilities there (module docstring)."""
+  logits = logits.astype(jnp.float32)
+  experts = experts.astype(jnp.int32)
+  if routing == "softmax_topk" and not normalize:
+    return jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), experts, axis=-1)
+  return jax.nn.softmax(jnp.take_along_axis(logits, experts, axis=-1), axis=-1)
 
 
 def _swiglu(x, gate, up, down):

@@ -1,4 +1,5 @@
-"""A Llama / Qwen2 / Qwen3 decoder as pure functions of a parameter pytree.
+"""A Llama / Qwen2 / Qwen3 decoder, and its mixture-of-experts variants (Qwen3-MoE,
+Mixtral), as pure functions of a parameter pytree.
 
 The policy is `forward(params, tokens, positions, kv_mask, config, cache, cache_index)`:
 no module objects, no hidden state, so samplers, losses and sharding rules all see the
@@ -12,12 +13,22 @@ F = mlp_dim, V = vocab_size):
   layers/q [L, D, H*E]        layers/k, layers/v [L, D, K*E]     layers/o [L, H*E, D]
   layers/q_bias [L, H*E], layers/k_bias, layers/v_bias [L, K*E]     (qkv_bias only)
   layers/q_norm, layers/k_norm [L, E]                               (qk_norm only)
-  layers/gate, layers/up [L, D, F]     layers/down [L, F, D]
+  layers/gate, layers/up [L, D, F]     layers/down [L, F, D]          (dense MLP)
+  layers/router [L, D, X]                                             (MoE, X = num_experts)
+  layers/expert_gate, layers/expert_up [L, X, D, F]   layers/expert_down [L, X, F, D]
+  layers/shared_gate, layers/shared_up [L, D, S]   layers/shared_down [L, S, D]
+  layers/shared_scale [L, D, 1]                       (MoE with a shared expert of width S)
   final_norm [D]
   lm_head [D, V]                                                     (untied only)
 
 RoPE uses the "rotate half" layout of Hugging Face checkpoints; GGUF loaders undo
 llama.cpp's interleaving permutation before parameters reach this module.
+
+Mixture-of-experts models (`ModelConfig.num_experts` > 0) route each token to k experts
+per block (models/moe.py). A cached forward records the experts each token used in the
+cache (`cache['experts']` [L, B, S, k], `ModelConfig.expert_id_dtype`), so a sampler's
+routing travels with its KV slots; an uncached forward can replay recorded experts
+(`experts` [B, T, L, k], R3) and reports its own routing (`hidden_states_with_routing`).
 """
 
 from __future__ import annotations
@@ -25,10 +36,13 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+from typing import NamedTuple
+
 import chex
 import jax
 import jax.numpy as jnp
 
+from models import moe
 from models.config import ModelConfig
 
 Params = dict[str, Any]
@@ -45,7 +59,7 @@ def init_params(config: ModelConfig, rng: jax.Array, init_std: float = 0.02) -> 
   """
   c = config
   dtype = c.jnp_dtype
-  keys = iter(jax.random.split(rng, 9))
+  keys = iter(jax.random.split(rng, 14))
   out_std = init_std / (2 * c.n_layers) ** 0.5
 
   def normal(shape, std):
@@ -60,10 +74,20 @@ def init_params(config: ModelConfig, rng: jax.Array, init_std: float = 0.02) -> 
       "v": normal((L, D, kv_width), init_std),
       "o": normal((L, q_width, D), out_std),
       "mlp_norm": jnp.ones((L, D), dtype),
-      "gate": normal((L, D, F), init_std),
-      "up": normal((L, D, F), init_std),
-      "down": normal((L, F, D), out_std),
   }
+  if c.is_moe:
+    X, S = c.num_experts, c.shared_expert_dim
+    layers.update(router=normal((L, D, X), init_std),
+                  expert_gate=normal((L, X, D, F), init_std),
+                  expert_up=normal((L, X, D, F), init_std),
+                  expert_down=normal((L, X, F, D), out_std))
+    if S:
+      layers.update(shared_gate=normal((L, D, S), init_std), shared_up=normal((L, D, S), init_std),
+                    shared_down=normal((L, S, D), out_std),
+                    shared_scale=normal((L, D, 1), init_std))
+  else:
+    layers.update(gate=normal((L, D, F), init_std), up=normal((L, D, F), init_std),
+                  down=normal((L, F, D), out_std))
   if c.qkv_bias:
     layers.update(q_bias=jnp.zeros((L, q_width), dtype), k_bias=jnp.zeros((L, kv_width), dtype),
                   v_bias=jnp.zeros((L, kv_width), dtype))
@@ -77,11 +101,17 @@ def init_params(config: ModelConfig, rng: jax.Array, init_std: float = 0.02) -> 
 
 
 def init_cache(config: ModelConfig, batch_size: int, max_len: int | None = None) -> KVCache:
-  """An empty KV cache of `max_len` slots (default `config.max_seq_len`) per row."""
+  """An empty KV cache of `max_len` slots (default `config.max_seq_len`) per row; an MoE
+  model's also holds the routing record 'experts' [L, B, S, k] (the experts each slot's
+  token used in each layer)."""
   max_len = config.max_seq_len if max_len is None else max_len
   shape = (config.n_layers, batch_size, max_len, config.n_kv_heads, config.head_dim)
   dtype = config.compute_jnp_dtype
-  return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+  cache = {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+  if config.is_moe:
+    cache["experts"] = jnp.zeros(
+        (config.n_layers, batch_size, max_len, config.experts_per_token), config.expert_id_dtype)
+  return cache
 
 
 def compute_params(params: Params, config: ModelConfig) -> Params:
@@ -204,19 +234,75 @@ def _swiglu_backward(residuals, d_out):
 swiglu.defvjp(_swiglu_forward, _swiglu_backward)
 
 
-def _finish_block(x, attn, layer, config: ModelConfig):
-  """Adds the attention output [B,T,H*E] (projected) and the SwiGLU MLP to the residual."""
+class Routed(NamedTuple):
+  """One MoE block's routing of tokens [B, T]: `own` [B, T, k] int32 the router's top-k
+  experts, `used` [B, T, k] int32 the experts the block ran (the replayed ones under
+  replay, else `own`), `logits` [B, T, X] float32 the router logits."""
+  own: jax.Array
+  used: jax.Array
+  logits: jax.Array
+
+
+class RouterStats(NamedTuple):
+  """What an uncached MoE forward reports (`hidden_states_with_routing`): `experts`
+  [B, T, L, k] int32 the experts each layer's own router ranks top-k at each token (under
+  replay: what it would have chosen, not what it ran); `load_balancing` [L] and `z_loss`
+  [L] the auxiliary losses (`moe.load_balancing_loss`, `moe.router_z_loss`) over the real
+  tokens (kv_mask)."""
+  experts: jax.Array
+  load_balancing: jax.Array
+  z_loss: jax.Array
+
+
+def _moe_mlp(h, layer, config: ModelConfig, experts=None):
+  """The mixture-of-experts MLP on h [B, T, D]: (output [B, T, D], `Routed`). `experts`
+  [B, T, k] replays those experts (R3: `moe.replay_weights`) instead of the router's
+  top-k. A shared expert (Qwen2-MoE) adds sigmoid(h @ shared_scale) x its SwiGLU."""
+  c = config
+  b, t, d = h.shape
+  flat = h.reshape(b * t, d)
+  logits = (flat @ layer["router"]).astype(jnp.float32)
+  weights, own = moe.route(logits, c.experts_per_token, c.routing, c.normalize_routing)
+  used = own
+  if experts is not None:
+    used = experts.reshape(b * t, -1).astype(jnp.int32)
+    weights = moe.replay_weights(logits, used, c.routing, c.normalize_routing)
+  dispatch = moe.experts_ragged if c.moe_dispatch == "ragged" else moe.experts_dense
+  out = dispatch(flat, weights, used, layer["expert_gate"], layer["expert_up"],
+                 layer["expert_down"])
+  if c.shared_expert_dim:
+    scale = jax.nn.sigmoid((flat @ layer["shared_scale"]).astype(jnp.float32))
+    shared = swiglu(flat, layer["shared_gate"], layer["shared_up"], layer["shared_down"])
+    out = out + (scale * shared.astype(jnp.float32)).astype(out.dtype)
+  split = lambda a: a.reshape(b, t, *a.shape[1:])
+  return split(out).astype(h.dtype), Routed(split(own), split(used), split(logits))
+
+
+def _finish_block(x, attn, layer, config: ModelConfig, experts=None):
+  """Adds the attention output [B,T,H*E] (projected) and the MLP (SwiGLU, or the MoE with
+  optional replayed `experts` [B, T, k]) to the residual: (x, `Routed` or None)."""
   x = x + attn @ layer["o"]
   h = rms_norm(x, layer["mlp_norm"], config.norm_eps)
-  return x + swiglu(h, layer["gate"], layer["up"], layer["down"])
+  if config.is_moe:
+    out, routed = _moe_mlp(h, layer, config, experts)
+    return x + out, routed
+  return x + swiglu(h, layer["gate"], layer["up"], layer["down"]), None
 
 
-def _block(x, layer, positions, mask, config: ModelConfig):
-  """One pre-norm decoder block without a cache."""
+def _block(x, layer, positions, mask, config: ModelConfig, experts=None):
+  """One pre-norm decoder block without a cache: (x, `Routed` or None)."""
   b, t, _ = x.shape
   q, k, v = _project_qkv(x, layer, positions, config)
   attn = _attention(q, k, v, mask).reshape(b, t, config.n_heads * config.head_dim)
-  return _finish_block(x, attn, layer, config)
+  return _finish_block(x, attn, layer, config, experts)
+
+
+def _layer_stats(routed: Routed, token_mask: jax.Array):
+  """One layer's part of `RouterStats`: (own experts, load-balancing loss, z-loss)."""
+  logits = routed.logits.reshape(-1, routed.logits.shape[-1])
+  mask = token_mask.reshape(-1)
+  return (routed.own, moe.load_balancing_loss(logits, routed.used.reshape(logits.shape[0], -1), mask),
+          moe.router_z_loss(logits, mask))
 
 
 # Jitted (callers inside a jit inline it): eager callers — tests, notebooks — get one
@@ -226,6 +312,7 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, kv_mask: ja
             config: ModelConfig, cache: KVCache | None = None,
             cache_index: jax.Array | int = 0,
             residual_hook: Callable[[jax.Array], jax.Array] | None = None,
+            experts: jax.Array | None = None,
             ) -> tuple[jax.Array, KVCache | None]:
   """Logits of every position, and the updated KV cache.
 
@@ -243,12 +330,14 @@ def forward(params: Params, tokens: jax.Array, positions: jax.Array, kv_mask: ja
       embedding and after every block. Callers pin the activations' layout with it (a
       sharding constraint keeping rows split over the data axes); this module never
       mentions devices.
+    experts: MoE only, without a cache: [B, T, L, k] experts to run at each token and
+      layer instead of the router's choice (routing replay, R3; `moe.replay_weights`).
 
   Returns:
     logits [B, T, V] in float32, and the updated cache (None without one).
   """
   x, new_cache = hidden_states(params, tokens, positions, kv_mask, config, cache, cache_index,
-                               residual_hook)
+                               residual_hook, experts)
   logits = jnp.einsum("btd,dv->btv", x, output_head(params, config),
                       preferred_element_type=jnp.float32)
   return logits, new_cache
@@ -271,45 +360,85 @@ def hidden_states(params: Params, tokens: jax.Array, positions: jax.Array,
                   kv_mask: jax.Array, config: ModelConfig, cache: KVCache | None = None,
                   cache_index: jax.Array | int = 0,
                   residual_hook: Callable[[jax.Array], jax.Array] | None = None,
+                  experts: jax.Array | None = None,
                   ) -> tuple[jax.Array, KVCache | None]:
   """`forward` up to the output projection: the final-normed residual stream [B, T, D]
   and the updated cache. Without a cache, `config.remat` rematerialises each layer in the
   backward (`REMAT_POLICIES`: 'none' keeps every activation, 'full' keeps only each
   layer's input, 'dots' also keeps the matmul outputs): the same gradients, less memory
   for more compute."""
+  x, new_cache, _ = _decoder(params, tokens, positions, kv_mask, config, cache, cache_index,
+                             residual_hook, experts)
+  return x, new_cache
+
+
+def hidden_states_with_routing(params: Params, tokens: jax.Array, positions: jax.Array,
+                               kv_mask: jax.Array, config: ModelConfig,
+                               residual_hook: Callable[[jax.Array], jax.Array] | None = None,
+                               experts: jax.Array | None = None,
+                               ) -> tuple[jax.Array, RouterStats]:
+  """An MoE model's uncached `hidden_states` [B, T, D] with its `RouterStats` (the
+  training forward: routing metrics and auxiliary losses). `experts` as in `forward`."""
+  if not config.is_moe:
+    raise ValueError("hidden_states_with_routing needs a mixture-of-experts model "
+                     "(ModelConfig.num_experts > 0).")
+  x, _, stats = _decoder(params, tokens, positions, kv_mask, config, None, 0, residual_hook,
+                         experts)
+  return x, stats
+
+
+def _decoder(params, tokens, positions, kv_mask, config: ModelConfig, cache, cache_index,
+             residual_hook, experts):
+  """hidden_states' work: (x, new cache or None, `RouterStats` of an uncached MoE forward
+  or None)."""
   c = config
+  if experts is not None and (not c.is_moe or cache is not None):
+    raise ValueError("Replayed experts need a mixture-of-experts model and an uncached "
+                     "forward (the training forward).")
   params = compute_params(params, c)
   hook = residual_hook or (lambda x: x)
   x = hook(params["embed"][tokens].astype(c.compute_jnp_dtype))
   mask = attention_mask(kv_mask, tokens.shape[1], cache_index)
 
   if cache is None:
-    def body(x, layer):
-      return hook(_block(x, layer, positions, mask, c)), None
+    replay = None if experts is None else jnp.moveaxis(experts, 2, 0)  # [L, B, T, k]
+
+    def body(x, layer_and_replay):
+      layer, replayed = layer_and_replay
+      x, routed = _block(x, layer, positions, mask, c, replayed)
+      return hook(x), (None if routed is None else _layer_stats(routed, kv_mask))
     if c.remat != "none":
       body = jax.checkpoint(body, policy=REMAT_POLICIES[c.remat])
-    x, _ = jax.lax.scan(body, x, params["layers"])
+    x, per_layer = jax.lax.scan(body, x, (params["layers"], replay))
     new_cache = None
+    stats = None if per_layer is None else RouterStats(
+        jnp.moveaxis(per_layer[0], 0, 2), per_layer[1], per_layer[2])
   else:
     def body(carry, layer_and_index):
       # Only the T new slots of layer i are written into the carried [L, B, S, K, E]
       # buffers (in place), rather than the whole layer slab each call.
-      x, cache_k, cache_v = carry
+      x, cache = carry
       layer, i = layer_and_index
       b, t, _ = x.shape
       q, k, v = _project_qkv(x, layer, positions, c)
       start = (i, 0, cache_index, 0, 0)
-      cache_k = jax.lax.dynamic_update_slice(cache_k, k[None].astype(cache_k.dtype), start)
-      cache_v = jax.lax.dynamic_update_slice(cache_v, v[None].astype(cache_v.dtype), start)
-      attn = _attention(q, cache_k[i], cache_v[i], mask).reshape(b, t, c.n_heads * c.head_dim)
-      return (hook(_finish_block(x, attn, layer, c)), cache_k, cache_v), None
-    (x, new_k, new_v), _ = jax.lax.scan(
-        body, (x, cache["k"], cache["v"]), (params["layers"], jnp.arange(c.n_layers)))
-    new_cache = {"k": new_k, "v": new_v}
-  return rms_norm(x, params["final_norm"], c.norm_eps), new_cache
+      cache = dict(cache)
+      cache["k"] = jax.lax.dynamic_update_slice(cache["k"], k[None].astype(cache["k"].dtype), start)
+      cache["v"] = jax.lax.dynamic_update_slice(cache["v"], v[None].astype(cache["v"].dtype), start)
+      attn = _attention(q, cache["k"][i], cache["v"][i], mask).reshape(b, t, c.n_heads * c.head_dim)
+      x, routed = _finish_block(x, attn, layer, c)
+      if routed is not None:
+        record = routed.used[None].astype(cache["experts"].dtype)
+        cache["experts"] = jax.lax.dynamic_update_slice(cache["experts"], record,
+                                                        (i, 0, cache_index, 0))
+      return (hook(x), cache), None
+    (x, new_cache), _ = jax.lax.scan(body, (x, dict(cache)),
+                                     (params["layers"], jnp.arange(c.n_layers)))
+    stats = None
+  return rms_norm(x, params["final_norm"], c.norm_eps), new_cache, stats
 
 
-DecodeCache = tuple  # L pairs (keys [B, K, E, S], values [B, K, S, E])
+DecodeCache = tuple  # L tuples (keys [B, K, E, S], values [B, K, S, E][, experts [B, S, k]])
 
 
 def to_decode_cache(cache: KVCache, slots: int | None = None) -> DecodeCache:
@@ -319,19 +448,42 @@ def to_decode_cache(cache: KVCache, slots: int | None = None) -> DecodeCache:
   reads each layer's keys and values once per step, and these are the layouts in which
   XLA:CPU streams them (`q . k` over E with S minor, `p . v` over S with E minor; the
   other orientations measured 4-6x slower at 1k slots, docs/benchmarks_perf.md). Separate
-  per-layer buffers are updated in place by `forward_decode`. `slots`: keep only the first
-  `slots` slots (a decode phase that cannot have filled more; default all).
+  per-layer buffers are updated in place by `forward_decode`. An MoE model's routing
+  record travels as a third buffer per layer, experts [B, S, k]. `slots`: keep only the
+  first `slots` slots (a decode phase that cannot have filled more; default all).
   """
   slots = cache["k"].shape[2] if slots is None else slots
   keys = lambda a: jnp.transpose(a[:, :slots], (0, 2, 3, 1))
   values = lambda a: jnp.transpose(a[:, :slots], (0, 2, 1, 3))
-  return tuple((keys(cache["k"][i]), values(cache["v"][i])) for i in range(cache["k"].shape[0]))
+  layers = []
+  for i in range(cache["k"].shape[0]):
+    layer = (keys(cache["k"][i]), values(cache["v"][i]))
+    if "experts" in cache:
+      layer += (cache["experts"][i][:, :slots],)
+    layers.append(layer)
+  return tuple(layers)
 
 
 def from_decode_cache(cache: DecodeCache) -> KVCache:
-  """Inverse of `to_decode_cache` (all slots): the stacked {'k', 'v'} [L, B, S, K, E] cache."""
-  return {"k": jnp.stack([jnp.transpose(k, (0, 3, 1, 2)) for k, _ in cache]),
-          "v": jnp.stack([jnp.transpose(v, (0, 2, 1, 3)) for _, v in cache])}
+  """Inverse of `to_decode_cache` (all slots): the stacked {'k', 'v'} [L, B, S, K, E] cache
+  (and 'experts' [L, B, S, k] for an MoE model)."""
+  stacked = {"k": jnp.stack([jnp.transpose(layer[0], (0, 3, 1, 2)) for layer in cache]),
+             "v": jnp.stack([jnp.transpose(layer[1], (0, 2, 1, 3)) for layer in cache])}
+  if len(cache[0]) == 3:
+    stacked["experts"] = jnp.stack([layer[2] for layer in cache])
+  return stacked
+
+
+def decode_cache_prefix(cache: DecodeCache, slots: int) -> DecodeCache:
+  """The first `slots` slots of every buffer of a `DecodeCache`."""
+  return tuple((layer[0][..., :slots], layer[1][:, :, :slots]) + tuple(
+      e[:, :slots] for e in layer[2:]) for layer in cache)
+
+
+def decode_cache_put_prefix(full: DecodeCache, prefix: DecodeCache) -> DecodeCache:
+  """`full` with its first slots overwritten by `prefix` (a `decode_cache_prefix`)."""
+  return tuple(tuple(jax.lax.dynamic_update_slice(f, p, (0,) * f.ndim) for f, p in zip(fl, pl))
+               for fl, pl in zip(full, prefix))
 
 
 def unstack_layers(params: Params, config: ModelConfig, num_positions: int) -> Params:
@@ -350,7 +502,8 @@ def unstack_layers(params: Params, config: ModelConfig, num_positions: int) -> P
   layers = params["layers"]
   fused = dict(layers)
   fused["qkv"] = jnp.concatenate([fused.pop("q"), fused.pop("k"), fused.pop("v")], axis=-1)
-  fused["gate_up"] = jnp.concatenate([fused.pop("gate"), fused.pop("up")], axis=-1)
+  if not config.is_moe:  # an MoE block's experts stay as they are
+    fused["gate_up"] = jnp.concatenate([fused.pop("gate"), fused.pop("up")], axis=-1)
   if "q_bias" in fused:
     fused["qkv_bias"] = jnp.concatenate(
         [fused.pop("q_bias"), fused.pop("k_bias"), fused.pop("v_bias")], axis=-1)
@@ -379,18 +532,23 @@ def _fused_qkv(x, layer, cos, sin, c: ModelConfig):
 
 
 def _fused_finish(x, attn, layer, c: ModelConfig):
-  """Adds the attention output [B,T,H*E] (projected) and the fused-`gate_up` SwiGLU MLP."""
+  """Adds the attention output [B,T,H*E] (projected) and the MLP (the fused-`gate_up`
+  SwiGLU, or the MoE): (x, the experts used [B, T, k] or None)."""
   x = x + attn.astype(x.dtype) @ layer["o"]
   h = rms_norm(x, layer["mlp_norm"], c.norm_eps)
+  if c.is_moe:
+    out, routed = _moe_mlp(h, layer, c)
+    return x + out, routed.used
   gate, up = jnp.split(h @ layer["gate_up"], 2, axis=-1)
-  return x + (jax.nn.silu(gate) * up) @ layer["down"]
+  return x + (jax.nn.silu(gate) * up) @ layer["down"], None
 
 
-def _decode_block(x, layer, cos, sin, cache_k, cache_v, mask, cache_index, config: ModelConfig):
-  """One block of `forward_decode`: x [B, 1, D]; returns (x, cache_k, cache_v)."""
+def _decode_block(x, layer, cos, sin, layer_cache, mask, cache_index, config: ModelConfig):
+  """One block of `forward_decode`: x [B, 1, D]; returns (x, layer_cache)."""
   c = config
   b, t, _ = x.shape
   q_width = c.n_heads * c.head_dim
+  cache_k, cache_v = layer_cache[:2]
   q, k, v = _fused_qkv(x, layer, cos, sin, c)
   cache_k = jax.lax.dynamic_update_slice(
       cache_k, jnp.transpose(k, (0, 2, 3, 1)).astype(cache_k.dtype), (0, 0, 0, cache_index))
@@ -405,7 +563,12 @@ def _decode_block(x, layer, cos, sin, cache_k, cache_v, mask, cache_index, confi
   scores = jnp.where(mask[:, None, None, 0], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1)
   attn = jnp.sum(probs[..., None] * cache_v[:, :, None].astype(jnp.float32), axis=3)  # [B,K,G,E]
-  return _fused_finish(x, attn.reshape(b, t, q_width), layer, c), cache_k, cache_v
+  x, used = _fused_finish(x, attn.reshape(b, t, q_width), layer, c)
+  if used is None:
+    return x, (cache_k, cache_v)
+  record = jax.lax.dynamic_update_slice(layer_cache[2], used.astype(layer_cache[2].dtype),
+                                        (0, cache_index, 0))
+  return x, (cache_k, cache_v, record)
 
 
 def forward_decode(params: Params, tokens: jax.Array, positions: jax.Array, kv_mask: jax.Array,
@@ -428,21 +591,22 @@ def forward_decode(params: Params, tokens: jax.Array, positions: jax.Array, kv_m
   mask = attention_mask(kv_mask[:, :slots], 1, cache_index)
   cos, sin = (params[name][positions][:, :, None, :] for name in ("rope_cos", "rope_sin"))
   new_cache = []
-  for layer, (cache_k, cache_v) in zip(params["layers"], cache):
-    x, cache_k, cache_v = _decode_block(x, layer, cos, sin, cache_k, cache_v, mask, cache_index, c)
-    new_cache.append((cache_k, cache_v))
+  for layer, layer_cache in zip(params["layers"], cache):
+    x, layer_cache = _decode_block(x, layer, cos, sin, layer_cache, mask, cache_index, c)
+    new_cache.append(layer_cache)
   x = rms_norm(x, params["final_norm"], c.norm_eps)
   logits = jnp.einsum("btd,dv->btv", x, output_head(params, c),
                       preferred_element_type=jnp.float32)
   return logits, tuple(new_cache)
 
 
-def _verify_block(x, layer, cos, sin, cache_k, cache_v, mask, slots, config: ModelConfig):
-  """One block of `forward_verify`: x [B, T, D], each row's T new keys and values written
-  at its own slots [slots[b], slots[b] + T); returns (x, cache_k, cache_v)."""
+def _verify_block(x, layer, cos, sin, layer_cache, mask, slots, config: ModelConfig):
+  """One block of `forward_verify`: x [B, T, D], each row's T new keys and values (and
+  experts used) written at its own slots [slots[b], slots[b] + T); returns (x, layer_cache)."""
   c = config
   b, t, _ = x.shape
   q_width = c.n_heads * c.head_dim
+  cache_k, cache_v = layer_cache[:2]
   q, k, v = _fused_qkv(x, layer, cos, sin, c)
   put = jax.vmap(lambda buf, new, start, axis: jax.lax.dynamic_update_slice_in_dim(
       buf, new, start, axis), in_axes=(0, 0, 0, None))
@@ -458,7 +622,10 @@ def _verify_block(x, layer, cos, sin, cache_k, cache_v, mask, slots, config: Mod
   probs = jax.nn.softmax(scores, axis=-1)
   attn = jnp.sum(probs[..., None] * cache_v[:, :, None, None].astype(jnp.float32), axis=4)
   attn = jnp.transpose(attn, (0, 3, 1, 2, 4))  # [B, T, K, G, E]
-  return _fused_finish(x, attn.reshape(b, t, q_width), layer, c), cache_k, cache_v
+  x, used = _fused_finish(x, attn.reshape(b, t, q_width), layer, c)
+  if used is None:
+    return x, (cache_k, cache_v)
+  return x, (cache_k, cache_v, put(layer_cache[2], used.astype(layer_cache[2].dtype), slots, 1))
 
 
 def forward_verify(params: Params, tokens: jax.Array, positions: jax.Array, kv_mask: jax.Array,
@@ -481,9 +648,9 @@ def forward_verify(params: Params, tokens: jax.Array, positions: jax.Array, kv_m
   mask = kv_mask[:, None, :width] & (jnp.arange(width)[None, None, :] <= query_slot[..., None])
   cos, sin = (params[name][positions][:, :, None, :] for name in ("rope_cos", "rope_sin"))
   new_cache = []
-  for layer, (cache_k, cache_v) in zip(params["layers"], cache):
-    x, cache_k, cache_v = _verify_block(x, layer, cos, sin, cache_k, cache_v, mask, slots, c)
-    new_cache.append((cache_k, cache_v))
+  for layer, layer_cache in zip(params["layers"], cache):
+    x, layer_cache = _verify_block(x, layer, cos, sin, layer_cache, mask, slots, c)
+    new_cache.append(layer_cache)
   x = rms_norm(x, params["final_norm"], c.norm_eps)
   logits = jnp.einsum("btd,dv->btv", x, output_head(params, c),
                       preferred_element_type=jnp.float32)
@@ -563,7 +730,8 @@ def forward_shared_prefix(params: Params, prefix_tokens: jax.Array, prefix_posit
     split = lambda a: a.reshape(n, g, t, *a.shape[2:])
     attn_s = _shared_prefix_attention(split(q_s), k_p, v_p, split(k_s), split(v_s), prefix_mask,
                                       suffix_mask).reshape(n * g, t, width)
-    return (_finish_block(x_prefix, attn_p, layer, c), _finish_block(x_suffix, attn_s, layer, c)), None
+    return (_finish_block(x_prefix, attn_p, layer, c)[0],
+            _finish_block(x_suffix, attn_s, layer, c)[0]), None
 
   (x_prefix, x_suffix), _ = jax.lax.scan(body, (x_prefix, x_suffix), params["layers"])
   head = output_head(params, c)

@@ -171,7 +171,7 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
                     learning_rate: optax.Schedule | None = None,
                     lora: lora_lib.LoraConfig | None = None,
                     distill: distillation.Distill | None = None, teacher_params=None,
-                    logprob_chunk: int = 0,
+                    logprob_chunk: int = 0, router: composite.RouterTerms | None = None,
                     ) -> Callable[[TrainState, Rollout], tuple[TrainState, dict]]:
   """Builds the jitted train step of the objective `loss.name` (module docstring).
 
@@ -182,7 +182,7 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
     num_microbatches: gradient accumulation slices of each update.
     num_minibatches, ppo_epochs: updates per batch, minibatch after minibatch, epoch after
       epoch.
-    temperature, shared_prefix, logprob_chunk, distill: the loss's
+    temperature, shared_prefix, logprob_chunk, distill, router: the loss's
       (`rl.objectives.composite.StepObjective`); `teacher_params` go with `distill`.
     mesh, rules: shard the state by `rules` and the batch by rows over data x fsdp.
     length_buckets: sequence lengths a batch may be cut to (`trim_to_bucket`).
@@ -202,7 +202,8 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
   rows = None if mesh is None else sharding_rules.batch_sharding(mesh)
   objective = composite.StepObjective(
       model_config, loss, temperature=temperature, shared_prefix=shared_prefix,
-      logprob_chunk=logprob_chunk, distill=distill, residual_hook=None if mesh is None else (
+      logprob_chunk=logprob_chunk, distill=distill, router=router,
+      residual_hook=None if mesh is None else (
           lambda x: jax.lax.with_sharding_constraint(x, rows)))
   update = _make_update(objective, optimizer, num_microbatches, learning_rate)
 
@@ -345,7 +346,7 @@ def trim_to_bucket(batch: Rollout, buckets: Sequence[int]) -> Rollout:
   cut = min([b for b in buckets if last <= b < length], default=length)
   if cut == length:
     return batch
-  return jax.tree.map(lambda x: x[:, :cut] if x.ndim == 2 else x, batch)
+  return jax.tree.map(lambda x: x[:, :cut] if x.ndim >= 2 else x, batch)  # [B, T, ...] leaves
 
 
 def train_state_shardings(model_config: ModelConfig, optimizer: optax.GradientTransformation,

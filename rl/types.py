@@ -51,6 +51,10 @@ class Rollout:
   step_rewards: per-step process rewards (`StepRewards`) for a process advantage stage
   (rl.objectives.advantages.process_relative), which consumes them: the batch it returns
   to the loop has None here (as every batch without process rewards).
+  experts [B, T, L, k]: an MoE policy's routing record, the experts the sampler ran each
+  token through in each layer (`sampling.sampler.routing_record`), which routing replay
+  (R3, config.moe.routing_replay) makes the trainer's forward use; None for a dense
+  policy and for rows no sampler wrote (teacher-forced warm-start rows).
   """
   tokens: jax.Array
   prompt_mask: jax.Array
@@ -65,6 +69,7 @@ class Rollout:
   tree: Optional[TreeRows] = None
   env_mask: Optional[jax.Array] = None
   step_rewards: Optional[StepRewards] = None
+  experts: Optional[jax.Array] = None
 
   @property
   def token_mask(self) -> jax.Array:

@@ -28,6 +28,7 @@ from rl import train
 from rl import warm_start
 from rl.environments import turns as turns_lib
 from rl.objectives import advantages
+from rl.objectives import composite
 from rl.objectives import losses
 from rl.objectives import token_subsample as subsample_lib
 from rl.rollouts import producers
@@ -216,6 +217,7 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None, teache
                                learning_rate=train.learning_rate_schedule(**rate),
                                lora=phase_lora(config, phase),
                                logprob_chunk=config.rl.logprob_chunk,
+                               router=router_terms(config, model_config, phase),
                                **(distill_settings(config, teacher) if phase == RL else {}))
   drafts = draft_config(config) if phase == RL else None
   turns = make_turns(config, tokenizer)
@@ -238,6 +240,25 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None, teache
       train_samples_every=config.metrics.train_samples_every,
       token_subsample=token_subsample(config, loss) if phase == RL else None)
   return ctx, optimizer
+
+
+def router_terms(config, model_config, phase: str) -> composite.RouterTerms | None:
+  """config.moe as the RL train step reads it: None for a dense policy (which refuses a
+  non-default config.moe) and for the warm start (teacher-forced rows: no routing record,
+  and no router losses in supervised training)."""
+  moe = settings(config).moe
+  if not model_config.is_moe:
+    if moe.active:
+      raise ValueError(f"config.moe = {moe} needs a mixture-of-experts policy; "
+                       f"config.model.preset = {config.model.preset!r} / checkpoint "
+                       f"{config.model.checkpoint!r} is dense (use preset 'tiny2_moe' or a "
+                       "Qwen3-MoE / Mixtral checkpoint).")
+    return None
+  if phase != RL:
+    return None
+  return composite.RouterTerms(routing_replay=moe.routing_replay,
+                               load_balancing_coef=moe.load_balancing_coef,
+                               router_z_coef=moe.router_z_coef)
 
 
 def batch_advantages(config) -> advantages.BatchAdvantages:

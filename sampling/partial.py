@@ -53,7 +53,7 @@ import numpy as np
 from models import transformer
 from models.config import ModelConfig
 from sampling.sampler import (Generation, SamplerState, SamplingConfig, decode, make_generation,
-                              stop_mask)
+                              routing_record, stop_mask)
 
 RESUME_MODES = ("reprefill", "kept_kv")
 ENV_RUNNING, ENV_ENDED, ENV_FAILED = 0, 1, 2
@@ -342,7 +342,11 @@ def take(pool: RolloutPool, group_slots, sampling_config: SamplingConfig) -> Gen
                                         empty)
   tokens, token_mask = gather(s.tokens, sampling_config.pad_id), gather(s.token_mask, False)
   completion = token_mask & (jnp.arange(p + n)[None, :] >= p)
+  record = routing_record(s.cache)
+  if record is not None:
+    record = jnp.where(inside[..., None, None], jnp.take_along_axis(
+        record[rows], index[..., None, None], axis=1), 0).astype(record.dtype)
   return make_generation(tokens, token_mask, gather(s.behavior_logp, 0.0),
                          gather(s.version, -1), prompt_len=p,
                          stopped=stop_mask(tokens, completion, sampling_config).any(axis=1),
-                         decode_steps=s.step)
+                         decode_steps=s.step, experts=record)

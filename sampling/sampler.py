@@ -163,6 +163,9 @@ class Generation:
   rollout's paths (`TreePaths`), None for independent samples and partial rollouts;
   speculative: speculative decoding's draft counters (`DraftStats`), None otherwise;
   tools: rollouts with turns' environment tokens and counters (`ToolRows`), None otherwise.
+  experts: an MoE policy's routing record [B, S, L, k] (`ModelConfig.expert_id_dtype`):
+  the experts each slot's token ran through in each layer when the sampler processed it
+  (`routing_record`), None for a dense policy.
   """
   tokens: jax.Array
   prompt_mask: jax.Array
@@ -175,6 +178,17 @@ class Generation:
   tree: Optional[TreePaths] = None
   speculative: Optional[DraftStats] = None
   tools: Optional[ToolRows] = None
+  experts: Optional[jax.Array] = None
+
+
+def routing_record(cache: dict | None) -> jax.Array | None:
+  """The routing record [B, S, L, k] in a stacked KV cache (`transformer.init_cache`:
+  'experts' [L, B, S, k], written wherever the sampler ran a token), None for a dense
+  model. A slot rewritten (a partial rollout's refresh, a speculative draft replaced)
+  holds the experts of its latest forward, as its keys and values do."""
+  if cache is None or "experts" not in cache:
+    return None
+  return jnp.moveaxis(cache["experts"], 0, 2)
 
 
 def prefill(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng: jax.Array,
@@ -398,7 +412,7 @@ def decode(params, state: SamplerState, version: jax.Array, model_config: ModelC
       batch, sampling_config.compact_min_rows)
   for phase, end in enumerate(ends):
     slots = state.prompt_len + end
-    state = state.replace(cache=tuple((k[..., :slots], v[:, :, :slots]) for k, v in full_cache))
+    state = state.replace(cache=transformer.decode_cache_prefix(full_cache, slots))
     if phase == 0 or len(widths) == 1:
       state = run_phase(end, state, rows, position_limit)
     else:
@@ -406,32 +420,32 @@ def decode(params, state: SamplerState, version: jax.Array, model_config: ModelC
       choice = sum((live <= w).astype(jnp.int32) for w in widths[1:])
       branches = [functools.partial(run_narrow, end, w) for w in widths]
       state = jax.lax.switch(choice, branches, state, rows, position_limit)
-    full_cache = tuple(
-        (jax.lax.dynamic_update_slice(fk, k, (0, 0, 0, 0)),
-         jax.lax.dynamic_update_slice(fv, v, (0, 0, 0, 0)))
-        for (fk, fv), (k, v) in zip(full_cache, state.cache))
+    full_cache = transformer.decode_cache_put_prefix(full_cache, state.cache)
   return state.replace(cache=transformer.from_decode_cache(full_cache))
 
 
 def make_generation(tokens: jax.Array, token_mask: jax.Array, behavior_logp: jax.Array,
                     version: jax.Array, *, prompt_len: int, stopped: jax.Array,
-                    decode_steps: jax.Array, tree: TreePaths | None = None) -> Generation:
+                    decode_steps: jax.Array, tree: TreePaths | None = None,
+                    experts: jax.Array | None = None) -> Generation:
   """The one place a `Generation` is assembled: slots [0, prompt_len) of the rows [B, S]
-  are the prompt, the rest the completion; `tree` a tree rollout's paths."""
+  are the prompt, the rest the completion; `tree` a tree rollout's paths; `experts` an
+  MoE policy's routing record [B, S, L, k]."""
   is_completion = jnp.arange(tokens.shape[1])[None, :] >= prompt_len
   completion_mask = token_mask & is_completion
   return Generation(
       tokens=tokens, prompt_mask=token_mask & ~is_completion, completion_mask=completion_mask,
       behavior_logp=behavior_logp, version=version,
       completion_len=completion_mask.sum(axis=1).astype(jnp.int32), stopped=stopped,
-      decode_steps=decode_steps, tree=tree)
+      decode_steps=decode_steps, tree=tree,
+      experts=None if experts is None else experts[:, :tokens.shape[1]])
 
 
 def to_generation(state: SamplerState) -> Generation:
   """The state's sequences as a `Generation` (rows still running count as unstopped)."""
   return make_generation(state.tokens, state.token_mask, state.behavior_logp, state.version,
                          prompt_len=state.prompt_len, stopped=state.done,
-                         decode_steps=state.step)
+                         decode_steps=state.step, experts=routing_record(state.cache))
 
 
 def sample(params, prompt_tokens: jax.Array, prompt_mask: jax.Array, rng: jax.Array,

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from models import transformer
 from models.config import ModelConfig
 from sampling.sampler import (Generation, SamplerState, SamplingConfig, TreePaths, draw,
-                              make_generation, prefill, write_token)
+                              make_generation, prefill, routing_record, write_token)
 
 
 def _require_positive(policy) -> None:
@@ -516,6 +516,7 @@ def _to_generation(st: TreeState) -> Generation:
       jnp.where(unused, 0, st.tokens), st.token_mask & ~unused,
       jnp.where(born, st.behavior_logp, 0.0), jnp.where(born, st.version, -1),
       prompt_len=st.prompt_len, stopped=st.done & st.born, decode_steps=st.decode_steps,
+      experts=routing_record(st.cache),
       tree=TreePaths(
           entropy=jnp.where(born, st.entropy, 0.0), leaf=st.born,
           node=jnp.where(st.born, jnp.arange(st.born.shape[0]) % st.leaves, -1),

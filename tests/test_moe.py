@@ -122,3 +122,156 @@ def test_auxiliary_losses_equal_hand_computations():
       (np.log(2) ** 2 + np.log(np.exp(5) + np.exp(-1)) ** 2) / 2, rel=1e-6)
   assert float(moe.load_balancing_loss(logits, jnp.array([[0], [1]]), mask)) == pytest.approx(
       2 * (1.0 * 0.5), rel=1e-6)
+
+
+# --- The MoE decoder (models/transformer.py with ModelConfig.num_experts > 0). ---
+
+from models import transformer  # pylint: disable=wrong-import-position
+from models.config import ModelConfig  # pylint: disable=wrong-import-position
+
+
+def _moe_config(**changes):
+  base = ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                     head_dim=8, mlp_dim=16, max_seq_len=24, num_experts=6,
+                     experts_per_token=2)
+  return base.replace(**changes)
+
+
+def _batch(config, rows=3, length=12, seed=1):
+  tokens = jax.random.randint(jax.random.PRNGKey(seed), (rows, length), 0, config.vocab_size)
+  mask = jnp.ones((rows, length), bool).at[0, :4].set(False)  # one left-padded row
+  return tokens, transformer.positions_from_mask(mask), mask
+
+
+def _params(config, seed=0):
+  # A wider router init than the default: routing that differs between tokens.
+  params = transformer.init_params(config, jax.random.PRNGKey(seed), init_std=0.3)
+  return params
+
+
+def _numpy_moe_mlp(h, layer, config, experts=None):
+  """One MoE MLP per token in float64 NumPy: routing by the family's rule (or the replay
+  rule over given experts), each chosen expert's SwiGLU, the shared expert's sigmoid gate."""
+  silu = lambda a: a / (1 + np.exp(-a))
+  swiglu = lambda x, g, u, d: (silu(x @ g) * (x @ u)) @ d
+  f64 = {k: np.asarray(v, np.float64) for k, v in layer.items()}
+  out = []
+  for n, x in enumerate(np.asarray(h, np.float64)):
+    z = x @ f64["router"]
+    if experts is None:
+      w, chosen = _numpy_route(z[None], config.experts_per_token, config.routing,
+                               config.normalize_routing)
+      w, chosen = w[0], chosen[0]
+    else:
+      chosen = np.asarray(experts[n])
+      if config.routing == "softmax_topk" and not config.normalize_routing:
+        p = np.exp(z - z.max())
+        w = (p / p.sum())[chosen]
+      else:
+        w = np.exp(z[chosen] - z[chosen].max())
+        w = w / w.sum()
+    y = sum(wj * swiglu(x, f64["expert_gate"][e], f64["expert_up"][e], f64["expert_down"][e])
+            for wj, e in zip(w, chosen))
+    if config.shared_expert_dim:
+      scale = 1 / (1 + np.exp(-(x @ f64["shared_scale"])[0]))
+      y = y + scale * swiglu(x, f64["shared_gate"], f64["shared_up"], f64["shared_down"])
+    out.append(y)
+  return np.array(out)
+
+
+@pytest.mark.parametrize("changes", [
+    {}, {"routing": "topk_softmax"}, {"normalize_routing": False}, {"shared_expert_dim": 12},
+    {"moe_dispatch": "dense", "shared_expert_dim": 12}])
+@pytest.mark.parametrize("replay", [False, True])
+def test_moe_mlp_equals_a_numpy_reference(changes, replay):
+  config = _moe_config(**changes)
+  params = _params(config)
+  layer = jax.tree.map(lambda a: a[0], params["layers"])
+  h = jax.random.normal(jax.random.PRNGKey(2), (2, 9, config.d_model))
+  experts = None
+  if replay:  # random distinct experts, not the router's choice
+    keys = jax.random.split(jax.random.PRNGKey(3), 18)
+    experts = jnp.stack([jax.random.permutation(k, config.num_experts)[:2] for k in keys])
+  out, routed = transformer._moe_mlp(h, layer, config,
+                                     None if experts is None else experts.reshape(2, 9, 2))
+  want = _numpy_moe_mlp(h.reshape(18, -1), layer, config, experts)
+  np.testing.assert_allclose(out.reshape(18, -1), want, rtol=2e-5, atol=2e-6)
+  if replay:
+    np.testing.assert_array_equal(routed.used.reshape(18, 2), experts)
+    assert (routed.own.reshape(18, 2) != experts).any()  # the replay overrode the router
+  assert len(np.unique(np.asarray(routed.own))) >= 4  # the routing is not degenerate
+
+
+@pytest.mark.slow
+def test_moe_decoder_dispatches_ragged_as_dense_values_and_gradients():
+  config = _moe_config(shared_expert_dim=8)
+  params = _params(config)
+  tokens, positions, mask = _batch(config)
+
+  def loss(p, dispatch):
+    logits, _ = transformer.forward(p, tokens, positions, mask, config.replace(moe_dispatch=dispatch))
+    return jnp.sum(jnp.where(mask[..., None], jax.nn.log_softmax(logits), 0.0) ** 2) / 1e3, logits
+
+  (l_r, logits_r), g_r = jax.value_and_grad(loss, has_aux=True)(params, "ragged")
+  (l_d, logits_d), g_d = jax.value_and_grad(loss, has_aux=True)(params, "dense")
+  np.testing.assert_allclose(logits_r, logits_d, rtol=1e-5, atol=1e-5)
+  for name in ("router", "expert_gate", "expert_down", "shared_gate", "q"):
+    np.testing.assert_allclose(g_r["layers"][name], g_d["layers"][name], rtol=1e-4, atol=1e-6)
+  assert float(jnp.abs(g_r["layers"]["router"]).max()) > 0  # the router learns
+
+
+@pytest.mark.slow
+def test_replaying_the_routers_own_choice_is_the_plain_forward_and_remat_changes_nothing():
+  config = _moe_config(normalize_routing=False)
+  params = _params(config)
+  tokens, positions, mask = _batch(config)
+  _, stats = transformer.hidden_states_with_routing(params, tokens, positions, mask, config)
+  assert stats.experts.shape == (3, 12, 2, 2)
+
+  def loss(p, experts, remat="none"):
+    logits, _ = transformer.forward(p, tokens, positions, mask, config.replace(remat=remat),
+                                    experts=experts)
+    return jnp.sum(jnp.sin(logits)), logits
+
+  (_, plain), g_plain = jax.value_and_grad(loss, has_aux=True)(params, None)
+  (_, replayed), g_replayed = jax.value_and_grad(loss, has_aux=True)(params, stats.experts)
+  (_, _), g_remat = jax.value_and_grad(loss, has_aux=True)(params, stats.experts, "full")
+  np.testing.assert_allclose(replayed, plain, rtol=1e-6, atol=1e-6)
+  for g in (g_replayed, g_remat):
+    np.testing.assert_allclose(g["layers"]["router"], g_plain["layers"]["router"], rtol=1e-4,
+                               atol=1e-7)
+    np.testing.assert_allclose(g["layers"]["expert_up"], g_plain["layers"]["expert_up"],
+                               rtol=1e-4, atol=1e-7)
+  # Other experts change the logits from the replayed token on, and not before it.
+  other = stats.experts.at[1, 6, 0].set((stats.experts[1, 6, 0] + 1) % config.num_experts)
+  other = other.at[1, 6, 0].set(jnp.where(other[1, 6, 0] == other[1, 6, 1],
+                                          (other[1, 6, 0] + 1) % config.num_experts,
+                                          other[1, 6, 0]))
+  changed, _ = transformer.forward(params, tokens, positions, mask, config, experts=other)
+  differs = np.abs(np.asarray(changed - plain)).max(axis=-1) > 1e-5
+  assert differs[1, 6] and not differs[1, :6].any() and not differs[[0, 2]].any()
+
+
+@pytest.mark.slow
+def test_router_stats_count_only_real_tokens():
+  config = _moe_config()
+  params = _params(config)
+  tokens, positions, mask = _batch(config)
+  _, stats = transformer.hidden_states_with_routing(params, tokens, positions, mask, config)
+  # Row 0's four left-padding slots do not count: its real suffix alone gives the same
+  # per-layer losses as the real tokens gathered from the batch.
+  h_layers = []
+  x = params["embed"][tokens]
+  mask_attn = transformer.attention_mask(mask, tokens.shape[1], 0)
+  for i in range(config.n_layers):
+    layer = jax.tree.map(lambda a, i=i: a[i], params["layers"])
+    x, routed = transformer._block(x, layer, positions, mask_attn, config)
+    h_layers.append(routed)
+  for i, routed in enumerate(h_layers):
+    real = np.asarray(mask).reshape(-1)
+    logits = routed.logits.reshape(-1, config.num_experts)[real]
+    used = routed.used.reshape(-1, 2)[real]
+    assert float(stats.load_balancing[i]) == pytest.approx(
+        float(moe.load_balancing_loss(logits, used)), rel=1e-5)
+    assert float(stats.z_loss[i]) == pytest.approx(float(moe.router_z_loss(logits)), rel=1e-5)
+  np.testing.assert_array_equal(stats.experts[:, :, 1], h_layers[1].own)

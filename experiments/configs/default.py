@@ -18,6 +18,7 @@ from rl.settings import dataset
 from rl.settings import distill
 from rl.settings import loss
 from rl.settings import model
+from rl.settings import moe
 from rl.settings import reward
 from rl.settings import rollout
 from rl.settings import run
@@ -83,6 +84,10 @@ def get_config() -> ml_collections.ConfigDict:
   # What the trainer is rewarded with: a noisy verifier and its second opinion, or TTRL's
   # majority vote (rl/rewards.py; rl/settings/reward.py RewardSettings declares each field).
   c.reward = reward.RewardSettings.config_section()
+
+  # A mixture-of-experts policy's rollout routing replay (R3) and router losses
+  # (docs/moe.md; rl/settings/moe.py MoeSettings declares each field).
+  c.moe = moe.MoeSettings.config_section()
 
   # On-policy distillation (docs/distillation.md; rl/settings/distill.py
   # DistillSettings declares each field).

@@ -19,6 +19,10 @@ a mesh). Distillation (`distill`, with the teacher's parameters an argument of t
 adds distill.coef x the distillation term aggregated like the objective, or replaces the
 policy objective with it (distill.with_reward = False); the student's and the teacher's
 [B, T, V] log-softmax exist per microbatch, or [B, C, V] at a time with logprob_chunk.
+
+A mixture-of-experts policy (`RouterTerms`, config.moe) adds its router's auxiliary losses
+and routing metrics, and with routing replay (R3) its forward runs the experts recorded in
+the batch (`Rollout.experts`) instead of its router's choice.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ def policy_logprobs(params, batch: Rollout, model_config: ModelConfig,
                     temperature: float = 1.0,
                     residual_hook: Callable[[jax.Array], jax.Array] | None = None, *,
                     shared_prefix: tuple[int, int] | None = None,
-                    logprob_chunk: int = 0) -> jax.Array:
+                    logprob_chunk: int = 0, replay: bool = False) -> jax.Array:
   """log-probs [B, T] of the batch's tokens at the sampling temperature.
 
   Args:
@@ -59,24 +63,60 @@ def policy_logprobs(params, batch: Rollout, model_config: ModelConfig,
       slot holds a real token. Takes no residual hook.
     logprob_chunk: > 0: C positions at a time, no [B, T, V] buffer (same values and
       gradients up to float rounding).
+    replay: an MoE policy runs the experts of the batch's routing record
+      (`Rollout.experts`, R3) instead of its router's choice.
 
   Returns:
     [B, T] float32: log p(token_t | tokens_<t) (position 0 and padding: arbitrary).
   """
   if shared_prefix is not None:
+    if replay:
+      raise ValueError("Routing replay runs the full forward; turn config.rl."
+                       "prefix_shared_forward off or config.moe.routing_replay off.")
     return _shared_prefix_logprobs(params, batch, model_config, temperature, *shared_prefix)
+  x, _ = transformer.hidden_states(params, batch.tokens,
+                                   transformer.positions_from_mask(batch.token_mask),
+                                   batch.token_mask, model_config, residual_hook=residual_hook,
+                                   experts=replayed_experts(batch, replay))
+  return _head_logprobs(params, x, batch.tokens, model_config, temperature, logprob_chunk)
+
+
+def policy_logprobs_with_routing(params, batch: Rollout, model_config: ModelConfig,
+                                 temperature: float = 1.0,
+                                 residual_hook: Callable[[jax.Array], jax.Array] | None = None,
+                                 *, logprob_chunk: int = 0, replay: bool = False
+                                 ) -> tuple[jax.Array, transformer.RouterStats]:
+  """An MoE policy's `policy_logprobs` (no prefix sharing) and its forward's
+  `transformer.RouterStats`."""
+  x, stats = transformer.hidden_states_with_routing(
+      params, batch.tokens, transformer.positions_from_mask(batch.token_mask),
+      batch.token_mask, model_config, residual_hook=residual_hook,
+      experts=replayed_experts(batch, replay))
+  return _head_logprobs(params, x, batch.tokens, model_config, temperature,
+                        logprob_chunk), stats
+
+
+def replayed_experts(batch: Rollout, replay: bool) -> jax.Array | None:
+  """The batch's routing record when `replay`, else None; a batch without one is refused."""
+  if not replay:
+    return None
+  if batch.experts is None:
+    raise ValueError("config.moe.routing_replay needs the sampler's routing record "
+                     "(Rollout.experts): the batch has none (a dense policy, or rows no "
+                     "sampler wrote).")
+  return batch.experts
+
+
+def _head_logprobs(params, x, tokens, model_config: ModelConfig, temperature: float,
+                   logprob_chunk: int) -> jax.Array:
+  """Token log-probs [B, T] from the final-normed residual stream x [B, T, D]."""
+  head = transformer.output_head(params, model_config)
   if logprob_chunk:
-    x, _ = transformer.hidden_states(params, batch.tokens,
-                                     transformer.positions_from_mask(batch.token_mask),
-                                     batch.token_mask, model_config, residual_hook=residual_hook)
-    return transformer.chunked_token_logprobs(x, transformer.output_head(params, model_config),
-                                              batch.tokens, logprob_chunk, temperature)
-  logits, _ = transformer.forward(params, batch.tokens,
-                                  transformer.positions_from_mask(batch.token_mask),
-                                  batch.token_mask, model_config, residual_hook=residual_hook)
+    return transformer.chunked_token_logprobs(x, head, tokens, logprob_chunk, temperature)
+  logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
   if temperature not in (0.0, 1.0):
     logits = logits / temperature
-  return transformer.token_logprobs(logits, batch.tokens)
+  return transformer.token_logprobs(logits, tokens)
 
 
 def _shared_prefix_logprobs(params, batch: Rollout, model_config: ModelConfig, temperature: float,
@@ -148,14 +188,83 @@ def mismatch_terms(logp: jax.Array, batch: Rollout, version, prox_version) -> di
   return {"_mismatch_k3_sum": k3.sum(), "_mismatch_tokens": fresh.sum(dtype=jnp.float32)}
 
 
+# Metrics reported as a ratio of two sums (numerator, denominator): the step's metrics are
+# means over microbatches and updates, so the ratio of the means is the ratio of the sums.
+_RATIOS = {
+    "rollout_train_mismatch_kl": ("_mismatch_k3_sum", "_mismatch_tokens"),
+    "behavior_train_kl": ("_behavior_k3_sum", "_behavior_tokens"),
+    "moe_unreplayed_kl": ("_unreplayed_k3_sum", "_behavior_tokens"),
+    "moe_routing_mismatch": ("_routing_differs", "_routing_slots"),
+}
+
+
 def with_mismatch_kl(metrics: dict) -> dict:
-  """metrics with `mismatch_terms`' sums (means over microbatches and updates, so their
-  ratio is the ratio of the sums) replaced by `rollout_train_mismatch_kl`, the mean k3 per
-  fresh token (0 when no token is fresh, e.g. under simulated staleness)."""
+  """metrics with the sums of `mismatch_terms` and `RouterTerms.metrics` replaced by their
+  ratios (`_RATIOS`): `rollout_train_mismatch_kl`, the mean k3 per fresh token (0 when no
+  token is fresh, e.g. under simulated staleness), and an MoE policy's
+  `behavior_train_kl`, `moe_unreplayed_kl` and `moe_routing_mismatch`."""
   metrics = dict(metrics)
-  total, tokens = metrics.pop("_mismatch_k3_sum"), metrics.pop("_mismatch_tokens")
-  metrics["rollout_train_mismatch_kl"] = total / jnp.maximum(tokens, 1e-9)
+  for name, (numerator, denominator) in _RATIOS.items():
+    if numerator in metrics:
+      total = metrics.pop(numerator)
+      metrics[name] = total / jnp.maximum(metrics[denominator], 1e-9)
+  for _, denominator in _RATIOS.values():
+    metrics.pop(denominator, None)
   return metrics
+
+
+def k3(logp: jax.Array, behavior_logp: jax.Array, mask: jax.Array) -> jax.Array:
+  """The k3 estimator of KL(sampler || trainer) per token, exp(d) - 1 - d with
+  d = logp - behavior_logp (0 outside `mask`)."""
+  d = sg(jnp.where(mask, logp - behavior_logp, 0.0))
+  return jnp.where(mask, jnp.expm1(d) - d, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterTerms:
+  """What a mixture-of-experts policy adds to the objective (config.moe).
+
+  Fields:
+    routing_replay: R3 (arXiv 2510.11370): the forward runs the batch's recorded experts
+      (`Rollout.experts`), weighted by the trainer's router renormalised over them
+      (`models.moe.replay_weights`).
+    load_balancing_coef, router_z_coef: weights of the auxiliary losses (each the mean
+      over layers of `transformer.RouterStats`' per-layer value) added to the objective.
+  """
+  routing_replay: bool = False
+  load_balancing_coef: float = 0.0
+  router_z_coef: float = 0.0
+
+  def loss(self, stats: transformer.RouterStats) -> jax.Array:
+    """The auxiliary losses' weighted sum."""
+    return (self.load_balancing_coef * stats.load_balancing.mean()
+            + self.router_z_coef * stats.z_loss.mean())
+
+  @staticmethod
+  def metrics(stats: transformer.RouterStats, micro: Rollout, first_update: jax.Array,
+              num_experts: int) -> dict:
+    """Routing metrics of one microbatch (docs/metrics.md): the auxiliary losses,
+    `moe_expert_load_max_l{i}` (layer i's busiest expert's share of the routed
+    (token, choice) pairs times the expert count: 1 when balanced, num_experts when one
+    expert takes all), and at the batch's first update the sums behind
+    `moe_routing_mismatch`: real tokens x layers whose recorded expert set differs from
+    the set the trainer's router picks (none without a record)."""
+    mask = micro.token_mask
+    chosen = jax.nn.one_hot(stats.experts, num_experts, dtype=jnp.float32).sum(axis=3)
+    counts = (chosen * mask[..., None, None]).sum(axis=(0, 1))  # [L, X]
+    share = counts / jnp.maximum(counts.sum(axis=1, keepdims=True), 1.0)
+    out = {"moe_load_balancing": stats.load_balancing.mean(),
+           "moe_router_z": stats.z_loss.mean(),
+           **{f"moe_expert_load_max_l{i}": num_experts * share[i].max()
+              for i in range(share.shape[0])}}
+    if micro.experts is not None:
+      recorded = jnp.sort(micro.experts.astype(jnp.int32), axis=-1)
+      differs = jnp.any(recorded != jnp.sort(stats.experts, axis=-1), axis=-1)  # [B, T, L]
+      slots = mask[..., None] & first_update
+      out["_routing_differs"] = jnp.sum(differs & slots, dtype=jnp.float32)
+      out["_routing_slots"] = jnp.sum(jnp.broadcast_to(slots, differs.shape),
+                                      dtype=jnp.float32)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,6 +281,8 @@ class StepObjective:
     residual_hook: a constraint on the residual stream (a mesh's row sharding), or None.
     distill: on-policy distillation's settings (the teacher's parameters come with each
       call), or None.
+    router: a mixture-of-experts policy's `RouterTerms` (None: the defaults); a dense
+      policy takes none.
   """
   model_config: ModelConfig
   loss: losses.LossSettings
@@ -180,9 +291,22 @@ class StepObjective:
   logprob_chunk: int = 0
   residual_hook: Callable[[jax.Array], jax.Array] | None = None
   distill: distillation.Distill | None = None
+  router: RouterTerms | None = None
 
   def __post_init__(self):
     self.loss.check_runnable()
+    if self.router is not None and not self.model_config.is_moe:
+      raise ValueError("RouterTerms (config.moe) need a mixture-of-experts policy; this "
+                       "model's MLPs are dense (ModelConfig.num_experts = 0).")
+    if self.router not in (None, RouterTerms()) and (self.distill or self.shared_prefix):
+      raise ValueError("config.moe (routing replay, router losses) runs in the full "
+                       "forward; config.distill and config.rl.prefix_shared_forward use "
+                       "their own: turn one off.")
+
+  @property
+  def replay(self) -> bool:
+    """Whether the forward replays the batch's recorded experts (R3)."""
+    return self.router is not None and self.router.routing_replay
 
   @functools.cached_property
   def settings(self) -> losses.LossSettings:
@@ -205,7 +329,28 @@ class StepObjective:
     """`policy_logprobs` of `rollout` with this objective's layout and temperature."""
     return policy_logprobs(policy, rollout, self.model_config, self.temperature,
                            self.residual_hook, shared_prefix=self.shared_prefix,
-                           logprob_chunk=self.logprob_chunk)
+                           logprob_chunk=self.logprob_chunk, replay=self.replay)
+
+  def _routed_terms(self, policy, micro: Rollout, version, prox_version):
+    """An MoE policy's log-probs, auxiliary loss and routing metrics: `behavior_train_kl`'s
+    sums over every completion token at the batch's first update (staleness and numerics
+    together) and, under replay, the same KL for the router's own choice (one more
+    forward, at the first update only: `moe_unreplayed_kl`)."""
+    router = self.router or RouterTerms()
+    logp, stats = policy_logprobs_with_routing(
+        policy, micro, self.model_config, self.temperature, self.residual_hook,
+        logprob_chunk=self.logprob_chunk, replay=self.replay)
+    first = version == prox_version
+    completion = (micro.completion_mask > 0) & (micro.version >= 0) & first
+    metrics = dict(router.metrics(stats, micro, first, self.model_config.num_experts),
+                   _behavior_k3_sum=k3(logp, micro.behavior_logp, completion).sum(),
+                   _behavior_tokens=completion.sum(dtype=jnp.float32))
+    if self.replay:
+      unreplayed = lambda: k3(sg(policy_logprobs(
+          policy, micro, self.model_config, self.temperature, self.residual_hook,
+          logprob_chunk=self.logprob_chunk)), micro.behavior_logp, completion).sum()
+      metrics["_unreplayed_k3_sum"] = jax.lax.cond(first, unreplayed, lambda: jnp.zeros(()))
+    return logp, router.loss(stats), metrics
 
   def __call__(self, policy, micro: Rollout, version, prox_version,
                teacher=None) -> tuple[jax.Array, dict]:
@@ -223,16 +368,22 @@ class StepObjective:
       the objective's, the distillation's and the mismatch sums' metrics.
     """
     terms = None if self.distill is None else self._distill_terms(policy, teacher, micro)
-    logp = self.logprobs(policy, micro) if terms is None else terms["logp"]
-    loss, metrics = jnp.zeros(()), mismatch_terms(logp, micro, version, prox_version)
+    loss, routed = jnp.zeros(()), {}
+    if terms is not None:
+      logp = terms["logp"]
+    elif self.model_config.is_moe and self.shared_prefix is None:
+      logp, loss, routed = self._routed_terms(policy, micro, version, prox_version)
+    else:
+      logp = self.logprobs(policy, micro)
+    metrics = dict(mismatch_terms(logp, micro, version, prox_version), **routed)
     if self.distill is None or self.distill.with_reward:
       prox = micro.prox_logp
       if prox is None and self.prox_estimate == "loglinear":
         prox = corrections.loglinear_prox(logp, micro.behavior_logp, micro.version,
                                           prox_version, version)
-      loss, objective_metrics = losses.get_loss(self.loss.name)(
+      objective, objective_metrics = losses.get_loss(self.loss.name)(
           logp, micro, prox_logp=prox, settings=self.settings)
-      metrics = dict(metrics, **objective_metrics)
+      loss, metrics = loss + objective, dict(metrics, **objective_metrics)
     if terms is not None:
       mask = micro.completion_mask
       term = losses.aggregate(terms["per_token"], mask, self.aggregation,

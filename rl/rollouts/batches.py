@@ -154,6 +154,8 @@ def make_generate(model_config: ModelConfig, sampling_config: SamplingConfig,
   param_shardings = sharding_rules.tree_shardings(abstract_params, mesh, rules)
   rows, replicated = sharding_rules.batch_sharding(mesh), sharding_rules.replicated(mesh)
   plain = {f.name: 0 for f in dataclasses.fields(Generation) if f.default is dataclasses.MISSING}
+  if model_config.is_moe:
+    plain["experts"] = 0  # the routing record, split by rows like the rest
   out_shardings = sharding_rules.tree_shardings(  # the tree fields stay None: no leaves
       Generation(**plain), mesh, sharding_rules.BATCH_RULES)
 
@@ -300,7 +302,8 @@ def score_generation(generation: Generation, examples: Sequence[Example], group_
                     completion_mask=generation.completion_mask,
                     behavior_logp=generation.behavior_logp, version=generation.version,
                     group=group, reward=jnp.asarray(scores.rewards),
-                    env_mask=None if tools is None else generation.tools.env_mask)
+                    env_mask=None if tools is None else generation.tools.env_mask,
+                    experts=generation.experts)
   return ScoredSamples(rollout=rollout, completions=completions, exact=scores.exact,
                        rows=scored_rows(repeated, completions, scores.verdicts),
                        decode_steps=int(generation.decode_steps),
@@ -344,7 +347,7 @@ def tree_rollout(generation: Generation, reward: jax.Array, group: jax.Array) ->
   return Rollout(
       tokens=generation.tokens, prompt_mask=generation.prompt_mask | shared,
       completion_mask=own, behavior_logp=generation.behavior_logp,
-      version=generation.version, group=group, reward=reward,
+      version=generation.version, group=group, reward=reward, experts=generation.experts,
       tree=TreeRows(node=paths.node, parent=paths.parent, depth=paths.depth,
                     prefix_len=paths.prefix_len))
 

@@ -18,6 +18,7 @@ from rl.settings.dataset import DatasetSettings
 from rl.settings.distill import DistillSettings
 from rl.settings.loss import LossSettings
 from rl.settings.model import ModelSettings
+from rl.settings.moe import MoeSettings
 from rl.settings.reward import RewardSettings
 from rl.settings.rollout import RolloutSettings
 from rl.settings.selection import SelectionSettings
@@ -250,6 +251,8 @@ class RunSettings(Settings):
   loss: LossSettings = nested(LossSettings, "the objective")
   advantage: AdvantageSettings = nested(AdvantageSettings, "the advantage estimator")
   reward: RewardSettings = nested(RewardSettings, "the reward stage")
+  moe: MoeSettings = nested(MoeSettings, "a mixture-of-experts policy's routing replay and "
+                            "router losses")
   distill: DistillSettings = nested(DistillSettings, "on-policy distillation")
   selection: SelectionSettings = nested(SelectionSettings, "prompt selection")
   tools: ToolSettings = nested(ToolSettings, "the environment")
@@ -487,5 +490,28 @@ def _reward_stage(settings: RunSettings) -> None:
                      "config.tools.name puts environment text between them; turn one off.")
 
 
+def _moe(settings: RunSettings) -> None:
+  """config.moe against the rest (a checkpoint's model is checked once loaded,
+  rl.wiring.router_terms)."""
+  moe, model = settings.moe, settings.model
+  if not moe.active:
+    return
+  from models import config as model_configs  # pylint: disable=import-outside-toplevel
+  if not model.checkpoint and not model_configs.PRESETS[model.preset].is_moe:
+    raise ValueError(f"config.moe = {moe} needs a mixture-of-experts policy; "
+                     f"config.model.preset = {model.preset!r} is dense (use 'tiny2_moe' or a "
+                     "Qwen3-MoE / Mixtral checkpoint).")
+  if settings.rl.prefix_shared_forward:
+    raise ValueError("config.moe (routing replay, router losses) runs in the full forward, "
+                     "and config.rl.prefix_shared_forward = True uses its own; turn one off.")
+  if settings.distill.teacher:
+    raise ValueError("config.moe (routing replay, router losses) runs in the full forward, "
+                     "and config.distill uses its own; turn one off.")
+  if moe.routing_replay and settings.selection.kind == "ar3po" and settings.selection.ar3po.reuse:
+    raise ValueError("config.moe.routing_replay replays each row's recorded experts, and "
+                     "AR3PO's reused responses (config.selection.ar3po.reuse) keep none; set "
+                     "selection.ar3po.reuse = False.")
+
+
 _CROSS_CHECKS = (_batch_layout, _prefix_sharing, _speculative, _no_reference_policy, _groups,
-                 check_composition, _tools, _distillation, _reward_stage)
+                 check_composition, _tools, _distillation, _reward_stage, _moe)
