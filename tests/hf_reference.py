@@ -24,11 +24,23 @@ _HF_CONFIGS = {
                                               tie_word_embeddings=True),
     "qwen3": lambda: transformers.Qwen3Config(**_COMMON, head_dim=24, rope_theta=1e6,
                                               tie_word_embeddings=False),
+    # Mixtures of experts: 8 (Qwen3-MoE) or 6 (Mixtral) experts of width 48, top 2; the
+    # router weights get the same std-0.25 draw as the rest, so routing is far from uniform.
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **_COMMON, head_dim=24, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, rope_theta=1e6, tie_word_embeddings=False),
+    "qwen3_moe_unnormalized": lambda: transformers.Qwen3MoeConfig(
+        **_COMMON, moe_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=False, rope_theta=1e6, tie_word_embeddings=True),
+    "mixtral": lambda: transformers.MixtralConfig(
+        **dict(_COMMON, intermediate_size=48), num_local_experts=6, num_experts_per_tok=2,
+        rope_theta=1e6, tie_word_embeddings=False),
 }
 
 
 def random_hf_model(kind: str, seed: int = 0):
-  """A random transformers model of `kind` (llama / qwen2 / qwen3), in eval mode."""
+  """A random transformers model of `kind` (llama / qwen2 / qwen3, or the mixtures of
+  experts qwen3_moe / qwen3_moe_unnormalized / mixtral), in eval mode."""
   torch.manual_seed(seed)
   config = _HF_CONFIGS[kind]()
   model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
