@@ -12,6 +12,8 @@ without carry slips (held-out accuracy 0.96 against the students' 0.27-0.33). Th
 `warm_tools` cells are the tool grid's (experiments/grids/tools.py): the same warm start
 with running_sum's adder, demonstrated at a share of the additions. The `warm_hard` cells
 are the budget grid's hard setting: 300 supervised steps on problems of 5 to 9 additions.
+The `warm_moe` cells are the MoE grid's (experiments/grids/moe.py): the same warm start
+with the mixture-of-experts policy `tiny2_moe`.
 """
 
 from experiments.grids import budget
@@ -30,4 +32,7 @@ SPEC = {"cells": [{"name": "warm", "module": "experiments.train", "seeds": list(
                    "flags": {"config.rl.steps": 0, **tools.TOOL_FLAGS}},
                   # The budget grid's hard setting (experiments/grids/budget.py).
                   {"name": "warm_hard", "module": "experiments.train", "seeds": list(SEEDS),
-                   "flags": {"config.rl.steps": 0, **budget.HARD_FLAGS}}]}
+                   "flags": {"config.rl.steps": 0, **budget.HARD_FLAGS}},
+                  # The MoE grid's policy (experiments/grids/moe.py).
+                  {"name": "warm_moe", "module": "experiments.train", "seeds": list(SEEDS),
+                   "flags": {"config.rl.steps": 0, "config.model.preset": "tiny2_moe"}}]}
