@@ -13,11 +13,23 @@ from sampling import sampler
 from sampling.sampler import SamplingConfig
 
 
+def mlp_weights_per_token(config: ModelConfig) -> int:
+  """Weights one token multiplies by in one block's MLP: the SwiGLU's 3 * D * F; in a
+  mixture of experts, only its k routed experts' (3 * D * F each), the router's D * X and a
+  shared expert's 3 * D * S + D (its sigmoid gate)."""
+  c = config
+  if not c.is_moe:
+    return 3 * c.d_model * c.mlp_dim
+  shared = 3 * c.d_model * c.shared_expert_dim + c.d_model if c.shared_expert_dim else 0
+  return (c.experts_per_token * 3 * c.d_model * c.mlp_dim + c.d_model * c.num_experts
+          + shared)
+
+
 def decode_flops_per_token(config: ModelConfig, context: float) -> float:
   """Matmul FLOPs to generate one token with `context` tokens already in the cache."""
   c = config
   attn_proj = c.d_model * (2 * c.n_heads + 2 * c.n_kv_heads) * c.head_dim
-  mlp = 3 * c.d_model * c.mlp_dim
+  mlp = mlp_weights_per_token(c)
   attention = 2 * c.n_heads * c.head_dim * context
   return 2 * (c.n_layers * (attn_proj + mlp + attention) + c.d_model * c.vocab_size)
 
@@ -26,7 +38,7 @@ def train_flops_per_token(config: ModelConfig, context: float) -> float:
   """Matmul FLOPs of forward + backward (3x forward) per token at mean `context`."""
   c = config
   attn_proj = c.d_model * (2 * c.n_heads + 2 * c.n_kv_heads) * c.head_dim
-  mlp = 3 * c.d_model * c.mlp_dim
+  mlp = mlp_weights_per_token(c)
   attention = 2 * c.n_heads * c.head_dim * context
   return 3 * 2 * (c.n_layers * (attn_proj + mlp + attention) + c.d_model * c.vocab_size)
 

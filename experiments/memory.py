@@ -17,6 +17,13 @@ step updates its state in place). Mixed precision (--compute_dtype=bfloat16) is 
 the backend it compiles for: XLA:CPU has no bfloat16 matmul and upcasts each operand to a
 float32 copy, so on a CPU host its plan is larger than float32's, not the accelerator's. A mesh (data, fsdp, tensor) over N devices needs N
 devices: on a CPU host the planner asks XLA for N virtual ones.
+
+Each row also counts the model's parameters, total and active per token
+(`parameter_counts`: of a mixture-of-experts model's X experts per block only the k a
+token is routed to). The same caveat as for bfloat16 holds for mixtures of experts: on
+CPU, JAX lowers `jax.lax.ragged_dot` (the MoE dispatch's grouped matmul) as a masked dense
+product that materialises an [X, B * T * k, D] operand, so a CPU host's plan of an MoE
+step or sampler holds temporaries a GPU's or TPU's grouped matmul does not (docs/pod.md).
 """
 
 from __future__ import annotations
@@ -35,6 +42,10 @@ TABLE_MODELS = ("qwen2_5_0_5b", "qwen2_5_1_5b", "qwen2_5_7b", "llama3_1_8b")
 TABLE_CASES = (((1, 1, 1), 0, "none"), ((1, 1, 1), 256, "none"), ((1, 1, 1), 256, "full"),
                ((1, 8, 1), 0, "none"), ((1, 8, 1), 256, "full"),
                ((1, 16, 4), 0, "none"), ((1, 16, 4), 256, "full"))
+# Mixture-of-experts presets: the 8- and 64-device rows only (their weights and moments
+# alone, 16 bytes per parameter, are 450-700 GiB: no one-device row would fit anything).
+TABLE_MOE_MODELS = ("qwen3_30b_a3b", "mixtral_8x7b")
+TABLE_MOE_CASES = tuple(case for case in TABLE_CASES if case[0] != (1, 1, 1))
 DEVICE_SIZES_GIB = (16, 32, 80, 95)
 
 
@@ -49,6 +60,23 @@ def model_config(spec: str, dtype: str, remat: str, seq_len: int, compute_dtype:
     config = model_configs.get_preset(spec, dtype=dtype)
   return config.replace(remat=remat, compute_dtype=compute_dtype,
                         max_seq_len=max(config.max_seq_len, seq_len))
+
+
+def parameter_counts(config) -> tuple[int, int]:
+  """(total, active) parameters of a ModelConfig, from its parameters' shapes. Active: those
+  one token's forward uses, i.e. of a mixture-of-experts model's X experts per block only
+  the k it is routed to (the router, a shared expert, attention, embedding and output head
+  all count); a dense model's are all of them."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from models import transformer  # pylint: disable=import-outside-toplevel
+  params = jax.eval_shape(lambda: transformer.init_params(config, jax.random.PRNGKey(0)))
+  total = sum(int(x.size) for x in jax.tree.leaves(params))
+  if not config.is_moe:
+    return total, total
+  experts = sum(int(params["layers"][name].size)
+                for name in ("expert_gate", "expert_up", "expert_down"))
+  unused = experts // config.num_experts * (config.num_experts - config.experts_per_token)
+  return total, total - unused
 
 
 def grpo_loss():
@@ -103,6 +131,7 @@ def plan(model: str, batch: int, seq_len: int, new_tokens: int, mesh_sizes, logp
   from sharding import rules as sharding_rules  # pylint: disable=import-outside-toplevel
 
   config = model_config(model, dtype, remat, seq_len, compute_dtype)
+  counts = parameter_counts(config)
   data, fsdp, tensor = (int(n) for n in mesh_sizes)
   devices = data * fsdp * tensor
   mesh = None if devices == 1 else mesh_lib.make_mesh(
@@ -134,6 +163,7 @@ def plan(model: str, batch: int, seq_len: int, new_tokens: int, mesh_sizes, logp
       model=model, dtype=dtype, compute_dtype=compute_dtype, batch=batch, seq_len=seq_len, new_tokens=new_tokens,
       mesh=[data, fsdp, tensor], logprob_chunk=logprob_chunk, remat=remat,
       backend=jax.default_backend(), parameters=_bytes(params),
+      parameter_count=counts[0], active_parameter_count=counts[1],
       parameter_bytes_per_device=_per_device(state.params, None if shardings is None
                                              else shardings.params),
       optimizer_bytes_per_device=_per_device(state.opt_state, None if shardings is None
@@ -206,26 +236,28 @@ def table(rows: list[dict]) -> str:
 
 
 def table_rows(out: str) -> list[dict]:
-  """docs/pod.md's rows (TABLE_MODELS x TABLE_CASES, at this run's --batch, --seq_len,
-  --new_tokens, --dtype), each planned in its own process (a process that compiles many
-  large programs keeps them and runs out of memory) and kept as <out's folder>/rows/<row>.json,
-  so an interrupted table resumes; the rows are also written to `out`."""
+  """docs/pod.md's rows (TABLE_MODELS x TABLE_CASES, then TABLE_MOE_MODELS x
+  TABLE_MOE_CASES, at this run's --batch, --seq_len, --new_tokens, --dtype), each planned
+  in its own process (a process that compiles many large programs keeps them and runs out
+  of memory) and kept as <out's folder>/rows/<row>.json, so an interrupted table resumes;
+  the rows are also written to `out`."""
   folder = os.path.join(os.path.dirname(os.path.abspath(out)), "rows")
   os.makedirs(folder, exist_ok=True)
   rows = []
-  for model in TABLE_MODELS:
-    for mesh, chunk, remat in TABLE_CASES:
-      name = f"{model}_{'-'.join(map(str, mesh))}_c{chunk}_{remat}"
-      path = os.path.join(folder, name + (f"_{_COMPUTE.value}" if _COMPUTE.value else "") + ".json")
-      if not os.path.exists(path):
-        subprocess.run([sys.executable, "-m", "experiments.memory", f"--model={model}",
-                        f"--batch={_BATCH.value}", f"--seq_len={_SEQ_LEN.value}",
-                        f"--new_tokens={_NEW_TOKENS.value}", f"--dtype={_DTYPE.value}",
-                        f"--mesh={','.join(map(str, mesh))}", f"--logprob_chunk={chunk}",
-                        f"--remat={remat}", f"--compute_dtype={_COMPUTE.value}", f"--out={path}"],
-                       check=True)
-      with open(path) as f:
-        rows += json.load(f)
+  grid = ([(model, case) for model in TABLE_MODELS for case in TABLE_CASES]
+          + [(model, case) for model in TABLE_MOE_MODELS for case in TABLE_MOE_CASES])
+  for model, (mesh, chunk, remat) in grid:
+    name = f"{model}_{'-'.join(map(str, mesh))}_c{chunk}_{remat}"
+    path = os.path.join(folder, name + (f"_{_COMPUTE.value}" if _COMPUTE.value else "") + ".json")
+    if not os.path.exists(path):
+      subprocess.run([sys.executable, "-m", "experiments.memory", f"--model={model}",
+                      f"--batch={_BATCH.value}", f"--seq_len={_SEQ_LEN.value}",
+                      f"--new_tokens={_NEW_TOKENS.value}", f"--dtype={_DTYPE.value}",
+                      f"--mesh={','.join(map(str, mesh))}", f"--logprob_chunk={chunk}",
+                      f"--remat={remat}", f"--compute_dtype={_COMPUTE.value}", f"--out={path}"],
+                     check=True)
+    with open(path) as f:
+      rows += json.load(f)
   with open(out, "w") as f:
     json.dump(rows, f, indent=1)
   return rows
@@ -271,6 +303,10 @@ def main(argv):
                logprob_chunk=_CHUNK.value, remat=_REMAT.value,
                compute_dtype=_COMPUTE.value)]
   print(table(rows))
+  for row in rows:
+    if row["active_parameter_count"] != row["parameter_count"]:
+      print(f"{row['model']}: {row['parameter_count'] / 1e9:.2f}B parameters, "
+            f"{row['active_parameter_count'] / 1e9:.2f}B active per token")
   if _CHECK.value:
     for row in rows:
       t = row["train_step"]

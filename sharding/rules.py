@@ -8,16 +8,27 @@ the path's end, so one table shards parameters and the optimiser state that mirr
 
 Layouts (MaxText-style: the table is the only place that names mesh axes):
 
-| leaf                         | trainer (FSDP + TP)        | sampler (TP, replicated over data/fsdp) |
-|------------------------------|----------------------------|-----------------------------------------|
-| embed [V, D]                 | (tensor+fsdp, -)           | (tensor, -)                             |
-| lm_head [D, V]               | (fsdp, tensor)             | (-, tensor)                             |
-| layers/{q,k,v,gate,up} [L,D,X] | (-, fsdp, tensor)        | (-, -, tensor)                          |
-| layers/{o,down} [L,X,D]      | (-, tensor, fsdp)          | (-, tensor, -)                          |
-| layers/{q,k,v}_bias [L,X]    | (-, tensor)                | (-, tensor)                             |
-| norms, counters, RNG         | replicated                 | replicated                              |
-| batch leaves [B, ...]        | (data+fsdp, ...)           | (data+fsdp, ...)                        |
-| KV cache [L, B, S, K, E]     | -                          | (-, data+fsdp, -, tensor, -)            |
+| leaf                                | trainer (FSDP + TP)   | sampler (TP, replicated over data/fsdp) |
+|-------------------------------------|-----------------------|-----------------------------------------|
+| embed [V, D]                        | (tensor+fsdp, -)      | (tensor, -)                             |
+| lm_head [D, V]                      | (fsdp, tensor)        | (-, tensor)                             |
+| layers/{q,k,v,gate,up} [L, D, N]    | (-, fsdp, tensor)     | (-, -, tensor)                          |
+| layers/{o,down} [L, N, D]           | (-, tensor, fsdp)     | (-, tensor, -)                          |
+| layers/{q,k,v}_bias [L, N]          | (-, tensor)           | (-, tensor)                             |
+| layers/router [L, D, X]             | (-, fsdp, -)          | replicated                              |
+| layers/expert_{gate,up} [L, X, D, F]| (-, -, fsdp, tensor)  | (-, -, -, tensor)                       |
+| layers/expert_down [L, X, F, D]     | (-, -, tensor, fsdp)  | (-, -, tensor, -)                       |
+| layers/shared_{gate,up} [L, D, S]   | (-, fsdp, tensor)     | (-, -, tensor)                          |
+| layers/shared_down [L, S, D]        | (-, tensor, fsdp)     | (-, tensor, -)                          |
+| layers/shared_scale [L, D, 1]       | (-, fsdp, -)          | replicated                              |
+| norms, counters, RNG                | replicated            | replicated                              |
+| batch leaves [B, ...]               | (data+fsdp, ...)      | (data+fsdp, ...)                        |
+| KV cache [L, B, S, K, E]            | -                     | (-, data+fsdp, -, tensor, -)            |
+| cache/experts [L, B, S, k]          | -                     | (-, data+fsdp, -, -)                    |
+
+N is a projection's other width (heads x head width, or the MLP width), X the number of
+experts, F each expert's width, S the shared expert's, k the experts per token;
+cache/experts is an MoE model's routing record.
 
 Column-parallel matrices (q/k/v/gate/up) split their output units over `tensor`,
 row-parallel ones (o/down) their input units, so each block needs one all-reduce
@@ -25,6 +36,16 @@ row-parallel ones (o/down) their input units, so each block needs one all-reduce
 by vocabulary rows only (a vocab-parallel lookup: masked local gather + all-reduce):
 splitting its model dimension over `fsdp` makes XLA's partitioner replicate the looked-up
 activations to re-split them by batch rows ("involuntary full rematerialization").
+
+Mixture-of-experts blocks: each expert is laid out as a dense MLP is, its D over `fsdp`
+and its F over `tensor`; the expert axis X itself is not split (there is no `expert` mesh
+axis). Every device then holds a 1/(fsdp x tensor) slice of every expert whatever the
+number of experts (Mixtral's 8 do not split over an fsdp of 16; its D = 4096 does), and
+under tensor parallelism each device does the same share of every expert's work whatever
+the routing. The router stays whole along X (top-k needs every logit of a token). The
+shared expert is a dense SwiGLU and takes the dense rules. docs/pod.md
+("Mixture-of-experts layouts") argues the choice and says what XLA does with the grouped
+matmul under it.
 
 A mesh axis that does not divide a dimension is dropped for that leaf (the dimension is
 replicated), so models whose sizes do not divide the mesh still run, only less sharded.
@@ -43,9 +64,14 @@ from sharding.mesh import BATCH_AXES
 
 Rules = Sequence[tuple[str, P]]
 
-_COLUMN = r"(^|/)layers/(q|k|v|gate|up)$"
-_ROW = r"(^|/)layers/(o|down)$"
+_COLUMN = r"(^|/)layers/(q|k|v|gate|up|shared_gate|shared_up)$"
+_ROW = r"(^|/)layers/(o|down|shared_down)$"
 _BIAS = r"(^|/)layers/(q|k|v)_bias$"
+# Mixture of experts: the [L, X, D, F] and [L, X, F, D] stacks of X experts' matrices; the
+# router [L, D, X] and the shared expert's gate [L, D, 1].
+_EXPERT_IN = r"(^|/)layers/expert_(gate|up)$"
+_EXPERT_OUT = r"(^|/)layers/expert_down$"
+_BY_MODEL_DIM = r"(^|/)layers/(router|shared_scale)$"
 
 TRAINER_RULES: Rules = (
     (r"(^|/)embed$", P(("tensor", "fsdp"), None)),
@@ -53,6 +79,9 @@ TRAINER_RULES: Rules = (
     (_COLUMN, P(None, "fsdp", "tensor")),
     (_ROW, P(None, "tensor", "fsdp")),
     (_BIAS, P(None, "tensor")),
+    (_EXPERT_IN, P(None, None, "fsdp", "tensor")),
+    (_EXPERT_OUT, P(None, None, "tensor", "fsdp")),
+    (_BY_MODEL_DIM, P(None, "fsdp", None)),
     (r".*", P()),  # norms, step counters, optimiser counts
 )
 
@@ -62,7 +91,9 @@ SAMPLER_RULES: Rules = (
     (_COLUMN, P(None, None, "tensor")),
     (_ROW, P(None, "tensor", None)),
     (_BIAS, P(None, "tensor")),
-    (r".*", P()),
+    (_EXPERT_IN, P(None, None, None, "tensor")),
+    (_EXPERT_OUT, P(None, None, "tensor", None)),
+    (r".*", P()),  # norms, the router and the shared expert's gate
 )
 
 # Every leaf of a batch (Rollout, prompts, Generation) has the batch as its first axis.
@@ -72,8 +103,10 @@ BATCH_RULES: Rules = (
 )
 
 # SamplerState: rows split like the batch, KV heads over `tensor`; step and RNG replicated.
+# An MoE model's routing record (cache/experts [L, B, S, k]) is split by rows like the cache.
 SAMPLER_STATE_RULES: Rules = (
     (r"(^|/)cache/(k|v)$", P(None, BATCH_AXES, None, "tensor", None)),
+    (r"(^|/)cache/experts$", P(None, BATCH_AXES, None, None)),
     (r"(^|/)(step|rng)$", P()),
     (r".*", P(BATCH_AXES)),
 )

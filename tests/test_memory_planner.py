@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments import decode_cost
 from experiments import memory
 from models import transformer
 from models.config import ModelConfig
@@ -197,3 +198,60 @@ def test_mixed_precision_plans_the_bfloat16_step_over_float32_masters(tmp_path, 
           if jnp.issubdtype(x.dtype, jnp.floating)} == {jnp.dtype("float32")}
   assert "| dense | none | bfloat16 |" in memory.table([mixed])
   assert "| dense | none | float32 |" in memory.table([dense_plan])
+
+
+# --- mixture of experts ----------------------------------------------------------------------
+
+# Published (total, active per token) parameter counts: Qwen/Qwen3-30B-A3B's model card
+# ("30.5B in total and 3.3B activated") and Mistral AI's Mixtral 8x7B announcement ("46.7B
+# total parameters but only uses 12.9B parameters per token").
+PUBLISHED = {"qwen3_30b_a3b": (30.5e9, 3.3e9), "mixtral_8x7b": (46.7e9, 12.9e9)}
+
+
+def _hand_count(c: ModelConfig, experts: int) -> int:
+  """Parameters from the config.json fields, by hand: embedding and (untied) head, per
+  layer attention (q, k, v, o), two RMSNorms and Qwen3's q/k norms, the router and
+  `experts` SwiGLU experts, and the final norm."""
+  attention = c.d_model * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + c.n_heads * c.head_dim * c.d_model
+  norms = 2 * c.d_model + (2 * c.head_dim if c.qk_norm else 0)
+  per_layer = attention + norms + c.d_model * c.num_experts + experts * 3 * c.d_model * c.mlp_dim
+  return 2 * c.vocab_size * c.d_model + c.n_layers * per_layer + c.d_model
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_moe_parameter_counts_match_the_published_ones(name):
+  """The presets' total parameters are within 1% of the published totals, and the active
+  ones count k experts per block, not X: by hand, and against the published figures.
+  Mixtral's active count is within 1% of 12.9B. Qwen3-30B-A3B's is 3.353B, 1.6% above the
+  card's 3.3B: that figure has two significant digits and is evidently truncated (3.353
+  rounds to 3.4; no subset of the weights one token uses, such as leaving out the
+  embedding, 3.04B, gives 3.3), so it is checked to that precision, within 2%."""
+  config = memory.model_config(name, "float32", "none", 512)
+  total, active = memory.parameter_counts(config)
+  assert total == _hand_count(config, config.num_experts)
+  assert active == _hand_count(config, config.experts_per_token)
+  published_total, published_active = PUBLISHED[name]
+  assert abs(total / published_total - 1) < 0.01, total
+  assert abs(active / published_active - 1) < (0.02 if name == "qwen3_30b_a3b" else 0.01), active
+  # The benchmarks' matmul FLOPs per token count k experts too: at an empty context, 2 per
+  # active weight that multiplies (all but the embedding table, looked up, and the norms).
+  c = config
+  norms = c.n_layers * (2 * c.d_model + (2 * c.head_dim if c.qk_norm else 0)) + c.d_model
+  assert decode_cost.decode_flops_per_token(c, 0) == 2 * (active - c.vocab_size * c.d_model
+                                                          - norms)
+  assert decode_cost.train_flops_per_token(c, 0) == 3 * decode_cost.decode_flops_per_token(c, 0)
+
+
+def test_dense_counts_and_a_shared_experts_flops(dense_plan):
+  """A dense model's active parameters are all of them (the plan's row reports both); a
+  shared expert's SwiGLU and its sigmoid gate count for every token."""
+  count = sum(x.size for x in jax.tree.leaves(transformer.init_params(CONFIG, jax.random.PRNGKey(0))))
+  assert memory.parameter_counts(CONFIG) == (count, count)
+  assert dense_plan["parameter_count"] == dense_plan["active_parameter_count"] == count
+  assert dense_plan["parameters"] == 4 * count
+  moe = CONFIG.replace(num_experts=4, experts_per_token=2, shared_expert_dim=16)
+  total, active = memory.parameter_counts(moe)
+  per_expert = 3 * moe.d_model * moe.mlp_dim
+  assert total - active == moe.n_layers * 2 * per_expert
+  assert decode_cost.mlp_weights_per_token(moe) == (
+      2 * per_expert + moe.d_model * 4 + 3 * moe.d_model * 16 + moe.d_model)
