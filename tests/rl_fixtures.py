@@ -15,6 +15,17 @@ GRPO = losses.LossSettings(
     kl_coef=0.0)
 
 
+def left_padded_prompts(batch_size=8, prompt_len=8, vocab=64):
+  """Random prompts [batch_size, prompt_len] (ids 3..vocab-1), row r left-padded by r % 4
+  slots (pad id 0), and their mask: the sharded-sampler tests' prompts."""
+  rng = np.random.default_rng(1)
+  tokens = rng.integers(3, vocab, (batch_size, prompt_len)).astype(np.int32)
+  mask = np.zeros((batch_size, prompt_len), bool)
+  for row in range(batch_size):
+    mask[row, row % 4:] = True
+  return jnp.asarray(np.where(mask, tokens, 0)), jnp.asarray(mask)
+
+
 def random_rollout(seed=0, batch=4, length=8):
   """A [batch, length] rollout of random tokens (vocabulary 51): 3 prompt slots, the rest
   completion, one random advantage per row, groups of two rows."""

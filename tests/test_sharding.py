@@ -18,6 +18,7 @@ import multihost_worker
 from models import transformer
 from rl.rollouts import batches as rollout_lib
 from rl import train
+from tests.rl_fixtures import left_padded_prompts
 from rl.types import Rollout
 from sampling.sampler import SamplingConfig
 from sharding import mesh as mesh_lib
@@ -159,21 +160,12 @@ def test_parameter_leaves_are_really_sharded(setup, mesh):
 
 # --- sampler and resharding ---------------------------------------------------------------
 
-def _prompts(batch_size=8, prompt_len=8, vocab=64):
-  rng = np.random.default_rng(1)
-  tokens = rng.integers(3, vocab, (batch_size, prompt_len)).astype(np.int32)
-  mask = np.zeros((batch_size, prompt_len), bool)
-  for row in range(batch_size):
-    mask[row, row % 4:] = True
-  return jnp.asarray(np.where(mask, tokens, 0)), jnp.asarray(mask)
-
-
 @pytest.mark.slow
 def test_sharded_greedy_sampling_gives_single_device_tokens(setup, mesh):
   model_config = setup[0]
   params = transformer.init_params(model_config, jax.random.PRNGKey(3), init_std=0.3)
   sampling_config = SamplingConfig(max_new_tokens=8, temperature=0.0, stop_tokens=(2,))
-  tokens, mask = _prompts()
+  tokens, mask = left_padded_prompts()
   want = rollout_lib.make_generate(model_config, sampling_config)(
       params, tokens, mask, jax.random.PRNGKey(0), 5)
   trainer_params = jax.device_put(params, rules.tree_shardings(params, mesh, rules.TRAINER_RULES))
@@ -196,7 +188,7 @@ def test_sharded_sampling_pads_rows_that_do_not_split_over_the_mesh(setup, mesh)
   model_config = setup[0]
   params = transformer.init_params(model_config, jax.random.PRNGKey(3), init_std=0.3)
   sampling_config = SamplingConfig(max_new_tokens=8, temperature=0.0, stop_tokens=(2,))
-  tokens, mask = (x[:6] for x in _prompts())
+  tokens, mask = (x[:6] for x in left_padded_prompts())
   want = rollout_lib.make_generate(model_config, sampling_config)(
       params, tokens, mask, jax.random.PRNGKey(0), 5)
   got = rollout_lib.make_generate(model_config, sampling_config, mesh)(

@@ -17,6 +17,7 @@ import multihost_worker
 from models import transformer
 from models.config import get_preset
 from rl import train
+from tests.rl_fixtures import left_padded_prompts
 from rl.objectives import composite
 from rl.rollouts import batches as rollout_lib
 from rl.types import Rollout
@@ -244,15 +245,6 @@ def test_sharded_moe_train_step_matches_single_device(mesh, name):
 
 # --- sampler --------------------------------------------------------------------------------
 
-def _prompts(batch_size=8, prompt_len=8, vocab=64):
-  rng = np.random.default_rng(1)
-  tokens = rng.integers(3, vocab, (batch_size, prompt_len)).astype(np.int32)
-  mask = np.zeros((batch_size, prompt_len), bool)
-  for row in range(batch_size):
-    mask[row, row % 4:] = True
-  return jnp.asarray(np.where(mask, tokens, 0)), jnp.asarray(mask)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_sharded_moe_greedy_sampling_gives_single_device_tokens(mesh, name):
@@ -266,7 +258,7 @@ def test_sharded_moe_greedy_sampling_gives_single_device_tokens(mesh, name):
   config = CONFIGS[name]
   params = transformer.init_params(config, jax.random.PRNGKey(3), init_std=0.1)
   sampling_config = SamplingConfig(max_new_tokens=8, temperature=0.0, stop_tokens=(2,))
-  tokens, mask = _prompts()
+  tokens, mask = left_padded_prompts()
   want = rollout_lib.make_generate(config, sampling_config)(
       params, tokens, mask, jax.random.PRNGKey(0), 5)
   trainer_params = jax.device_put(params, rules.tree_shardings(params, mesh, rules.TRAINER_RULES))
