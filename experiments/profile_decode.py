@@ -227,10 +227,10 @@ def apart_profile(config: ModelConfig, params, batch: int, prompt_len: int, step
       x, cache = carry
       mask = transformer.attention_mask(kv_mask, 1, prompt_len + i)
       new = []
-      for layer, (k, v) in zip(layers["layers"], cache):
-        x, k, v = transformer._decode_block(x, layer, cos, sin, k, v, mask,  # pylint: disable=protected-access
-                                            prompt_len + i, c)
-        new.append((k, v))
+      for layer, layer_cache in zip(layers["layers"], cache):
+        x, layer_cache = transformer._decode_block(x, layer, cos, sin, layer_cache, mask,  # pylint: disable=protected-access
+                                                   prompt_len + i, c)
+        new.append(layer_cache)
       return x, tuple(new)
     return jax.lax.fori_loop(0, steps, body, (x, cache))[0]
 

@@ -625,7 +625,7 @@ def _verify_block(x, layer, cos, sin, layer_cache, mask, slots, config: ModelCon
   x, used = _fused_finish(x, attn.reshape(b, t, q_width), layer, c)
   if used is None:
     return x, (cache_k, cache_v)
-  return x, (cache_k, cache_v, put(layer_cache[2], used.astype(layer_cache[2].dtype), slots, 1))
+  return x, (cache_k, cache_v, put(layer_cache[2], used.astype(layer_cache[2].dtype), slots, 0))
 
 
 def forward_verify(params: Params, tokens: jax.Array, positions: jax.Array, kv_mask: jax.Array,

@@ -185,7 +185,9 @@ def routing_record(cache: dict | None) -> jax.Array | None:
   """The routing record [B, S, L, k] in a stacked KV cache (`transformer.init_cache`:
   'experts' [L, B, S, k], written wherever the sampler ran a token), None for a dense
   model. A slot rewritten (a partial rollout's refresh, a speculative draft replaced)
-  holds the experts of its latest forward, as its keys and values do."""
+  holds the experts of its latest forward, as its keys and values do. A speculative row's
+  final token, when the row stops on it, is never run and has no record (zeros); its
+  routing reaches no log-prob, and the routing metrics leave each row's last token out."""
   if cache is None or "experts" not in cache:
     return None
   return jnp.moveaxis(cache["experts"], 0, 2)

@@ -191,7 +191,13 @@ def _forward_rows(params, tokens, positions, kv_mask, cache, slots, model_config
   """One-token forward per row, each writing its KV at its own cache slot.
 
   tokens, positions, slots [R]; kv_mask [R, S + 1]. Returns (logits [R, V], cache).
+  A mixture-of-experts model runs its experts by dense dispatch here: `jax.lax.ragged_dot`
+  cannot be batched by `vmap` (JAX 0.10: "NYI"). With one token per row the dense dispatch
+  reads each expert's weights once, as the grouped matmul does once a decode batch hits every
+  expert, and gives the same values (tests/test_moe.py).
   """
+  if model_config.is_moe:
+    model_config = model_config.replace(moe_dispatch="dense")
   def one(token, position, mask, cache_row, slot):
     cache_row = jax.tree.map(lambda c: c[:, None], cache_row)
     logits, cache_row = transformer.forward(params, token[None, None], position[None, None],

@@ -247,8 +247,11 @@ class RouterTerms:
     `moe_expert_load_max_l{i}` (layer i's busiest expert's share of the routed
     (token, choice) pairs times the expert count: 1 when balanced, num_experts when one
     expert takes all), and at the batch's first update the sums behind
-    `moe_routing_mismatch`: real tokens x layers whose recorded expert set differs from
-    the set the trainer's router picks (none without a record)."""
+    `moe_routing_mismatch`: token-layers whose recorded expert set differs from the set
+    the trainer's router picks (none without a record), over the real tokens followed by a
+    real token. A row's last token is left out: its routing reaches no log-prob (nothing
+    follows it), and speculative decoding never runs a final token it stopped on, so that
+    token has no record."""
     mask = micro.token_mask
     chosen = jax.nn.one_hot(stats.experts, num_experts, dtype=jnp.float32).sum(axis=3)
     counts = (chosen * mask[..., None, None]).sum(axis=(0, 1))  # [L, X]
@@ -260,7 +263,8 @@ class RouterTerms:
     if micro.experts is not None:
       recorded = jnp.sort(micro.experts.astype(jnp.int32), axis=-1)
       differs = jnp.any(recorded != jnp.sort(stats.experts, axis=-1), axis=-1)  # [B, T, L]
-      slots = mask[..., None] & first_update
+      predicting = mask & jnp.pad(mask[:, 1:], ((0, 0), (0, 1)))
+      slots = predicting[..., None] & first_update
       out["_routing_differs"] = jnp.sum(differs & slots, dtype=jnp.float32)
       out["_routing_slots"] = jnp.sum(jnp.broadcast_to(slots, differs.shape),
                                       dtype=jnp.float32)
