@@ -275,3 +275,29 @@ def test_router_stats_count_only_real_tokens():
         float(moe.load_balancing_loss(logits, used)), rel=1e-5)
     assert float(stats.z_loss[i]) == pytest.approx(float(moe.router_z_loss(logits)), rel=1e-5)
   np.testing.assert_array_equal(stats.experts[:, :, 1], h_layers[1].own)
+
+
+def test_verification_forward_writes_each_rows_routing_at_its_own_slots():
+  # Speculative decoding's forward: row b runs 3 tokens at slots [starts[b], starts[b] + 3).
+  config = _moe_config()
+  params = _params(config)
+  tokens, positions, mask = _batch(config)
+  _, stats = transformer.hidden_states_with_routing(params, tokens, positions, mask, config)
+  _, cache = transformer.forward(params, tokens, positions, mask, config,
+                                 cache=transformer.init_cache(config, 3, 12), cache_index=0)
+  cache = dict(cache, experts=jnp.zeros_like(cache["experts"]))  # forget the prefill's record
+  starts = jnp.array([5, 6, 8])
+  window = starts[:, None] + jnp.arange(3)[None, :]  # [B, 3]
+  pick = lambda a: jnp.take_along_axis(a, window, axis=1)
+  layers = transformer.unstack_layers(params, config, 12)
+  _, written = transformer.forward_verify(layers, pick(tokens), pick(positions), mask, config,
+                                          transformer.to_decode_cache(cache), starts)
+  record = np.asarray(transformer.from_decode_cache(written)["experts"])  # [L, B, S, k]
+  own = np.sort(np.asarray(stats.experts), axis=-1)  # [B, T, L, k]
+  for b, start in enumerate(np.asarray(starts)):
+    for slot in range(12):
+      got = np.sort(record[:, b, slot], axis=-1)
+      if start <= slot < start + 3:
+        np.testing.assert_array_equal(got, own[b, slot])
+      else:
+        assert not got.any(), f"row {b} slot {slot} was written"
