@@ -18,6 +18,8 @@ the sampler's routing equals the trainer's on the same parameters, so at k = 0 t
 is the trainer's own choice; staleness is what moves the routers apart on this testbed.
 """
 
+import os
+
 from experiments.grids import pages
 
 SEEDS = (0, 1, 2)
@@ -55,8 +57,7 @@ def _row(name: str, group: list[dict], groups: dict[str, list[dict]]) -> str:
 
 
 def render_page(results: list[dict], page_path: str) -> str:
-  """The MoE grid's table from the finished cells' results (experiments.grid)."""
-  del page_path  # the page has no figure
+  """The MoE grid's table and figure from the finished cells' results (experiments.grid)."""
   groups = pages.by_setting(results)
   lines = [pages.provenance(results, len(SPEC["cells"])), "",
            "Means over the 120 RL steps (the routing mismatch and the KLs at each batch's "
@@ -68,4 +69,11 @@ def render_page(results: list[dict], page_path: str) -> str:
                              "layer 1", "rollout s"])]
   names = [f"{mode}_k{k}" for k in STALENESS for mode in ("plain", "replay")]
   lines += [_row(name, groups[name], groups) for name in names if name in groups]
+  if results:
+    stem = os.path.splitext(page_path)[0]
+    pages.plot_panels([(f"staleness {k}", "updates",
+                        {mode: groups.get(f"{mode}_k{k}", []) for mode in ("plain", "replay")})
+                       for k in STALENESS], stem + ".png")
+    lines += ["", f"![held-out accuracy per update, replay off and on, by staleness]"
+              f"({os.path.basename(stem)}.png)"]
   return "\n".join(lines) + "\n"
