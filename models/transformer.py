@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from models import moe
+from models import quantize
 from models.config import ModelConfig
 
 Params = dict[str, Any]
@@ -114,23 +115,32 @@ def init_cache(config: ModelConfig, batch_size: int, max_len: int | None = None)
   return cache
 
 
-def compute_params(params: Params, config: ModelConfig) -> Params:
+def compute_params(params: Params, config: ModelConfig, *,
+                   keep_quantized: bool = False) -> Params:
   """`params` as a forward computes with them: every weight cast to `config.compute_dtype`
   except the RMSNorm scales (kept in their own dtype; RMSNorm computes in float32, and a
   bfloat16 scale would round away its small deviations from 1). Identity when the compute
   dtype is the parameters' dtype. Under differentiation the cast's transpose casts each
-  gradient back to its parameter's dtype (mixed precision: float32 master weights)."""
+  gradient back to its parameter's dtype (mixed precision: float32 master weights).
+
+  A quantised sampler's weights (`models.quantize.QuantizedTensor`, config.rollout.weights)
+  are dequantised to the compute dtype here, or with `keep_quantized` left as they are (the
+  decode layout, `unstack_layers`, dequantises them inside each step)."""
   dtype = config.compute_jnp_dtype
+  if not keep_quantized:
+    params = quantize.dequantize(params, dtype)
 
   def cast(path, leaf):
     name = str(getattr(path[-1], "key", path[-1]))
-    if name.endswith("norm") or not jnp.issubdtype(leaf.dtype, jnp.floating):
+    if (quantize.is_quantized(leaf) or name.endswith("norm")
+        or not jnp.issubdtype(leaf.dtype, jnp.floating)):
       return leaf
     return leaf.astype(dtype)
 
-  if all(leaf.dtype == dtype for leaf in jax.tree.leaves(params)):
+  leaves = jax.tree.leaves(params, is_leaf=quantize.is_quantized)
+  if not any(map(quantize.is_quantized, leaves)) and all(leaf.dtype == dtype for leaf in leaves):
     return params
-  return jax.tree_util.tree_map_with_path(cast, params)
+  return jax.tree_util.tree_map_with_path(cast, params, is_leaf=quantize.is_quantized)
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
@@ -497,13 +507,16 @@ def unstack_layers(params: Params, config: ModelConfig, num_positions: int) -> P
   outside it; `num_positions` must exceed every position the loop decodes at (the
   cache's slot count does: a position never exceeds its slot). The weights are cast to
   `config.compute_dtype` here too (`compute_params`): a bfloat16-compute sampler holds
-  bfloat16 copies of the layers, not float32 ones."""
-  params = compute_params(params, config)
+  bfloat16 copies of the layers, not float32 ones. A quantised sampler's linear weights
+  (`models.quantize.QuantizedTensor`) stay quantised, fused along their output channels
+  with their per-channel scales, and each step dequantises them (`decode_layer`): the loop
+  holds the quantised bytes, not a dequantised copy."""
+  params = compute_params(params, config, keep_quantized=True)
   layers = params["layers"]
   fused = dict(layers)
-  fused["qkv"] = jnp.concatenate([fused.pop("q"), fused.pop("k"), fused.pop("v")], axis=-1)
+  fused["qkv"] = quantize.concatenate_outputs([fused.pop("q"), fused.pop("k"), fused.pop("v")])
   if not config.is_moe:  # an MoE block's experts stay as they are
-    fused["gate_up"] = jnp.concatenate([fused.pop("gate"), fused.pop("up")], axis=-1)
+    fused["gate_up"] = quantize.concatenate_outputs([fused.pop("gate"), fused.pop("up")])
   if "q_bias" in fused:
     fused["qkv_bias"] = jnp.concatenate(
         [fused.pop("q_bias"), fused.pop("k_bias"), fused.pop("v_bias")], axis=-1)
@@ -511,6 +524,13 @@ def unstack_layers(params: Params, config: ModelConfig, num_positions: int) -> P
   cos, sin = rope_angles(jnp.arange(num_positions)[None], config.head_dim, config.rope_theta)
   return dict(params, rope_cos=cos[0, :, 0], rope_sin=sin[0, :, 0],
               layers=tuple(jax.tree.map(lambda a, i=i: a[i], fused) for i in range(count)))
+
+
+def decode_layer(layer: Params, config: ModelConfig) -> Params:
+  """One layer of the decode layout as a step computes with it: quantised weights
+  dequantised to the compute dtype (inside the step, so the loop reads the quantised
+  bytes), every other leaf as it is."""
+  return quantize.dequantize(layer, config.compute_jnp_dtype)
 
 
 def _fused_qkv(x, layer, cos, sin, c: ModelConfig):
@@ -546,6 +566,7 @@ def _fused_finish(x, attn, layer, c: ModelConfig):
 def _decode_block(x, layer, cos, sin, layer_cache, mask, cache_index, config: ModelConfig):
   """One block of `forward_decode`: x [B, 1, D]; returns (x, layer_cache)."""
   c = config
+  layer = decode_layer(layer, c)
   b, t, _ = x.shape
   q_width = c.n_heads * c.head_dim
   cache_k, cache_v = layer_cache[:2]
@@ -604,6 +625,7 @@ def _verify_block(x, layer, cos, sin, layer_cache, mask, slots, config: ModelCon
   """One block of `forward_verify`: x [B, T, D], each row's T new keys and values (and
   experts used) written at its own slots [slots[b], slots[b] + T); returns (x, layer_cache)."""
   c = config
+  layer = decode_layer(layer, c)
   b, t, _ = x.shape
   q_width = c.n_heads * c.head_dim
   cache_k, cache_v = layer_cache[:2]

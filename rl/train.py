@@ -191,7 +191,7 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
 
   Returns:
     step(state, batch) -> (state, metrics): `state` is donated; metrics are means over the
-    updates (`update_skipped`: the fraction skipped). With shared_prefix every batch is
+    updates (`update_skipped`: the fraction skipped), maxima for `composite.MAXIMA`. With shared_prefix every batch is
     checked on the host first (`composite.check_shared_prefix`).
   """
   if num_minibatches < 1 or ppo_epochs < 1:
@@ -223,7 +223,7 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
       return update(state, minibatch, prox_version, teacher)
 
     state, metrics = jax.lax.scan(one_update, state, jnp.arange(num_minibatches * ppo_epochs))
-    return state, composite.with_mismatch_kl(jax.tree.map(jnp.mean, metrics))
+    return state, composite.with_mismatch_kl(composite.reduce_metrics(metrics))
 
   jitted = _jit_step(step, teacher_params, model_config, optimizer, mesh, rules, rows, lora)
   return _host_checks(jitted, length_buckets, shared_prefix,
@@ -267,7 +267,7 @@ def _make_update(objective: composite.StepObjective, optimizer: optax.GradientTr
     zeros = jax.tree.map(jnp.zeros_like, state.params)
     grads, (loss, metrics) = jax.lax.scan(accumulate, zeros, (micro, shares))
     loss = loss.sum()
-    metrics = jax.tree.map(jnp.mean, metrics)
+    metrics = composite.reduce_metrics(metrics)
     lr_scale = metrics.get("lr_scale", jnp.ones(()))
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(lr_scale)

@@ -13,12 +13,14 @@ A run has two phases, `WARM_START` (supervised, on the task's reference answers)
 
 from __future__ import annotations
 
+import functools
 import json
 
 import jax
 import ml_collections
 
 from models import lora as lora_lib
+from models import quantize
 from models import transformer
 from rl import loop
 from rl import policy
@@ -221,8 +223,7 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None, teache
                                **(distill_settings(config, teacher) if phase == RL else {}))
   drafts = draft_config(config) if phase == RL else None
   turns = make_turns(config, tokenizer)
-  publish = None if mesh is None else reshard.make_publish(mesh, jax.eval_shape(
-      lambda: transformer.init_params(model_config, jax.random.PRNGKey(0))))
+  publish = sampler_publish(config, model_config, phase, mesh)
   batch = producers.BatchContext(
       task=task, tokenizer=tokenizer, model_config=model_config,
       sampling_config=sampling_config, prompt_len=config.rollout.prompt_len,
@@ -240,6 +241,22 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None, teache
       train_samples_every=config.metrics.train_samples_every,
       token_subsample=token_subsample(config, loss) if phase == RL else None)
   return ctx, optimizer
+
+
+def sampler_publish(config, model_config, phase: str, mesh=None):
+  """trainer parameters -> the sampler's (`LoopContext.publish`), or None for the trainer's
+  own: on a mesh resharded into the sampler's layout; in the RL phase with
+  config.rollout.weights, quantised once per publish (`models.quantize.quantize_params`,
+  jitted), so the behaviour log-probs are the quantised sampler's."""
+  weights = config.rollout.weights if phase == RL else ""
+  if weights and mesh is not None:
+    raise ValueError(f"config.rollout.weights={weights!r} runs on one device: the sampler's "
+                     "sharding rules lay out float weights, not quantised ones; drop the mesh "
+                     "or set config.rollout.weights=''.")
+  if weights:
+    return jax.jit(functools.partial(quantize.quantize_params, name=weights))
+  return None if mesh is None else reshard.make_publish(mesh, jax.eval_shape(
+      lambda: transformer.init_params(model_config, jax.random.PRNGKey(0))))
 
 
 def router_terms(config, model_config, phase: str) -> composite.RouterTerms | None:

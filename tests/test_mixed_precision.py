@@ -112,7 +112,7 @@ def test_the_sampler_runs_and_records_in_the_compute_dtype():
 def test_mismatch_terms_count_only_fresh_tokens_at_the_first_update():
   """By hand: the k3 estimator exp(d) - 1 - d on completion tokens of the trained version,
   none from a stale version, none at a later update of the same batch."""
-  d = np.array([[0.0, 0.1, -0.2, 0.3], [0.0, 0.5, 0.5, -1.0]], np.float32)
+  d = np.array([[0.0, 0.05, -0.2, 0.3], [0.0, 0.5, 0.5, -1.0]], np.float32)
   completion = np.array([[0, 1, 1, 1], [0, 1, 1, 0]], bool)
   version = np.array([[-1, 3, 3, 2], [-1, 3, 3, -1]], np.int32)  # one stale token (v2)
   behav = np.full(d.shape, -2.0, np.float32) * completion
@@ -121,13 +121,31 @@ def test_mismatch_terms_count_only_fresh_tokens_at_the_first_update():
                   version=jnp.asarray(version), group=jnp.zeros((2,), jnp.int32),
                   reward=jnp.zeros((2,)))
   logp = jnp.asarray(behav + d)
-  fresh_d = np.array([0.1, -0.2, 0.5, 0.5])
+  fresh_d = np.array([0.05, -0.2, 0.5, 0.5])
   expected = np.mean(np.exp(fresh_d) - 1 - fresh_d)
-  terms = composite.mismatch_terms(logp, batch, version=3, prox_version=3)
-  kl = composite.with_mismatch_kl(terms)["rollout_train_mismatch_kl"]
-  np.testing.assert_allclose(float(kl), expected, rtol=1e-5)
+  terms = composite.with_mismatch_kl(composite.mismatch_terms(logp, batch, version=3,
+                                                              prox_version=3))
+  np.testing.assert_allclose(float(terms["rollout_train_mismatch_kl"]), expected, rtol=1e-5)
+  # k1 = mean(-d); |d| > 0.1: -0.2, 0.5, 0.5 (not 0.05); |d| > 1: none
+  # (the -1.0 is a prompt slot's); the largest |d| of a fresh token: 0.5 (not the stale 0.3).
+  np.testing.assert_allclose(float(terms["rollout_train_mismatch_k1"]), -np.mean(fresh_d),
+                             rtol=1e-5)
+  np.testing.assert_allclose(float(terms["rollout_train_log_ratio_over_0p1"]), 0.75)
+  assert float(terms["rollout_train_log_ratio_over_1"]) == 0.0
+  np.testing.assert_allclose(float(terms["rollout_train_log_ratio_max"]), 0.5, rtol=1e-6)
   later = composite.with_mismatch_kl(composite.mismatch_terms(logp, batch, version=4, prox_version=3))
   assert float(later["rollout_train_mismatch_kl"]) == 0.0
+  assert float(later["rollout_train_log_ratio_max"]) == 0.0
+
+
+def test_step_metrics_reduce_maxima_by_their_maximum():
+  """Over microbatches and updates the log-ratio maximum is the largest, other metrics the
+  mean (a later update of the same batch has no fresh token and reports 0)."""
+  stacked = {"rollout_train_log_ratio_max": jnp.array([0.7, 0.0, 0.2]),
+             "loss": jnp.array([1.0, 2.0, 6.0])}
+  reduced = composite.reduce_metrics(stacked)
+  assert float(reduced["rollout_train_log_ratio_max"]) == pytest.approx(0.7)
+  assert float(reduced["loss"]) == pytest.approx(3.0)
 
 
 @pytest.mark.slow

@@ -172,36 +172,56 @@ def check_shared_prefix(batch: Rollout, group_size: int, prompt_len: int,
 
 
 def mismatch_terms(logp: jax.Array, batch: Rollout, version, prox_version) -> dict:
-  """The sums behind `rollout_train_mismatch_kl`, for one microbatch of one update.
+  """The sums behind the sampler-trainer mismatch metrics, for one microbatch of one update.
 
   The tokens counted are the fresh ones at the batch's first update: completion tokens the
   sampler drew with the very parameter version the trainer evaluates (version ==
   prox_version == the update's step). On them the log-ratio d = logp - behav is the gap
-  between the sampler's numerics and the trainer's (bfloat16 against float32, a decode
-  step against a full forward, top-k / top-p truncation), not staleness. Per token the k3
-  estimator of KL(sampler || trainer) from the sampler's draws: exp(d) - 1 - d >= 0.
+  between the sampler's numerics and the trainer's (quantised or bfloat16 sampler weights
+  against float32, a decode step against a full forward, top-k / top-p truncation), not
+  staleness. Per token, from the sampler's draws: the k3 estimator of KL(sampler ||
+  trainer), exp(d) - 1 - d >= 0 (`rollout_train_mismatch_kl`); the k1 estimator -d
+  (unbiased, but of either sign per token); whether |d| exceeds 0.1 and 1.0; and the
+  largest |d| (`rollout_train_log_ratio_max`, 0 without fresh tokens).
   """
   fresh = ((batch.completion_mask > 0) & (batch.version == prox_version)
            & (version == prox_version))
-  d = sg(logp - batch.behavior_logp)
-  k3 = jnp.where(fresh, jnp.expm1(jnp.where(fresh, d, 0.0)) - d, 0.0)
-  return {"_mismatch_k3_sum": k3.sum(), "_mismatch_tokens": fresh.sum(dtype=jnp.float32)}
+  d = jnp.where(fresh, sg(logp - batch.behavior_logp), 0.0)
+  k3 = jnp.where(fresh, jnp.expm1(d) - d, 0.0)
+  return {"_mismatch_k3_sum": k3.sum(), "_mismatch_k1_sum": -d.sum(),
+          "_mismatch_over_0p1": jnp.sum(jnp.abs(d) > 0.1, dtype=jnp.float32),
+          "_mismatch_over_1": jnp.sum(jnp.abs(d) > 1.0, dtype=jnp.float32),
+          "rollout_train_log_ratio_max": jnp.max(jnp.abs(d)),
+          "_mismatch_tokens": fresh.sum(dtype=jnp.float32)}
 
 
 # Metrics reported as a ratio of two sums (numerator, denominator): the step's metrics are
 # means over microbatches and updates, so the ratio of the means is the ratio of the sums.
 _RATIOS = {
     "rollout_train_mismatch_kl": ("_mismatch_k3_sum", "_mismatch_tokens"),
+    "rollout_train_mismatch_k1": ("_mismatch_k1_sum", "_mismatch_tokens"),
+    "rollout_train_log_ratio_over_0p1": ("_mismatch_over_0p1", "_mismatch_tokens"),
+    "rollout_train_log_ratio_over_1": ("_mismatch_over_1", "_mismatch_tokens"),
     "behavior_train_kl": ("_behavior_k3_sum", "_behavior_tokens"),
     "moe_unreplayed_kl": ("_unreplayed_k3_sum", "_behavior_tokens"),
     "moe_routing_mismatch": ("_routing_differs", "_routing_slots"),
 }
+# Metrics reduced over microbatches and updates by their maximum, not their mean.
+MAXIMA = frozenset({"rollout_train_log_ratio_max"})
+
+
+def reduce_metrics(metrics: dict) -> dict:
+  """Metrics stacked over microbatches or updates, reduced: `MAXIMA` by their maximum,
+  every other by its mean."""
+  return {name: (jnp.max if name in MAXIMA else jnp.mean)(value)
+          for name, value in metrics.items()}
 
 
 def with_mismatch_kl(metrics: dict) -> dict:
   """metrics with the sums of `mismatch_terms` and `RouterTerms.metrics` replaced by their
   ratios (`_RATIOS`): `rollout_train_mismatch_kl`, the mean k3 per fresh token (0 when no
-  token is fresh, e.g. under simulated staleness), and an MoE policy's
+  token is fresh, e.g. under simulated staleness), the mean k1 and the fractions of fresh
+  tokens with |d| > 0.1 and > 1.0, and an MoE policy's
   `behavior_train_kl`, `moe_unreplayed_kl` and `moe_routing_mismatch`."""
   metrics = dict(metrics)
   for name, (numerator, denominator) in _RATIOS.items():

@@ -17,6 +17,12 @@ if TYPE_CHECKING:
   from rl.rollouts.kinds import RolloutKind
 
 
+def _weight_formats() -> tuple[str, ...]:
+  """'' and models/quantize.py FORMATS, read when config.rollout.weights is checked."""
+  from models import quantize  # pylint: disable=import-outside-toplevel
+  return ("",) + tuple(quantize.FORMATS)
+
+
 def _resume_modes() -> tuple[str, ...]:
   """sampling/partial.py RESUME_MODES, read when config.rollout.resume is checked."""
   from sampling import partial  # pylint: disable=import-outside-toplevel
@@ -141,6 +147,10 @@ class RolloutSettings(Settings):
       (24, 48), "completion slots the train step may cut a batch to (its longest row's "
       "bucket; () = always max_new_tokens)")
   speculative: SpeculativeSettings = nested(SpeculativeSettings, "speculative decoding")
+  weights: str = setting("", "the sampler's weight format, weight-only (models/quantize.py): "
+                         "'' (the trainer's) | bfloat16 | int8 | fp8 | int4 (per-channel "
+                         "scales; activations and KV cache stay in model.compute_dtype)",
+                         choices=_weight_formats)
 
   @property
   def kind_spec(self) -> "RolloutKind":
