@@ -126,6 +126,10 @@ class LoopContext:
   train_samples, train_samples_every: every `train_samples_every` iterations, the
     batch's metrics carry `samples`, `train_samples` of its rows as sample records
     (`rl.samples.train_samples`; the launcher writes them); 0 = never.
+  sampler_record: (sampler parameters, batch) -> the batch with the sampler's top-K
+    distribution (`rl.rollouts.sampler_topk.with_sampler_topk`), run right after a batch
+    is produced, with the parameters that produced it, when a correction reads it (score
+    centering); None = no record.
   token_subsample: NAT's stage (`rl.objectives.token_subsample.TokenSubsample`: the
     tokens the step trains on, reweighted), applied after the advantage stage; None =
     every completion token.
@@ -138,6 +142,7 @@ class LoopContext:
   train_samples: int = 0
   train_samples_every: int = 0
   token_subsample: Callable[[Rollout, jax.Array], tuple[Rollout, dict]] | None = None
+  sampler_record: Callable[[Any, Rollout], Rollout] | None = None
 
   def samples_due(self, iteration: int) -> bool:
     """Whether the batch of (1-based) `iteration` carries training samples."""
@@ -240,6 +245,8 @@ def produce_timed(producer: Producer, ctx: LoopContext, state, params, version: 
   started = time.perf_counter()
   with timing.phases() as parts:
     rollout, stats, state = producer.produce(state, params, version, rng, trains_at)
+    if ctx.sampler_record is not None:
+      rollout = ctx.sampler_record(params, rollout)
     rollout = with_advantages(rollout, ctx)
   total = time.perf_counter() - started
   score_s = parts.get("score", 0.0)

@@ -30,6 +30,17 @@ class StepRewards:
 
 
 @flax.struct.dataclass
+class SamplerTopK:
+  """The sampler's distribution at each slot, over its K most likely tokens (score
+  centering's record, `rl.rollouts.sampler_topk`): ids [B, T, K] int32 and logp [B, T, K]
+  float32, log q(v | tokens before slot t) for the K tokens v that q put most mass on at
+  slot t (the distribution that drew token t, temperature and truncation applied; a token
+  truncation removed has logp -inf). Meaningful at completion slots only."""
+  ids: jax.Array
+  logp: jax.Array
+
+
+@flax.struct.dataclass
 class Rollout:
   """One training batch of B sequences of T slots (prompt left-padded, then completion).
 
@@ -55,6 +66,9 @@ class Rollout:
   token through in each layer (`sampling.sampler.routing_record`), which routing replay
   (R3, config.moe.routing_replay) makes the trainer's forward use; None for a dense
   policy and for rows no sampler wrote (teacher-forced warm-start rows).
+  behavior_topk: the sampler's top-K distribution per slot (`SamplerTopK`), which score
+  centering (config.loss.corrections 'score_centering') reads; None when no correction
+  reads it.
   """
   tokens: jax.Array
   prompt_mask: jax.Array
@@ -70,6 +84,7 @@ class Rollout:
   env_mask: Optional[jax.Array] = None
   step_rewards: Optional[StepRewards] = None
   experts: Optional[jax.Array] = None
+  behavior_topk: Optional[SamplerTopK] = None
 
   @property
   def token_mask(self) -> jax.Array:

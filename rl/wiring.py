@@ -34,6 +34,7 @@ from rl.objectives import composite
 from rl.objectives import losses
 from rl.objectives import token_subsample as subsample_lib
 from rl.rollouts import producers
+from rl.rollouts import sampler_topk
 from rl.rollouts import samplers
 from rl.rollouts import selection
 from rl.settings import run as run_lib
@@ -239,8 +240,22 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None, teache
       publish=publish,
       train_samples=config.metrics.train_samples if phase == RL else 0,
       train_samples_every=config.metrics.train_samples_every,
-      token_subsample=token_subsample(config, loss) if phase == RL else None)
+      token_subsample=token_subsample(config, loss) if phase == RL else None,
+      sampler_record=sampler_record(config, model_config, loss) if phase == RL else None)
   return ctx, optimizer
+
+
+def sampler_record(config, model_config, loss: losses.LossSettings):
+  """`LoopContext.sampler_record` when a correction reads the sampler's top-K record (score
+  centering: `rl.rollouts.sampler_topk`, config.loss.sc_top_k tokens, 0 = the whole
+  vocabulary), else None."""
+  if not loss.reads_sampler_topk:
+    return None
+  rollout = config.rollout
+  return functools.partial(sampler_topk.with_sampler_topk, model_config=model_config,
+                           k=loss.sc_top_k or model_config.vocab_size,
+                           temperature=rollout.temperature, top_k=rollout.top_k,
+                           top_p=rollout.top_p)
 
 
 def sampler_publish(config, model_config, phase: str, mesh=None):
@@ -249,11 +264,7 @@ def sampler_publish(config, model_config, phase: str, mesh=None):
   config.rollout.weights, quantised once per publish (`models.quantize.quantize_params`,
   jitted), so the behaviour log-probs are the quantised sampler's."""
   weights = config.rollout.weights if phase == RL else ""
-  if weights and mesh is not None:
-    raise ValueError(f"config.rollout.weights={weights!r} runs on one device: the sampler's "
-                     "sharding rules lay out float weights, not quantised ones; drop the mesh "
-                     "or set config.rollout.weights=''.")
-  if weights:
+  if weights:  # one device (`validate` refuses it with a mesh)
     return jax.jit(functools.partial(quantize.quantize_params, name=weights))
   return None if mesh is None else reshard.make_publish(mesh, jax.eval_shape(
       lambda: transformer.init_params(model_config, jax.random.PRNGKey(0))))

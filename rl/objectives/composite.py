@@ -49,7 +49,8 @@ def policy_logprobs(params, batch: Rollout, model_config: ModelConfig,
                     temperature: float = 1.0,
                     residual_hook: Callable[[jax.Array], jax.Array] | None = None, *,
                     shared_prefix: tuple[int, int] | None = None,
-                    logprob_chunk: int = 0, replay: bool = False) -> jax.Array:
+                    logprob_chunk: int = 0, replay: bool = False,
+                    head_ids: jax.Array | None = None):
   """log-probs [B, T] of the batch's tokens at the sampling temperature.
 
   Args:
@@ -65,27 +66,32 @@ def policy_logprobs(params, batch: Rollout, model_config: ModelConfig,
       gradients up to float rounding).
     replay: an MoE policy runs the experts of the batch's routing record
       (`Rollout.experts`, R3) instead of its router's choice.
+    head_ids: [B, T, K] token ids whose log-probs at each slot are wanted too (the
+      sampler's top-K record, for score centering); needs the dense log-prob path (no
+      shared prefix, no logprob_chunk).
 
   Returns:
-    [B, T] float32: log p(token_t | tokens_<t) (position 0 and padding: arbitrary).
+    [B, T] float32: log p(token_t | tokens_<t) (position 0 and padding: arbitrary); with
+    head_ids, (that, [B, T, K] log p(head_ids[:, t, k] | tokens_<t)).
   """
   if shared_prefix is not None:
-    if replay:
-      raise ValueError("Routing replay runs the full forward; turn config.rl."
-                       "prefix_shared_forward off or config.moe.routing_replay off.")
+    if replay or head_ids is not None:
+      raise ValueError("Routing replay and score centering run the full forward; turn "
+                       "config.rl.prefix_shared_forward off.")
     return _shared_prefix_logprobs(params, batch, model_config, temperature, *shared_prefix)
   x, _ = transformer.hidden_states(params, batch.tokens,
                                    transformer.positions_from_mask(batch.token_mask),
                                    batch.token_mask, model_config, residual_hook=residual_hook,
                                    experts=replayed_experts(batch, replay))
-  return _head_logprobs(params, x, batch.tokens, model_config, temperature, logprob_chunk)
+  return _head_logprobs(params, x, batch.tokens, model_config, temperature, logprob_chunk,
+                        head_ids)
 
 
 def policy_logprobs_with_routing(params, batch: Rollout, model_config: ModelConfig,
                                  temperature: float = 1.0,
                                  residual_hook: Callable[[jax.Array], jax.Array] | None = None,
-                                 *, logprob_chunk: int = 0, replay: bool = False
-                                 ) -> tuple[jax.Array, transformer.RouterStats]:
+                                 *, logprob_chunk: int = 0, replay: bool = False,
+                                 head_ids: jax.Array | None = None):
   """An MoE policy's `policy_logprobs` (no prefix sharing) and its forward's
   `transformer.RouterStats`."""
   x, stats = transformer.hidden_states_with_routing(
@@ -93,7 +99,7 @@ def policy_logprobs_with_routing(params, batch: Rollout, model_config: ModelConf
       batch.token_mask, model_config, residual_hook=residual_hook,
       experts=replayed_experts(batch, replay))
   return _head_logprobs(params, x, batch.tokens, model_config, temperature,
-                        logprob_chunk), stats
+                        logprob_chunk, head_ids), stats
 
 
 def replayed_experts(batch: Rollout, replay: bool) -> jax.Array | None:
@@ -108,15 +114,24 @@ def replayed_experts(batch: Rollout, replay: bool) -> jax.Array | None:
 
 
 def _head_logprobs(params, x, tokens, model_config: ModelConfig, temperature: float,
-                   logprob_chunk: int) -> jax.Array:
-  """Token log-probs [B, T] from the final-normed residual stream x [B, T, D]."""
+                   logprob_chunk: int, head_ids: jax.Array | None = None):
+  """Token log-probs [B, T] from the final-normed residual stream x [B, T, D]; with
+  `head_ids` [B, T, K] also theirs (`policy_logprobs`)."""
   head = transformer.output_head(params, model_config)
   if logprob_chunk:
+    if head_ids is not None:
+      raise ValueError("Score centering reads the log-probs of the sampler's top-K tokens "
+                       "from the dense log-softmax; set config.rl.logprob_chunk=0.")
     return transformer.chunked_token_logprobs(x, head, tokens, logprob_chunk, temperature)
   logits = jnp.einsum("btd,dv->btv", x, head, preferred_element_type=jnp.float32)
   if temperature not in (0.0, 1.0):
     logits = logits / temperature
-  return transformer.token_logprobs(logits, tokens)
+  logp = transformer.token_logprobs(logits, tokens)
+  if head_ids is None:
+    return logp
+  # Slot t's head was recorded from the distribution of slot t - 1 (`rl.rollouts.sampler_topk`).
+  dists = jax.nn.log_softmax(jnp.concatenate([logits[:, :1], logits[:, :-1]], axis=1), axis=-1)
+  return logp, jnp.take_along_axis(dists, head_ids, axis=-1)
 
 
 def _shared_prefix_logprobs(params, batch: Rollout, model_config: ModelConfig, temperature: float,
@@ -326,6 +341,16 @@ class StepObjective:
       raise ValueError("config.moe (routing replay, router losses) runs in the full "
                        "forward; config.distill and config.rl.prefix_shared_forward use "
                        "their own: turn one off.")
+    if self.reads_sampler_topk and (self.distill or self.shared_prefix or self.logprob_chunk):
+      raise ValueError("Score centering (config.loss.corrections) reads the trainer's "
+                       "log-probs of the sampler's top-K tokens from the full forward's "
+                       "dense log-softmax; turn off config.distill, config.rl."
+                       "prefix_shared_forward and config.rl.logprob_chunk.")
+
+  @property
+  def reads_sampler_topk(self) -> bool:
+    """Whether a correction reads the sampler's top-K record (`Rollout.behavior_topk`)."""
+    return self.loss.reads_sampler_topk
 
   @property
   def replay(self) -> bool:
@@ -355,15 +380,18 @@ class StepObjective:
                            self.residual_hook, shared_prefix=self.shared_prefix,
                            logprob_chunk=self.logprob_chunk, replay=self.replay)
 
-  def _routed_terms(self, policy, micro: Rollout, version, prox_version):
-    """An MoE policy's log-probs, auxiliary loss and routing metrics: `behavior_train_kl`'s
+  def _routed_terms(self, policy, micro: Rollout, version, prox_version, head_ids=None):
+    """An MoE policy's log-probs (with head_ids: and theirs, `policy_logprobs`), auxiliary
+    loss and routing metrics: `behavior_train_kl`'s
     sums over every completion token at the batch's first update (staleness and numerics
     together) and, under replay, the same KL for the router's own choice (one more
     forward, at the first update only: `moe_unreplayed_kl`)."""
     router = self.router or RouterTerms()
     logp, stats = policy_logprobs_with_routing(
         policy, micro, self.model_config, self.temperature, self.residual_hook,
-        logprob_chunk=self.logprob_chunk, replay=self.replay)
+        logprob_chunk=self.logprob_chunk, replay=self.replay, head_ids=head_ids)
+    if head_ids is not None:
+      logp, head_logp = logp
     first = version == prox_version
     completion = (micro.completion_mask > 0) & (micro.version >= 0) & first
     metrics = dict(router.metrics(stats, micro, first, self.model_config.num_experts),
@@ -374,6 +402,8 @@ class StepObjective:
           policy, micro, self.model_config, self.temperature, self.residual_hook,
           logprob_chunk=self.logprob_chunk)), micro.behavior_logp, completion).sum()
       metrics["_unreplayed_k3_sum"] = jax.lax.cond(first, unreplayed, lambda: jnp.zeros(()))
+    if head_ids is not None:
+      logp = (logp, head_logp)
     return logp, router.loss(stats), metrics
 
   def __call__(self, policy, micro: Rollout, version, prox_version,
@@ -392,21 +422,28 @@ class StepObjective:
       the objective's, the distillation's and the mismatch sums' metrics.
     """
     terms = None if self.distill is None else self._distill_terms(policy, teacher, micro)
-    loss, routed = jnp.zeros(()), {}
+    loss, routed, head_logp = jnp.zeros(()), {}, None
+    head_ids = self._sampler_head(micro)
     if terms is not None:
       logp = terms["logp"]
     elif self.model_config.is_moe and self.shared_prefix is None:
-      logp, loss, routed = self._routed_terms(policy, micro, version, prox_version)
+      logp, loss, routed = self._routed_terms(policy, micro, version, prox_version, head_ids)
+    elif head_ids is not None:
+      logp = policy_logprobs(policy, micro, self.model_config, self.temperature,
+                             self.residual_hook, replay=self.replay, head_ids=head_ids)
     else:
       logp = self.logprobs(policy, micro)
+    if head_ids is not None:
+      logp, head_logp = logp
     metrics = dict(mismatch_terms(logp, micro, version, prox_version), **routed)
     if self.distill is None or self.distill.with_reward:
       prox = micro.prox_logp
       if prox is None and self.prox_estimate == "loglinear":
         prox = corrections.loglinear_prox(logp, micro.behavior_logp, micro.version,
                                           prox_version, version)
+      extra = {} if head_logp is None else {"head_logp": head_logp}
       objective, objective_metrics = losses.get_loss(self.loss.name)(
-          logp, micro, prox_logp=prox, settings=self.settings)
+          logp, micro, prox_logp=prox, settings=self.settings, **extra)
       loss, metrics = loss + objective, dict(metrics, **objective_metrics)
     if terms is not None:
       mask = micro.completion_mask
@@ -415,6 +452,17 @@ class StepObjective:
       loss = loss + self.distill.coef * term
       metrics = dict(metrics, distill_loss=term, **distillation.metrics_of(terms, mask))
     return loss, metrics
+
+  def _sampler_head(self, micro: Rollout) -> jax.Array | None:
+    """The token ids of the sampler's top-K record when a correction reads it, else None;
+    a batch without the record is refused."""
+    if not self.reads_sampler_topk:
+      return None
+    if micro.behavior_topk is None:
+      raise ValueError("Score centering needs the sampler's top-K record "
+                       "(Rollout.behavior_topk); the loop records it after sampling "
+                       "(rl.loop.LoopContext.sampler_record, wired by the launcher).")
+    return micro.behavior_topk.ids
 
   def _hidden(self, params, config: ModelConfig, rollout: Rollout) -> jax.Array:
     return transformer.hidden_states(params, rollout.tokens,

@@ -56,6 +56,11 @@ class TokenTerms:
   normaliser of the aggregation; corrections never change it). weight: detached per-token
   multiplier of the per-token loss (IS weights; 0 masks a token out). clip_scale: per-token
   factor in (0, 1] on the clip widths eps_low / eps_high (SAT).
+  head_logp [B, T, K]: the current log-probs of the sampler's top-K tokens at each slot
+  (carry the gradient), and behav_head [B, T, K] the sampler's own (`Rollout.behavior_topk`),
+  when a correction reads them (score centering), else None. extra [B, T]: a per-token term
+  added to the loss after the weights (score centering's), or None. tis_cap: the truncation
+  of the 'tis' correction applied earlier in the chain (static), else None.
   """
   logp: jax.Array
   behav: jax.Array
@@ -66,6 +71,10 @@ class TokenTerms:
   clip_scale: jax.Array
   reward: jax.Array
   group: jax.Array
+  head_logp: Optional[jax.Array] = None
+  behav_head: Optional[jax.Array] = None
+  extra: Optional[jax.Array] = None
+  tis_cap: Optional[float] = flax.struct.field(pytree_node=False, default=None)
 
   @property
   def stale_log_ratio(self) -> jax.Array:
@@ -88,7 +97,9 @@ class CorrectionSpec:
   (factory argument -> the config.loss field that supplies it), whether it reads the
   staleness proxy d = sg(logp - behav) (`reads_logp`), and whether it replaces some
   tokens' logp (`replaces_logp`: Mu-GRPO's veto gives a dropped token the anchor's value,
-  so a later reader of d would count it as on-policy; `check_chain` refuses that order).
+  so a later reader of d would count it as on-policy; `check_chain` refuses that order),
+  and whether it reads the sampler's top-K record and the current log-probs of its tokens
+  (`reads_sampler_topk`: the launcher then records `Rollout.behavior_topk`).
 
   Truncated IS built from the run's settings, on three tokens whose proximal-to-sampler
   ratios are 1, 2 and 10: the third is truncated at is_cap = 5.
@@ -111,6 +122,7 @@ class CorrectionSpec:
   fields: Mapping[str, str] = dataclasses.field(default_factory=dict)
   reads_logp: bool = False
   replaces_logp: bool = False
+  reads_sampler_topk: bool = False
 
   def build(self, settings) -> Correction:
     """The correction with its hyperparameters read from `settings` (a LossSettings)."""
@@ -122,7 +134,8 @@ CORRECTIONS: Registry[CorrectionSpec] = Registry("correction", "config.loss.corr
 
 def register_correction(name: str, needs_prox: bool = False,
                         fields: Optional[Mapping[str, str]] = None, *,
-                        reads_logp: bool = False, replaces_logp: bool = False):
+                        reads_logp: bool = False, replaces_logp: bool = False,
+                        reads_sampler_topk: bool = False):
   """Decorator adding a correction factory to the registry (`CORRECTIONS`).
 
   Args:
@@ -131,7 +144,7 @@ def register_correction(name: str, needs_prox: bool = False,
       log-probs).
     fields: factory argument -> the `LossSettings` field that supplies it (each must be an
       argument of the factory).
-    reads_logp, replaces_logp: as in `CorrectionSpec` (`check_chain` uses them).
+    reads_logp, replaces_logp, reads_sampler_topk: as in `CorrectionSpec`.
 
   Returns:
     A decorator that registers the factory and returns it unchanged.
@@ -142,7 +155,7 @@ def register_correction(name: str, needs_prox: bool = False,
       raise ValueError(f"Correction {name!r}: {sorted(unknown)} are not arguments of "
                        f"{factory.__name__}.")
     CORRECTIONS.register(name, CorrectionSpec(factory, needs_prox, dict(fields or {}),
-                                              reads_logp, replaces_logp))
+                                              reads_logp, replaces_logp, reads_sampler_topk))
     return factory
   return wrap
 
@@ -153,7 +166,19 @@ get_correction = CORRECTIONS.get  # the CorrectionSpec named in config.loss.corr
 def check_chain(names) -> None:
   """Raises ValueError when a correction that reads the staleness proxy d follows one that
   replaces logp (after 'mu_veto', a vetoed token's logp is its anchor's, so 'm2po', 'sat'
-  or VCPO would count it as exactly on-policy, d = 0, in their batch statistics)."""
+  or VCPO would count it as exactly on-policy, d = 0, in their batch statistics), and
+  when score centering does not compose with the chain's IS weights (`score_centering`:
+  after 'tis', never with 'mis')."""
+  names = tuple(names)
+  if "score_centering" in names:
+    if "mis" in names:
+      raise ValueError("config.loss.corrections: 'score_centering' composes with 'tis' "
+                       "(truncated weights f(r) = min(r, is_cap)) or stands alone; with "
+                       "'mis' its expected score has no defined weight. Use ('tis', "
+                       "'score_centering') or ('score_centering',).")
+    if "tis" in names and names.index("tis") > names.index("score_centering"):
+      raise ValueError("config.loss.corrections: put 'tis' before 'score_centering' (it "
+                       "weights the expected score with the same truncated ratios).")
   replaced_by = None
   for name in names:
     spec = get_correction(name)
@@ -202,7 +227,7 @@ def truncated_is(is_cap: float = 5.0) -> Correction:
     log_w = _require_prox(terms, "tis") - terms.behav
     w = jnp.exp(jnp.minimum(log_w, jnp.log(is_cap)))
     truncated = (log_w > jnp.log(is_cap)).astype(jnp.float32)
-    return terms.replace(weight=terms.weight * w), {
+    return terms.replace(weight=terms.weight * w, tis_cap=is_cap), {
         "is_weight_mean": _masked_mean(w, terms.mask),
         "is_truncated_fraction": _masked_mean(truncated, terms.mask)}
   return apply
@@ -220,6 +245,92 @@ def masked_is(is_cap: float = 5.0, is_floor: float = 0.0) -> Correction:
     return terms.replace(weight=terms.weight * jnp.where(keep, w, 0.0)), {
         "masked_fraction": _masked_mean(1.0 - keep.astype(jnp.float32), terms.mask)}
   return apply
+
+
+# --- Score centering ------------------------------------------------------------------
+
+
+def score_centering_coefficients(head_logp: jax.Array, behav_head: jax.Array,
+                                 tis_cap: Optional[float], eps: float
+                                 ) -> tuple[jax.Array, jax.Array]:
+  """Score centering's detached coefficients c_v [..., K] over the sampler's top-K head H,
+  and rho [...] (`score_centering` has the formula).
+
+  head_logp: the trainer's log p(v) for v in H (only its value is read); behav_head: the
+  sampler's log q(v) (-inf: a token the sampler's truncation removed). With TIS (tis_cap
+  = C) w_v = min(p_v / q_v, C), computed as q_v w_v = min(p_v, C q_v) so that q_v = 0
+  needs no division, and alpha = rho f(1 / rho) = min(1, C rho); standalone w = 1 and
+  alpha = rho.
+  """
+  p = jnp.exp(sg(head_logp))
+  q = jnp.exp(behav_head)
+  rho = jnp.clip(1.0 - q.sum(axis=-1), 0.0, 1.0) / jnp.maximum(1.0 - p.sum(axis=-1), eps)
+  if tis_cap is None:
+    q_weighted, alpha = q, rho
+  else:
+    q_weighted, alpha = jnp.minimum(p, tis_cap * q), jnp.minimum(1.0, tis_cap * rho)
+  return sg(q_weighted - alpha[..., None] * p), rho
+
+
+@register_correction("score_centering", fields=dict(eps="sc_eps"), reads_sampler_topk=True)
+def score_centering(eps: float = 1e-6) -> Correction:
+  """Score centering (arXiv 2609.20807; Tunix's agentic GRPO learner): subtract from each
+  token's policy gradient the expected score under the distribution that sampled it.
+
+  For a token y drawn from the sampler's q with advantage A, the estimate is
+
+      g = A [w(y) grad log p(y) - E_{v ~ q^}[w^(v) grad log p(v)]]
+
+  with w(v) = f(p(v) / q(v)): standalone f = 1; after 'tis' in the chain f(r) =
+  min(r, is_cap), the same truncation as the sampled token's weight. On-policy (q = p) the
+  expectation is E_p[grad log p] = 0, so nothing changes; off-policy (a quantised or stale
+  sampler) it removes the drift a mismatched sampler adds to the score. After 'tis' the
+  expectation is nonzero only where the truncation binds: E_q[(p / q) grad log p] =
+  E_p[grad log p] = 0.
+
+  q^ is the sampler's top-K head H (`Rollout.behavior_topk`) with the tail scaled from the
+  trainer: q^(v) = q(v) on H, rho p(v) off it, rho = clip(1 - sum_H q, 0, 1) /
+  max(1 - sum_H p, eps) (config.loss.sc_eps). Since sum_V p grad log p = 0, the tail's
+  expectation is -alpha sum_H p grad log p with alpha = rho f(1 / rho), so the whole
+  expectation is the head-only sum sum_H c_v grad log p(v), c_v = sg(q_v w_v - alpha p_v)
+  (`score_centering_coefficients`), and the correction adds the per-token loss term
+  A * sum_H c_v log p(v): differentiating log p(v) = z_v - logsumexp(z) reaches every
+  logit, so the full-vocabulary gradient costs O(K). With K = V (the whole vocabulary,
+  config.loss.sc_top_k = 0) the tail is empty and the expectation is exact.
+
+  Choices where the source leaves them open: p(v) in w and in the coefficients is the
+  current policy's, detached (the proximal policy's at a batch's first update, which is the
+  only update with the default one update per batch); the term is added after the other
+  corrections' weights and is not multiplied by them (an M2PO / veto mask does not remove
+  it), and it is not clipped; it composes with 'tis' and stands alone, and is refused with
+  'mis' (`check_chain`).
+  """
+  def apply(terms: TokenTerms) -> tuple[TokenTerms, dict]:
+    if terms.head_logp is None or terms.behav_head is None:
+      raise ValueError("'score_centering' needs the sampler's top-K record "
+                       "(Rollout.behavior_topk) and the trainer's log-probs of its tokens; "
+                       "the launcher's train step supplies both (rl.objectives.composite).")
+    coef, rho = score_centering_coefficients(terms.head_logp, terms.behav_head,
+                                             terms.tis_cap, eps)
+    center = jnp.sum(coef * terms.head_logp, axis=-1)
+    term = jnp.where(terms.mask > 0, terms.advantages * center, 0.0)
+    extra = term if terms.extra is None else terms.extra + term
+    return terms.replace(extra=extra), {
+        "sc_score_shift": _masked_mean(expected_score_norm(coef, terms.head_logp), terms.mask),
+        "sc_head_mass": _masked_mean(jnp.exp(terms.behav_head).sum(axis=-1), terms.mask),
+        "sc_rho_mean": _masked_mean(rho, terms.mask)}
+  return apply
+
+
+def expected_score_norm(coef: jax.Array, head_logp: jax.Array) -> jax.Array:
+  """The L1 norm, over the logits z, of the expected score score centering subtracts,
+  sum_H c_v grad_z log p(v) = sum_H c_v (e_v - p), per token [...] from its head
+  coefficients and log-probs: sum_H |c_v - C p_v| + |C| (1 - sum_H p), C = sum_H c. 0
+  on-policy (whatever K), so it measures the drift the correction removes."""
+  p = jnp.exp(sg(head_logp))
+  total = coef.sum(axis=-1)
+  tail = jnp.maximum(1.0 - p.sum(axis=-1), 0.0)
+  return jnp.abs(coef - total[..., None] * p).sum(axis=-1) + jnp.abs(total) * tail
 
 
 def loglinear_prox(logp: jax.Array, behav: jax.Array, version: jax.Array,

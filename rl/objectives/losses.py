@@ -205,7 +205,8 @@ def importance_pg_surrogate(cap: Optional[str]) -> Callable:
 @dataclasses.dataclass(frozen=True)
 class Objective:
   """A built-in objective, callable with the loss signature: terms from the batch ->
-  corrections chain -> surrogate * weight -> (+KL) -> aggregation.
+  corrections chain -> surrogate * weight (+ a correction's extra term) -> (+KL) ->
+  aggregation.
 
   surrogate: (TokenTerms, resolved LossSettings) -> (per-token loss, metrics).
   corrections: the method's own `rl.objectives.corrections` chain (config.loss.corrections follow).
@@ -226,7 +227,9 @@ class Objective:
   per_token: bool = True
 
   def __call__(self, logp: jax.Array, batch: Rollout, *, prox_logp=None,
-               settings: LossSettings) -> tuple[jax.Array, dict]:
+               settings: LossSettings, head_logp=None) -> tuple[jax.Array, dict]:
+    """The loss signature (module docstring); `head_logp` [B, T, K]: the current log-probs
+    of the sampler's top-K tokens (`batch.behavior_topk`), for score centering."""
     corrections, uses_prox, surrogate = self.corrections, self.uses_prox, self.surrogate
     cfg = settings.resolved(overrides=self.overrides)
     mask = batch.completion_mask.astype(jnp.float32)
@@ -234,13 +237,17 @@ class Objective:
         logp=logp, behav=batch.behavior_logp,
         prox=None if prox_logp is None else corr.sg(prox_logp),
         advantages=batch.advantages, mask=mask, weight=jnp.ones_like(logp),
-        clip_scale=jnp.ones_like(logp), reward=batch.reward, group=batch.group)
+        clip_scale=jnp.ones_like(logp), reward=batch.reward, group=batch.group,
+        head_logp=head_logp,
+        behav_head=None if batch.behavior_topk is None else batch.behavior_topk.logp)
     if uses_prox and terms.prox is None:
       raise ValueError("This objective needs prox_logp; build the train step with rl.train, "
                        "which supplies it (config.loss.prox_estimate).")
     terms, metrics = corr.chain(corrections + cfg.corrections, terms, cfg)
     per_token, surrogate_metrics = surrogate(terms, cfg)
     per_token = per_token * corr.sg(terms.weight)
+    if terms.extra is not None:
+      per_token = per_token + terms.extra
     metrics.update(surrogate_metrics)
     metrics["approx_kl_behavior"] = masked_mean(k3_kl(logp, batch.behavior_logp), mask)
     if cfg.kl_coef:

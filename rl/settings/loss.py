@@ -73,12 +73,18 @@ class LossSettings(Settings):
                            "refuses > 0 (rl.train's step takes batch.ref_logp)", low=0)
   corrections: tuple[str, ...] = setting(
       (), "off-policy corrections (rl/objectives/corrections.py) appended to the objective's "
-      "own, in order: tis | mis | m2po | sat | vcpo_baseline | vcpo_ess | mu_veto")
+      "own, in order: tis | mis | m2po | sat | vcpo_baseline | vcpo_ess | mu_veto | "
+      "score_centering")
   prox_estimate: str = setting("recompute", "proximal log-probs: recompute (a forward) | "
                                "loglinear", choices=PROX_ESTIMATES)
   is_cap: float = setting(5.0, "TIS truncation / MIS upper bound (decoupled PPO's cap)",
                           low=0, low_open=True)
   is_floor: float = setting(0.0, "MIS lower bound", low=0)
+  sc_top_k: int = setting(64, "score centering: tokens of the sampler's distribution "
+                          "recorded per slot (its top K; 0 = the whole vocabulary, exact)",
+                          low=0)
+  sc_eps: float = setting(1e-6, "score centering: floor of the trainer's tail mass 1 - "
+                          "sum_H p in the tail scale rho", low=0, low_open=True)
   # M2PO bound on the kept tokens' mean d^2: 0.04 = (0.2)^2, a typical |log-ratio| of 0.2,
   # about PPO's eps = 0.2 trust region in log space (log 1.2 = 0.18); the M2PO paper's value.
   m2_tau: float = setting(0.04, "M2PO: kept tokens' mean squared log-ratio <= tau", low=0,
@@ -135,11 +141,18 @@ class LossSettings(Settings):
     return bool(getattr(_objective(self.name), "uses_prox", False)) or any(
         _corrections().get_correction(n).needs_prox for n in self.chain)
 
+  @property
+  def reads_sampler_topk(self) -> bool:
+    """Whether a correction of the chain reads the sampler's top-K record (score
+    centering): the launcher then records it with each batch."""
+    return any(_corrections().get_correction(n).reads_sampler_topk for n in self.chain)
+
   def fields_read(self) -> set[str]:
     """The fields the objective reads, with its corrections: name, corrections, kl_coef
     and aggregation, token_subsample (and token_keep when it is on), its surrogate's
     (`Objective.reads`), its corrections', prox_estimate when it needs proximal log-probs,
-    norm_len with seq_mean_token_sum_norm."""
+    sc_top_k when a correction reads the sampler's top-K record, norm_len with
+    seq_mean_token_sum_norm."""
     read = {"name", "corrections", "kl_coef", "aggregation", "token_subsample",
             *getattr(_objective(self.name), "reads", ())}
     if self.token_subsample != "none":
@@ -148,6 +161,8 @@ class LossSettings(Settings):
       read.update(_corrections().get_correction(name).fields.values())
     if self.needs_prox:
       read.add("prox_estimate")
+    if self.reads_sampler_topk:
+      read.add("sc_top_k")
     if self.resolved().aggregation == "seq_mean_token_sum_norm":
       read.add("norm_len")
     return read

@@ -513,5 +513,33 @@ def _moe(settings: RunSettings) -> None:
                      "selection.ar3po.reuse = False.")
 
 
+def _low_precision(settings: RunSettings) -> None:
+  """config.rollout.weights (a quantised sampler) and score centering's sampler record
+  against the rest."""
+  weights, single = settings.rollout.weights, settings.mesh.is_single_device
+  if weights and not single:
+    raise ValueError(f"config.rollout.weights={weights!r} runs on one device: the sampler's "
+                     "sharding rules lay out float weights, not quantised ones; drop the mesh "
+                     "or set config.rollout.weights=''.")
+  if not settings.loss.reads_sampler_topk:
+    return
+  name = "Score centering (config.loss.corrections 'score_centering')"
+  if settings.rollout.kind == "partial":
+    raise ValueError(f"{name} records the sampler's distribution with the parameters that "
+                     "produced the batch, and config.rollout.kind = 'partial' continues rows "
+                     "sampled by earlier ones; use another rollout kind.")
+  if settings.selection.kind == "ar3po" and settings.selection.ar3po.reuse:
+    raise ValueError(f"{name} records the sampler's distribution with the parameters that "
+                     "produced the batch, and AR3PO's reused responses were sampled by "
+                     "earlier ones; set selection.ar3po.reuse = False.")
+  if not single:
+    raise ValueError(f"{name} records the sampler's distribution on one device; set "
+                     "mesh.data = mesh.fsdp = mesh.tensor = 1.")
+  if settings.rl.prefix_shared_forward or settings.rl.logprob_chunk or settings.distill.teacher:
+    raise ValueError(f"{name} reads the trainer's log-probs of the sampler's top-K tokens "
+                     "from the full forward's dense log-softmax; turn off config.rl."
+                     "prefix_shared_forward, config.rl.logprob_chunk and config.distill.")
+
+
 _CROSS_CHECKS = (_batch_layout, _prefix_sharing, _speculative, _no_reference_policy, _groups,
-                 check_composition, _tools, _distillation, _reward_stage, _moe)
+                 check_composition, _tools, _distillation, _reward_stage, _moe, _low_precision)
