@@ -175,7 +175,8 @@ def run_async(state: LoopState, ctx: LoopContext, producer: Producer, num_steps:
       if stale > max_staleness:
         raise RuntimeError(f"Batch for trainer step {step} has staleness {stale} > "
                            f"max_staleness={max_staleness}; the producer broke the bound.")
-      train, metrics = loop.train_on(state.train, rollout, batch_metrics, ctx, step)
+      train, metrics = loop.train_on(state.train, rollout, batch_metrics, ctx, step,
+                                     iteration=state.iteration + 1)
       updates = updates_taken(train) - before
       if updates_per_batch is not None and updates != updates_per_batch:
         raise ValueError(f"run_async(updates_per_batch={updates_per_batch}), but the train "

@@ -126,6 +126,9 @@ class LoopContext:
   train_samples, train_samples_every: every `train_samples_every` iterations, the
     batch's metrics carry `samples`, `train_samples` of its rows as sample records
     (`rl.samples.train_samples`; the launcher writes them); 0 = never.
+  logprob_check, logprob_check_every: every `logprob_check_every` iterations (0 = never),
+    `logprob_check(trainer parameters, batch)` (`rl.train.make_batch_size_check`) adds
+    its metrics to the step's, scored with the parameters the step starts from.
   sampler_record: (sampler parameters, batch) -> the batch with the sampler's top-K
     distribution (`rl.rollouts.sampler_topk.with_sampler_topk`), run right after a batch
     is produced, with the parameters that produced it, when a correction reads it (score
@@ -143,6 +146,13 @@ class LoopContext:
   train_samples_every: int = 0
   token_subsample: Callable[[Rollout, jax.Array], tuple[Rollout, dict]] | None = None
   sampler_record: Callable[[Any, Rollout], Rollout] | None = None
+  logprob_check: Callable[[Any, Rollout], dict] | None = None
+  logprob_check_every: int = 0
+
+  def logprob_check_due(self, iteration: int) -> bool:
+    """Whether the batch of (1-based) `iteration` gets the log-prob batch-size check."""
+    return bool(self.logprob_check is not None and self.logprob_check_every
+                and iteration % self.logprob_check_every == 0)
 
   def samples_due(self, iteration: int) -> bool:
     """Whether the batch of (1-based) `iteration` carries training samples."""
@@ -264,13 +274,18 @@ def produce_timed(producer: Producer, ctx: LoopContext, state, params, version: 
 
 
 def train_on(train: TrainState, rollout: Rollout, batch_metrics: dict, ctx: LoopContext,
-             step: int) -> tuple[TrainState, dict]:
-  """One train step on a produced batch (trained at TrainState.step `step`); the
-  train metrics, its time and trained tokens (`train_throughput`), the batch's metrics
-  and its staleness."""
+             step: int, iteration: int = 0) -> tuple[TrainState, dict]:
+  """One train step on a produced batch (trained at TrainState.step `step`, the phase's
+  1-based `iteration`); the train metrics, its time and trained tokens
+  (`train_throughput`), the batch's metrics and its staleness, and when due the
+  log-prob batch-size check's (`LoopContext.logprob_check`, before the step and outside
+  its time: the step donates the parameters it starts from)."""
+  checked = {}
+  if ctx.logprob_check_due(iteration):
+    checked = jax.device_get(ctx.logprob_check(train.policy_params(), rollout))
   started = time.perf_counter()
   new_train, metrics = ctx.train_step(train, rollout)
-  metrics = jax.device_get(metrics)
+  metrics = dict(jax.device_get(metrics), **checked)
   metrics.update(train_throughput(rollout, time.perf_counter() - started))
   metrics.update(batch_metrics, staleness=float(staleness(rollout, step)))
   return new_train, metrics
@@ -305,7 +320,8 @@ def grpo_iteration(state: LoopState, ctx: LoopContext,
   rollout, batch_metrics, producer_state = produce_timed(
       producer, ctx, state.producer, params, int(version), sample_rng, step,
       iteration=state.iteration + 1)
-  train, metrics = train_on(state.train, rollout, batch_metrics, ctx, step)
+  train, metrics = train_on(state.train, rollout, batch_metrics, ctx, step,
+                            iteration=state.iteration + 1)
   new_state = state.replace(train=train, rng=rng, history=history, producer=producer_state,
                             iteration=state.iteration + 1)
   metrics["time_step_s"] = time.perf_counter() - started

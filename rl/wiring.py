@@ -241,7 +241,11 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None, teache
       train_samples=config.metrics.train_samples if phase == RL else 0,
       train_samples_every=config.metrics.train_samples_every,
       token_subsample=token_subsample(config, loss) if phase == RL else None,
-      sampler_record=sampler_record(config, model_config, loss) if phase == RL else None)
+      sampler_record=sampler_record(config, model_config, loss) if phase == RL else None,
+      logprob_check=train.make_batch_size_check(
+          model_config, config.rollout.temperature, logprob_chunk=config.rl.logprob_chunk,
+          replay=model_config.is_moe and config.moe.routing_replay) if phase == RL else None,
+      logprob_check_every=config.metrics.logprob_check_every)
   return ctx, optimizer
 
 

@@ -515,7 +515,8 @@ def test_tools_page_reports_long_problems_paired_and_tool_use(tmp_path):
 
 
 @pytest.mark.parametrize("spec", ["b3_tree", "b4_partial_async", "b5_staleness", "b6_selection",
-                                  "opd", "speculative", "tools", "warm_starts"])
+                                  "opd", "speculative", "tools", "warm_starts", "moe",
+                                  "low_precision"])
 def test_every_benchmark_cell_is_a_valid_launcher_config(spec):
   """Each cell's flags name real fields with accepted values on the default config (the
   shared warm start's folder aside: it exists only once warm_starts.py has run)."""
@@ -560,3 +561,26 @@ def test_b9_page_gives_each_seed_its_gain_and_seconds_beside_trl_and_the_fresh_e
   assert _row(page, "arbor_s1") == ["arbor_s1", "0.280", "0.210", "0.500", "0.400", "40"]
   assert "| base |" not in page  # no file for it: no row
   assert (tmp_path / "real_model.png").exists()
+
+
+def test_low_precision_page_pairs_each_cell_with_float32_rollouts(tmp_path):
+  spec = runpy.run_path(os.path.join(_REPO, "experiments", "grids", "low_precision.py"))
+  means = {"rollout_train_mismatch_kl": 0.001, "rollout_train_mismatch_k1": -0.0005,
+           "rollout_train_log_ratio_over_0p1": 0.02, "rollout_train_log_ratio_max": 0.5}
+  results = [_cell_result("f32_none", 0, [0.3, 0.6], [0, 1], [0, 1], {}),
+             _cell_result("f32_none", 1, [0.3, 0.8], [0, 1], [0, 1], {}),
+             _cell_result("int4_tis", 0, [0.3, 0.5], [0, 1], [0, 1],
+                          {**means, "is_truncated_fraction": 0.01}),
+             _cell_result("int4_tis", 1, [0.3, 0.9], [0, 1], [0, 1],
+                          {**means, "is_truncated_fraction": 0.03}),
+             _cell_result("k8_sc", 0, [0.3, 0.7], [0, 1], [0, 1], {"sc_score_shift": 0.2})]
+  page = spec["render_page"](results, str(tmp_path / "low_precision.md"))
+  assert f"5 of {len(spec['SPEC']['cells'])} cells finished" in page
+  row = _row(page, "int4_tis")
+  # int4 finals (0.5, 0.9) minus float32's (0.6, 0.8), seed by seed: (-0.1, +0.1).
+  assert row[2] == "0.700 ± 0.283" and row[3] == "0.000 ± 0.141 (1 up, 1 down)"
+  assert row[4] == "0.001000 ± 0.000000" and row[6] == "0.0200 ± 0.0000"
+  assert row[8] == "is_truncated_fraction: 0.0200 ± 0.0141"
+  assert _row(page, "f32_none")[3] == "-"
+  assert _row(page, "k8_sc")[8] == "sc_score_shift: 0.20000"
+  assert (tmp_path / "low_precision.png").exists()

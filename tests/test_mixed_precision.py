@@ -185,3 +185,37 @@ def test_mixed_precision_through_the_launcher(tmp_path):
   assert all(np.asarray(leaf).dtype == np.float32 for leaf in jax.tree.leaves(tree["train"]["params"]))
   with pytest.raises(ValueError, match=r"config.model.compute_dtype = 'float16'"):
     launcher.run(tiny_run_config(tmp_path / "bad", {"model.compute_dtype": "float16"}))
+
+
+@pytest.mark.parametrize("config", [F32, MIXED], ids=["float32", "bfloat16"])
+def test_the_batch_size_check_equals_scoring_each_row_by_itself(config):
+  """The check's gap is |log-probs of the whole batch in one forward - each row's own
+  forward (a separate call per row)| over completion tokens: mean and maximum."""
+  batch = _sampled(config, rows=8)
+  metrics = train.make_batch_size_check(config)(PARAMS, batch)
+  whole = np.asarray(composite.policy_logprobs(PARAMS, batch, config))
+  rows = np.concatenate([np.asarray(composite.policy_logprobs(
+      PARAMS, jax.tree.map(lambda x, i=i: x[i:i + 1], batch), config)) for i in range(8)])
+  mask = np.asarray(batch.completion_mask)
+  gap = np.abs(whole - rows)[mask]
+  np.testing.assert_allclose(float(metrics["trainer_logp_batch_gap"]), gap.mean(), atol=1e-7)
+  np.testing.assert_allclose(float(metrics["trainer_logp_batch_gap_max"]), gap.max(), atol=1e-7)
+
+
+@pytest.mark.parametrize("async_", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["sync", "async"])
+def test_the_batch_size_check_runs_every_n_steps_through_the_launcher(tmp_path, async_):
+  """--config.metrics.logprob_check_every=2 over 4 RL steps: the check's metrics are in the
+  records of RL steps 2 and 4 only, float32 gaps within rounding."""
+  from experiments import train as launcher  # pylint: disable=import-outside-toplevel
+  from tests.launcher_config import tiny_run_config  # pylint: disable=import-outside-toplevel
+  overrides = {"rl.steps": 4, "metrics.logprob_check_every": 2, "eval.every": 4,
+               "checkpoint.every": 4, "rl.async_": async_}
+  launcher.run(tiny_run_config(tmp_path, overrides))
+  with open(tmp_path / "metrics.jsonl") as f:
+    rl = [r for r in map(json.loads, f) if r.get("phase") == "rl" and "loss" in r]
+  assert len(rl) == 4
+  checked = ["trainer_logp_batch_gap" in r for r in rl]
+  assert checked == [False, True, False, True]
+  assert all(0 <= r["trainer_logp_batch_gap"] <= r["trainer_logp_batch_gap_max"] < 1e-4
+             for r in rl if "trainer_logp_batch_gap" in r)

@@ -205,6 +205,9 @@ class MetricsSettings(Settings):
                                "advantages (samples/train_<step>.jsonl; 0 = none)", low=0)
   train_samples_every: int = setting(10, "RL steps between training samples (0 = none)",
                                      low=0)
+  logprob_check_every: int = setting(10, "RL steps between checks of the trainer's log-probs "
+                                     "of one batch scored all at once and one row at a time "
+                                     "(trainer_logp_batch_gap; 0 = never)", low=0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,114 @@
+"""Low-precision rollouts and their corrections on the testbed: the sampler's weights in
+float32 (the reference), bfloat16, int8, fp8 and int4 (the stress setting: 15 levels per
+channel), each with no correction, TIS, MIS and score centering; and score centering under
+simulated staleness k = 8. 3 seeds, each cell's RL phase from its seed's shared warm start
+(experiments/grids/warm_starts.py's `warm` cells).
+
+    python -m experiments.grid --spec=experiments/grids/warm_starts.py --out=runs/warm
+    python -m experiments.grid --spec=experiments/grids/low_precision.py \
+        --out=docs/results/low_precision
+    python -m experiments.grid --spec=experiments/grids/low_precision.py \
+        --out=docs/results/low_precision --render --page=docs/low_precision.md
+
+Cells (the default config otherwise: 120 RL steps of 8 prompts x 8 completions, one
+optimiser update each, held-out greedy accuracy every 30 steps):
+- `f32_none`: float32 rollouts, the trainer's own weights (the reference).
+- `<precision>_<correction>`: rollouts with config.rollout.weights = bfloat16 | int8 | fp8
+  | int4 (weight-only, per-channel scales; models/quantize.py), corrected by nothing, TIS
+  (weights truncated at C = 2), MIS (tokens with a ratio outside [1/2, 2] masked) or score
+  centering (standalone, the sampler's whole distribution recorded: sc_top_k = 0).
+- `k8_none`, `k8_sc`: float32 rollouts sampled with the parameters of 8 updates before
+  (rl.staleness = 8), without and with score centering.
+The truncation C = 2 and the band [1/2, 2] are this grid's choice (the library defaults, 5
+and [0, 5], never bind at these gaps).
+"""
+
+import os
+
+from experiments.grids import pages
+
+SEEDS = (0, 1, 2)
+WARM_START = "runs/warm/runs/warm_s{seed}"  # experiments/grids/warm_starts.py's cells
+PRECISIONS = {"bf16": "bfloat16", "int8": "int8", "fp8": "fp8", "int4": "int4"}
+CORRECTIONS = {
+    "none": {},
+    "tis": {"config.loss.corrections": ("tis",), "config.loss.is_cap": 2.0},
+    "mis": {"config.loss.corrections": ("mis",), "config.loss.is_cap": 2.0,
+            "config.loss.is_floor": 0.5},
+    "sc": {"config.loss.corrections": ("score_centering",), "config.loss.sc_top_k": 0},
+}
+SETTINGS = {"f32_none": {},
+            **{f"{short}_{name}": {"config.rollout.weights": weights, **flags}
+               for short, weights in PRECISIONS.items() for name, flags in CORRECTIONS.items()},
+            "k8_none": {"config.rl.staleness": 8},
+            "k8_sc": {"config.rl.staleness": 8, **CORRECTIONS["sc"]}}
+
+SPEC = {"cells": [{"name": f"{name}_s{seed}", "module": "experiments.train", "seed": seed,
+                   "flags": {"config.warm_start.init_from": WARM_START, **flags}}
+                  for seed in SEEDS for name, flags in SETTINGS.items()]}
+
+
+# --- The page ---
+
+def _step_mean(result: dict, field: str) -> float | None:
+  return result["summary"]["rl_step_means"].get(field)
+
+
+def _final(result: dict) -> float:
+  return result["summary"]["final_accuracy"]
+
+
+def _reference(name: str) -> str:
+  """The cell a setting is compared with: float32 rollouts, or k8_none for k8_sc."""
+  return "k8_none" if name.startswith("k8") else "f32_none"
+
+
+def _correction_share(group: list[dict]) -> str:
+  """The share of tokens the setting's correction acted on: truncated (TIS), masked (MIS),
+  or the expected score subtracted (score centering's sc_score_shift)."""
+  for field, digits in (("is_truncated_fraction", 4), ("masked_fraction", 4),
+                        ("sc_score_shift", 5)):
+    values = [_step_mean(r, field) for r in group]
+    if all(v is not None for v in values):
+      return f"{field}: {pages.mean_std(values, digits)}"
+  return "-"
+
+
+def _row(name: str, group: list[dict], groups: dict[str, list[dict]]) -> str:
+  s = [r["summary"] for r in group]
+  mean = lambda field, digits=4: pages.mean_std([_step_mean(r, field) for r in group], digits)
+  reference = _reference(name)
+  cells = [pages.mean_std([x["final_accuracy"] for x in s]),
+           pages.paired_difference(group, groups.get(reference, []), _final)
+           if name != reference else "-",
+           mean("rollout_train_mismatch_kl", 6), mean("rollout_train_mismatch_k1", 6),
+           mean("rollout_train_log_ratio_over_0p1", 4),
+           mean("rollout_train_log_ratio_max", 3), _correction_share(group),
+           pages.mean_std([x["time_s"]["rollout"] for x in s], 0)]
+  return pages.table_row(name, group, cells)
+
+
+def render_page(results: list[dict], page_path: str) -> str:
+  """The grid's table and figure from the finished cells' results (experiments.grid)."""
+  groups = pages.by_setting(results)
+  lines = [pages.provenance(results, len(SPEC["cells"])), "",
+           "Means over the 120 RL steps (the mismatch at each batch's fresh tokens), then "
+           "over the seeds. Paired: the cell's final held-out accuracy minus float32 "
+           "rollouts' (k8_sc: minus k8_none's), seed by seed.", "",
+           pages.table_head(["cell", "seeds", "final accuracy", "minus reference, paired",
+                             "mismatch KL (k3)", "k1", "share |log-ratio| > 0.1",
+                             "max |log-ratio|", "correction acted on", "rollout s"])]
+  lines += [_row(name, groups[name], groups) for name in SETTINGS if name in groups]
+  if results:
+    stem = os.path.splitext(page_path)[0]
+    reference = {"f32 (reference)": groups.get("f32_none", [])}
+    panels = [(precision, "updates",
+               {**reference, **{name: groups.get(f"{precision}_{name}", [])
+                                for name in CORRECTIONS}})
+              for precision in PRECISIONS]
+    panels.append(("staleness 8", "updates", {"none": groups.get("k8_none", []),
+                                              "sc": groups.get("k8_sc", [])}))
+    pages.plot_panels(panels, stem + ".png")
+    lines += ["", f"![held-out accuracy per update by rollout precision and correction]"
+              f"({os.path.basename(stem)}.png)"]
+  return "\n".join(lines) + "\n"
