@@ -2,6 +2,7 @@
 
     python -m experiments.profile_decode --checkpoint=smollm2 --batch_sizes=16,64
     python -m experiments.profile_decode --smoke        # tiny shapes, one repetition (CI)
+    python -m experiments.bench_low_precision           # float32 | bfloat16 | int8 | fp8
 
 Two views of the decode loop of `sampling.sampler.generate` (prompt --prompt_len tokens,
 --new_tokens tokens per row at temperature --temperature, no stop tokens), per batch size:
@@ -21,6 +22,12 @@ Two views of the decode loop of `sampling.sampler.generate` (prompt --prompt_len
    [D, V] copy transposed once outside the loop, the T = 1 token choice over [B, V], the
    prefill, the setup, and the whole `generate` call; the decode step is (call - prefill)
    / steps, and what the pieces leave of it is the loop's overhead.
+
+With --weights the sampler's weights are profiled in each format side by side (float32 as
+loaded; bfloat16, int8, fp8 or int4 by `models.quantize.quantize_params`, as
+config.rollout.weights publishes them): tokens/s and its ratio to float32, the in-place
+time a step spends dequantising the weights (`DEQUANTISE`), and the quantisation's cost
+once per publish.
 
 Beside them, the bytes a step must read (the weights once, each row's KV cache up to its
 phase's end, `experiments.decode_cost`) and the time a streaming read of that many bytes
@@ -52,6 +59,7 @@ import jax.numpy as jnp
 
 from experiments.decode_cost import decode_flops_per_token, kv_read_per_token
 from experiments.measure import load, matmul_peak_flops, stream_bandwidth, timed, write_results
+from models import quantize
 from models import transformer
 from models.config import ModelConfig, get_preset
 from models.pretrained import load_pretrained
@@ -67,6 +75,9 @@ _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "Tokens decoded per row.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 1.0, "Sampling temperature (> 0).")
 _REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions per piece (best is reported).")
 _OUT = flags.DEFINE_string("out", "runs/profile_decode", "Output directory.")
+_WEIGHTS = flags.DEFINE_list("weights", ["float32"], "Sampler weight formats profiled side "
+                             "by side: float32 (as loaded) and models/quantize.py FORMATS "
+                             "(bfloat16, int8, fp8, int4).")
 
 # Pieces of a decode step, by what the source line of an op's root instruction computes.
 _DECODE_PIECES = [
@@ -91,10 +102,15 @@ _CONTAINERS = ("while", "conditional", "call")  # their events enclose their bod
 _MINOR = ("layers: norms, RoPE, residuals, embedding", "loop bookkeeping (sampling/sampler.py)")
 
 
+DEQUANTISE = "weights: dequantise (models/quantize.py)"
+
+
 def decode_piece(file: str, function: str, text: str) -> str:
   """The piece of a decode step an op belongs to, from where it was written."""
   if file == "logits.py" or function in ("draw_rows", "draw") or "fold_in" in text:
     return "sampling (sampling/logits.py)"
+  if file == "quantize.py":
+    return DEQUANTISE
   if file == "transformer.py":
     if function == "output_head":
       return "LM head matmul"
@@ -285,10 +301,11 @@ def apart_profile(config: ModelConfig, params, batch: int, prompt_len: int, step
 
 
 def step_bytes(config: ModelConfig, params, batch: int, prompt_len: int, steps: int) -> dict:
-  """Bytes one decode step must read: every weight once (the tied head counted once, as
-  the embedding rows a step gathers are negligible) and the rows' KV cache."""
-  weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
-  return dict(weights=int(weights), kv=batch * kv_read_per_token(config, prompt_len, steps))
+  """Bytes one decode step must read: every weight once, as stored (a quantised sampler's
+  int8 / fp8 values and their scales; the tied head counted once, as the embedding rows a
+  step gathers are negligible) and the rows' KV cache."""
+  return dict(weights=quantize.weight_bytes(params),
+              kv=batch * kv_read_per_token(config, prompt_len, steps))
 
 
 def profile_batch(config, params, batch, prompt_len, steps, temperature, repeats, bandwidth,
@@ -311,15 +328,45 @@ def profile_batch(config, params, batch, prompt_len, steps, temperature, repeats
               step_flops=flops, peak_floor_s=flops / peak)
 
 
+def tokens_per_s(row: dict) -> float:
+  """Generated tokens per second of a row's `generate` call (prefill included)."""
+  return row["batch"] * row["new_tokens"] / row["apart_s"]["generate_call"]
+
+
+def weights_table(result: dict) -> list[str]:
+  """The weight formats side by side: tokens/s and its ratio to float32 at each batch, the
+  decode step against its bounds (the bytes it reads at the measured streaming read, its
+  FLOPs at the matmul peak), the in-place time of dequantising the weights, and the
+  quantisation's cost once per publish."""
+  reference = {r["batch"]: tokens_per_s(r) for r in result["batches"]
+               if r.get("weights", "float32") == "float32"}
+  lines = ["| weights | batch | tokens/s | vs float32 | decode step ms | weights MB per step | "
+           "read floor ms | FLOP floor ms | dequantise ms per step | quantise per publish s |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+  for r in result["batches"]:
+    weights, rate = r.get("weights", "float32"), tokens_per_s(r)
+    ratio = f"{rate / reference[r['batch']]:.2f}" if r["batch"] in reference else "-"
+    dequantise = r["in_place"]["decode_ms_per_step"].get(DEQUANTISE, 0.0)
+    lines.append(f"| {weights} | {r['batch']} | {rate:.0f} | {ratio} | "
+                 f"{1e3 * r['apart_s']['decode_step']:.1f} | "
+                 f"{r['step_bytes']['weights'] / 1e6:.0f} | {1e3 * r['bandwidth_floor_s']:.1f} | "
+                 f"{1e3 * r['peak_floor_s']:.1f} | {dequantise:.2f} | "
+                 f"{result.get('publish_s', {}).get(weights, 0.0):.3f} |")
+  return lines
+
+
 def markdown(result: dict) -> str:
   lines = [f"Weights: {result['checkpoint']} ({result['config']})", "",
            f"f32 matmul peak {result['matmul_peak_flops'] / 1e9:.1f} GFLOP/s, streaming read "
            f"{result['stream_bandwidth'] / 1e9:.1f} GB/s; load before: {result['load_before']}; "
            f"after: {result['load_after']}", ""]
+  if len({r.get("weights", "float32") for r in result["batches"]}) > 1:
+    lines += weights_table(result) + [""]
   for r in result["batches"]:
     place, apart = r["in_place"], r["apart_s"]
     step_ms = 1e3 * apart["decode_step"]
-    lines += [f"**Batch {r['batch']}**, prompt {r['prompt_len']}, {r['new_tokens']} new tokens, "
+    lines += [f"**{r.get('weights', 'float32')} weights, batch {r['batch']}**, prompt "
+              f"{r['prompt_len']}, {r['new_tokens']} new tokens, "
               f"T = {r['temperature']}: `generate` {apart['generate_call']:.2f} s per call "
               f"({r['batch'] * r['new_tokens'] / apart['generate_call']:.0f} tok/s), prefill "
               f"{apart['prefill_call']:.2f} s, so a decode step takes {step_ms:.1f} ms; the "
@@ -353,6 +400,22 @@ def markdown(result: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
+def publish_seconds(params, weights: str, repeats: int) -> float:
+  """Best seconds of quantising `params` to `weights` (the jitted `quantize_params`, as the
+  launcher runs it once per parameter publish; 0 for float32)."""
+  if weights == "float32":
+    return 0.0
+  quantized = jax.jit(lambda p: quantize.quantize_params(p, weights))
+  return best_of(lambda: jax.block_until_ready(quantized(params)), repeats)
+
+
+def sampler_weights(params, weights: str):
+  """The sampler's parameters in format `weights` (float32: as loaded)."""
+  if weights == "float32":
+    return params
+  return jax.block_until_ready(jax.jit(lambda p: quantize.quantize_params(p, weights))(params))
+
+
 def main(argv):
   del argv
   # The attribution reads source lines from the compiled HLO's metadata, which the
@@ -369,19 +432,27 @@ def main(argv):
     config, params, _ = load_pretrained(_CHECKPOINT.value)
     batches, prompt_len, steps = map(int, _BATCHES.value), _PROMPT_LEN.value, _NEW_TOKENS.value
     repeats, checkpoint = _REPEATS.value, _CHECKPOINT.value
+  batches = list(batches)
+  for weights in _WEIGHTS.value:
+    if weights != "float32":
+      quantize.get_format(weights)  # an unknown name fails before any work
   load_before = load()
   peak = matmul_peak_flops(256 if _SMOKE.value else 2048, repeats)
   bandwidth = stream_bandwidth(2 ** 20 if _SMOKE.value else 2 ** 28, repeats)
-  rows = []
-  for batch in batches:
-    rows.append(profile_batch(config, params, batch, prompt_len, steps, _TEMPERATURE.value,
-                              repeats, bandwidth, peak))
-    print(f"batch {batch}: decode step {1e3 * rows[-1]['apart_s']['decode_step']:.1f} ms",
-          flush=True)
+  rows, publish = [], {}
+  for weights in _WEIGHTS.value:
+    publish[weights] = publish_seconds(params, weights, repeats)
+    sampler_params = sampler_weights(params, weights)
+    for batch in batches:
+      rows.append(dict(profile_batch(config, sampler_params, batch, prompt_len, steps,
+                                     _TEMPERATURE.value, repeats, bandwidth, peak),
+                       weights=weights))
+      print(f"{weights}, batch {batch}: decode step "
+            f"{1e3 * rows[-1]['apart_s']['decode_step']:.1f} ms", flush=True)
   result = {"device": str(jax.devices()[0]), "checkpoint": checkpoint, "config": str(config),
             "repeats": repeats, "matmul_peak_flops": peak, "stream_bandwidth": bandwidth,
             "load_before": load_before, "load_after": load(), "batches": rows,
-            "xla_flags": os.environ.get("XLA_FLAGS", "")}
+            "publish_s": publish, "xla_flags": os.environ.get("XLA_FLAGS", "")}
   write_results(_OUT.value, "profile_decode", result, markdown, None)
 
 

@@ -61,9 +61,10 @@ FORMATS = {
 @flax.struct.dataclass
 class QuantizedTensor:
   """A weight stored as `values` (the format's dtype, the weight's shape) times `scale`
-  (float32, the weight's shape with the contraction axis -2 reduced to 1)."""
+  (float32, the weight's shape with the contraction axis -2 reduced to 1; None for an
+  unscaled format: bfloat16 values are the weight)."""
   values: jax.Array
-  scale: jax.Array
+  scale: jax.Array | None = None
 
   @property
   def shape(self):
@@ -71,6 +72,8 @@ class QuantizedTensor:
 
   def dequantize(self, dtype) -> jax.Array:
     """values * scale, computed in float32 and cast to `dtype`."""
+    if self.scale is None:
+      return self.values.astype(dtype)
     return (self.values.astype(jnp.float32) * self.scale).astype(dtype)
 
 
@@ -82,11 +85,11 @@ def get_format(name: str) -> Format:
   return FORMATS[name]
 
 
-def quantize_tensor(w: jax.Array, fmt: Format) -> QuantizedTensor | jax.Array:
+def quantize_tensor(w: jax.Array, fmt: Format) -> QuantizedTensor:
   """w [..., in, out] in `fmt`: per-output-channel symmetric quantisation (module
-  docstring), or a plain cast for an unscaled format."""
+  docstring), or a plain cast for an unscaled format (scale None)."""
   if not fmt.scaled:
-    return w.astype(fmt.dtype)
+    return QuantizedTensor(values=w.astype(fmt.dtype))
   w32 = w.astype(jnp.float32)
   peak = jnp.max(jnp.abs(w32), axis=-2, keepdims=True)
   scale = jnp.where(peak > 0, peak / fmt.q_max, 1.0)
@@ -123,8 +126,10 @@ def concatenate_outputs(weights: list) -> Any:
   """Weights [..., in, out_i] concatenated along their output channels: arrays as arrays,
   `QuantizedTensor`s with their per-channel scales (a channel keeps its own scale)."""
   if all(map(is_quantized, weights)):
-    return QuantizedTensor(values=jnp.concatenate([w.values for w in weights], axis=-1),
-                           scale=jnp.concatenate([w.scale for w in weights], axis=-1))
+    scales = [w.scale for w in weights]
+    return QuantizedTensor(
+        values=jnp.concatenate([w.values for w in weights], axis=-1),
+        scale=None if scales[0] is None else jnp.concatenate(scales, axis=-1))
   return jnp.concatenate(weights, axis=-1)
 
 

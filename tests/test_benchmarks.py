@@ -164,6 +164,27 @@ def test_decode_profile_smoke_run_attributes_the_step(tmp_path):
   assert (tmp_path / "profile_decode.md").stat().st_size > 0
 
 
+@pytest.mark.slow
+def test_low_precision_benchmark_profiles_each_weight_format_side_by_side(tmp_path):
+  """bench_low_precision: every format at every batch, the quantised ones reading fewer
+  weight bytes per step (a quarter for int8 / fp8, plus the float embedding and scales),
+  dequantising them inside the step (their own piece of the in-place profile), and
+  paying a quantisation per publish; float32 neither."""
+  env = dict(os.environ, PYTHONPATH=str(_REPO))
+  subprocess.run([sys.executable, "-m", "experiments.bench_low_precision", "--smoke",
+                  f"--out={tmp_path}"], cwd=_REPO, env=env, check=True, timeout=600)
+  result = json.loads((tmp_path / "profile_decode.json").read_text())
+  rows = {row["weights"]: row for row in result["batches"]}
+  assert sorted(rows) == ["bfloat16", "float32", "fp8", "int8"]
+  read = {name: row["step_bytes"]["weights"] for name, row in rows.items()}
+  assert read["int8"] == read["fp8"] < read["bfloat16"] < read["float32"]
+  dequantise = {name: row["in_place"]["decode_ms_per_step"].get(
+      "weights: dequantise (models/quantize.py)", 0.0) for name, row in rows.items()}
+  assert dequantise["float32"] == 0.0 and dequantise["int8"] > 0 and dequantise["fp8"] > 0
+  assert result["publish_s"]["float32"] == 0.0 and result["publish_s"]["int8"] > 0
+  assert "| int8 | 2 |" in (tmp_path / "profile_decode.md").read_text()
+
+
 def test_token_choice_benchmark_smoke_run_times_both_sides(tmp_path):
   env = dict(os.environ, PYTHONPATH=str(_REPO))
   subprocess.run([sys.executable, "-m", "experiments.bench_logits", "--smoke", f"--out={tmp_path}"],

@@ -51,8 +51,7 @@ def test_quantize_tensor_equals_a_numpy_reference(name):
   w[1, :, 3] = 0.0  # a zero channel: scale 1, values 0
   w[0, 2, 1] = 3.0  # an outlier sets its channel's scale alone
   quantized = quantize.quantize_tensor(jnp.asarray(w), quantize.get_format(name))
-  restored = (quantized.dequantize(jnp.float32) if quantize.is_quantized(quantized)
-              else quantized.astype(jnp.float32))
+  restored = quantized.dequantize(jnp.float32)
   np.testing.assert_allclose(np.asarray(restored), numpy_quantize(w, name), rtol=1e-6,
                              atol=1e-9)
   assert np.all(np.asarray(restored)[1, :, 3] == 0.0)
@@ -98,17 +97,21 @@ def test_quantized_params_run_the_forward_of_their_dequantised_weights(config, n
   assert 1e-6 < gap < 0.05
 
 
+@pytest.mark.parametrize("name", ["int8", "bfloat16"])
 @pytest.mark.parametrize("config", [CONFIG, MOE], ids=["dense", "moe"])
 def test_the_decode_loop_holds_quantised_weights_and_samples_as_their_dequantised_copy(
-    config):
+    config, name):
   """The decode layout keeps the linear weights quantised (each step dequantises them), and
   the sampled tokens, behaviour log-probs and routing record equal those of the
   dequantised float weights."""
   params = quantize.quantize_params(transformer.init_params(config, jax.random.PRNGKey(3)),
-                                    "int8")
+                                    name)
   layers = transformer.unstack_layers(params, config, 24)["layers"]
   assert quantize.is_quantized(layers[0]["qkv"]) and quantize.is_quantized(layers[1]["o"])
-  assert layers[0]["qkv"].scale.shape[-1] == (config.n_heads + 2 * config.n_kv_heads) * config.head_dim
+  assert layers[0]["qkv"].values.dtype == quantize.get_format(name).dtype
+  if name == "int8":  # q, k and v keep their own channels' scales
+    assert layers[0]["qkv"].scale.shape[-1] == (
+        (config.n_heads + 2 * config.n_kv_heads) * config.head_dim)
   prompts = jax.random.randint(jax.random.PRNGKey(4), (4, 6), 0, config.vocab_size)
   mask = jnp.ones((4, 6), bool)
   sampling = sampler.SamplingConfig(max_new_tokens=8, temperature=1.0)
