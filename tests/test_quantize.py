@@ -185,6 +185,21 @@ def test_quantized_rollouts_with_tools(tmp_path):
   assert len(records) == 2 and records[0]["rollout_train_mismatch_kl"] > 1e-5
 
 
+@pytest.mark.slow
+def test_quantized_moe_rollouts_record_the_quantised_routing_and_replay_it(tmp_path):
+  """tiny2_moe with int4 rollouts and routing replay: at the first step (on-policy, where
+  float32 rollouts route exactly as the trainer) the quantised sampler's routing differs
+  from the trainer's for some token-layers, and replaying it brings the trainer closer to
+  the sampler than its own routing."""
+  from experiments.configs import default  # pylint: disable=import-outside-toplevel
+  launcher.run(tiny_run_config(tmp_path, {
+      "model.preset": "tiny2_moe", "rollout.weights": "int4", "moe.routing_replay": True,
+      "task.difficulty.max_steps": 3}, base=default))
+  first = _rl_records(tmp_path)[0]
+  assert first["moe_routing_mismatch"] > 0
+  assert first["behavior_train_kl"] < first["moe_unreplayed_kl"]
+
+
 def test_quantized_rollouts_on_a_mesh_are_refused(tmp_path):
   with pytest.raises(ValueError, match=r"rollout.weights='int8' runs on one device"):
     launcher.run(tiny_run_config(tmp_path, {"rollout.weights": "int8", "mesh.data": 8}))
