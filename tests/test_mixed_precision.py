@@ -202,15 +202,18 @@ def test_the_batch_size_check_equals_scoring_each_row_by_itself(config):
   np.testing.assert_allclose(float(metrics["trainer_logp_batch_gap_max"]), gap.max(), atol=1e-7)
 
 
-@pytest.mark.parametrize("async_", [False, pytest.param(True, marks=pytest.mark.slow)],
-                         ids=["sync", "async"])
-def test_the_batch_size_check_runs_every_n_steps_through_the_launcher(tmp_path, async_):
+@pytest.mark.parametrize("overrides", [
+    {}, pytest.param({"rl.async_": True}, marks=pytest.mark.slow),
+    pytest.param({"mesh.data": 2, "mesh.fsdp": 4}, marks=pytest.mark.slow)],
+    ids=["sync", "async", "mesh"])
+def test_the_batch_size_check_runs_every_n_steps_through_the_launcher(tmp_path, overrides):
   """--config.metrics.logprob_check_every=2 over 4 RL steps: the check's metrics are in the
-  records of RL steps 2 and 4 only, float32 gaps within rounding."""
+  records of RL steps 2 and 4 only, float32 gaps within rounding; in the synchronous and
+  asynchronous loops and on a mesh of the 8 virtual devices."""
   from experiments import train as launcher  # pylint: disable=import-outside-toplevel
   from tests.launcher_config import tiny_run_config  # pylint: disable=import-outside-toplevel
   overrides = {"rl.steps": 4, "metrics.logprob_check_every": 2, "eval.every": 4,
-               "checkpoint.every": 4, "rl.async_": async_}
+               "checkpoint.every": 4, **overrides}
   launcher.run(tiny_run_config(tmp_path, overrides))
   with open(tmp_path / "metrics.jsonl") as f:
     rl = [r for r in map(json.loads, f) if r.get("phase") == "rl" and "loss" in r]
