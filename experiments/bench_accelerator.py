@@ -31,6 +31,11 @@ throughput does not depend on their values):
                batch), and T = 1 with an earlier T = 1 sample as the history (random weights
                rarely repeat themselves: the least); tokens/s, speed-up over plain decoding
                of the same temperature, acceptance.
+  quantized    the sampler section's work with int8 and fp8 weights
+               (config.rollout.weights: weight-only, per-channel scales, dequantised inside
+               each decode step; bfloat16 activations and KV cache), side by side with
+               bfloat16 weights in one process at each batch: tokens/s and the speed-up
+               fewer weight bytes buy where decoding is bound by reading them.
 
 Each (section, model) runs in its own process, so a failure, an out-of-memory or a timeout
 in one is recorded and the others still run, and each process's peak memory is its own.
@@ -57,7 +62,8 @@ _OUT = flags.DEFINE_string("out", "runs/accelerator", "Output directory.")
 _SMOKE = flags.DEFINE_bool("smoke", False, "Tiny shapes (preset b1), one repetition, for any "
                            "host: replaces the shape flags not given.")
 _MODELS = flags.DEFINE_list("models", ["qwen2_5_0_5b", "qwen2_5_1_5b"], "Model presets.")
-_SECTIONS = flags.DEFINE_list("sections", ["sampler", "train", "peer", "speculative"],
+_SECTIONS = flags.DEFINE_list("sections", ["sampler", "train", "peer", "speculative",
+                                           "quantized"],
                               "Sections to run after 'peak' (which always runs).")
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["8", "64", "256"], "Sampler batch sizes.")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 256, "Prompt tokens per row.")
@@ -249,6 +255,41 @@ def speculative_section(part: Part, s: dict, model: str) -> None:
                     speculative_compile_s=spec_compile_s))
 
 
+QUANTIZED_WEIGHTS = ("bfloat16", "int8", "fp8")  # bfloat16: the reference
+
+
+def quantized_section(part: Part, s: dict, model: str) -> None:
+  """The sampler with each of `QUANTIZED_WEIGHTS` at each batch (module docstring)."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from models import quantize  # pylint: disable=import-outside-toplevel
+  from models import transformer  # pylint: disable=import-outside-toplevel
+  from models.config import get_preset  # pylint: disable=import-outside-toplevel
+  from sampling import sampler  # pylint: disable=import-outside-toplevel
+
+  config = get_preset(model, dtype="bfloat16")
+  params = transformer.init_params(config, jax.random.PRNGKey(0))
+  weights = {name: params if name == "bfloat16" else jax.block_until_ready(
+      jax.jit(lambda p, name=name: quantize.quantize_params(p, name))(params))
+             for name in QUANTIZED_WEIGHTS}
+  sampling_config = sampler.SamplingConfig(max_new_tokens=s["new_tokens"], temperature=1.0)
+  for batch in s["batch_sizes"]:
+    prompts, mask = random_prompts(config, batch, s["prompt_len"], seed=batch)
+    case = dict(batch=batch)
+    for name, sampler_params in weights.items():
+      compiled, _ = compile_timed(sampler.generate, sampler_params, prompts, mask,
+                                  jax.random.PRNGKey(0), model_config=config,
+                                  sampling_config=sampling_config)
+      calls = iter(range(1, s["repeats"] + 2))
+      run = lambda compiled=compiled, p=sampler_params: compiled(
+          p, prompts, mask, jax.random.PRNGKey(next(calls))).tokens.block_until_ready()
+      run()
+      case[f"{name}_tokens_per_s"] = batch * s["new_tokens"] / best_of(run, s["repeats"])
+    for name in QUANTIZED_WEIGHTS[1:]:
+      case[f"{name}_speedup"] = case[f"{name}_tokens_per_s"] / case["bfloat16_tokens_per_s"]
+    case["weight_bytes"] = {name: quantize.weight_bytes(p) for name, p in weights.items()}
+    part.add(case)
+
+
 def peer_spec(s: dict, model: str, part: str) -> dict:
   """What experiments/peers/accelerator_peer.py runs: the model's shape, the sampler cases
   and the train shape of this run."""
@@ -276,6 +317,8 @@ def run_child() -> None:
     train_section(part, s, model, peak_flops)
   elif section == "speculative":
     speculative_section(part, s, model)
+  elif section == "quantized":
+    quantized_section(part, s, model)
   else:
     raise ValueError(f"Unknown section {section!r}.")
 
@@ -404,6 +447,13 @@ def markdown(result: dict) -> str:
                    f"{c['plain_tokens_per_s']:.0f} | {c['speculative_tokens_per_s']:.0f} | "
                    f"{c['speedup']:.2f} | {c['acceptance']:.2f} | "
                    f"{c['forwards_per_token']:.2f} |")
+  lines += ["", "| model | batch | bfloat16 weights tokens/s | int8 tokens/s | fp8 tokens/s | "
+            "int8 speed-up | fp8 speed-up |", "|---|---|---|---|---|---|---|"]
+  for model in result["settings"]["models"]:
+    for c in _cases(result, "quantized", model):
+      lines.append(f"| {model} | {c['batch']} | {c['bfloat16_tokens_per_s']:.0f} | "
+                   f"{c['int8_tokens_per_s']:.0f} | {c['fp8_tokens_per_s']:.0f} | "
+                   f"{c['int8_speedup']:.2f} | {c['fp8_speedup']:.2f} |")
   lines += ["", "| section | model | status | wall s |", "|---|---|---|---|"]
   for r in result["sections"]:
     status = r["status"].splitlines()[0][:120] if r["status"] else ""

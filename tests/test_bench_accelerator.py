@@ -65,7 +65,7 @@ def test_a_failing_model_leaves_the_other_sections_measured(tmp_path):
 def test_sections_that_would_start_too_late_are_skipped(tmp_path):
   result = run_bench(tmp_path, "--budget_s=5", "--min_section_s=10")
   assert [r["section"] for r in result["sections"]] == ["peak", "sampler", "train", "peer",
-                                                        "speculative"]
+                                                        "speculative", "quantized"]
   assert all(r["status"].startswith("skipped: ") and r["cases"] == []
              for r in result["sections"])
 
@@ -79,7 +79,7 @@ def test_every_section_in_the_smallest_mode(tmp_path):
     flags.append("--torch_python=" + peers.ensure_env("torch", os.path.join(ROOT, "runs",
                                                                           "peer_envs")))
   else:
-    flags.append("--sections=sampler,train,speculative")
+    flags.append("--sections=sampler,train,speculative,quantized")
   result = run_bench(tmp_path, *flags)
   assert all(r["status"] == "ok" for r in result["sections"]), result["sections"]
   (train,) = section(result, "train", "b1")["cases"]
@@ -91,6 +91,11 @@ def test_every_section_in_the_smallest_mode(tmp_path):
   # the random policy does not repeat an earlier sample.
   assert spec[0.0]["acceptance"] == 1.0
   assert spec[1.0]["acceptance"] < 0.5
+  quantized = section(result, "quantized", "b1")["cases"]
+  assert [c["batch"] for c in quantized] == [2, 4]
+  assert all(c["int8_tokens_per_s"] > 0 and c["fp8_tokens_per_s"] > 0 for c in quantized)
+  stored = quantized[0]["weight_bytes"]
+  assert stored["int8"] == stored["fp8"] < stored["bfloat16"]
   if peers.peers_enabled(["torch"]):
     peer = section(result, "peer", "b1")["cases"]
     assert [c["batch"] for c in peer if c["kind"] == "generate"] == [2, 4]
