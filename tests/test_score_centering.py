@@ -222,6 +222,23 @@ def test_score_centering_through_the_launcher_sees_the_quantised_samplers_drift(
   assert shifts[""] < 1e-4 and shifts["int4"] > 10 * max(shifts[""], 1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [
+    {"rollout.kind": "tree"}, {"rollout.kind": "pruned"}, {"rollout.speculative.tokens": 3},
+    {"rl.async_": True, "rl.max_staleness": 1}, {"rl.staleness": 1},
+    {"model.preset": "tiny2_moe", "moe.routing_replay": True}],
+    ids=["tree", "pruned", "speculative", "async", "staleness", "moe-replay"])
+def test_score_centering_with_every_rollout_kind_it_composes_with(tmp_path, overrides):
+  """Each rollout kind's batches carry the record of the parameters that sampled them:
+  int4 rollouts leave a drift for the correction to remove at the first step."""
+  launcher.run(tiny_run_config(tmp_path, {"rollout.weights": "int4",
+                                          "loss.corrections": ("score_centering",),
+                                          **overrides}))
+  records = _rl_records(tmp_path)
+  assert len(records) == 2 and all(np.isfinite(r["loss"]) for r in records)
+  assert records[0]["sc_score_shift"] > 1e-5
+
+
 @pytest.mark.parametrize("overrides,message", [
     ({"rollout.kind": "partial"}, "rollout.kind = 'partial'"),
     ({"rl.logprob_chunk": 4}, "logprob_chunk"),
