@@ -13,14 +13,12 @@ A run has two phases, `WARM_START` (supervised, on the task's reference answers)
 
 from __future__ import annotations
 
-import functools
 import json
 
 import jax
 import ml_collections
 
 from models import lora as lora_lib
-from models import quantize
 from models import transformer
 from rl import loop
 from rl import policy
@@ -30,7 +28,6 @@ from rl import train
 from rl import warm_start
 from rl.environments import turns as turns_lib
 from rl.objectives import advantages
-from rl.objectives import composite
 from rl.objectives import losses
 from rl.objectives import token_subsample as subsample_lib
 from rl.rollouts import producers
@@ -152,6 +149,12 @@ def model_settings(config) -> policy.ModelSettings:
   return policy.ModelSettings.from_config(config.model)
 
 
+def model_source(config) -> str:
+  """The policy's preset or checkpoint, as an error message names it."""
+  return (f"config.model.preset = {config.model.preset!r} / checkpoint "
+          f"{config.model.checkpoint!r}")
+
+
 def sequence_length(config) -> int:
   """Slots of a rollout: rollout.prompt_len + max_new_tokens."""
   return config.rollout.prompt_len + config.rollout.max_new_tokens
@@ -220,7 +223,8 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None, teache
                                learning_rate=train.learning_rate_schedule(**rate),
                                lora=phase_lora(config, phase),
                                logprob_chunk=config.rl.logprob_chunk,
-                               router=router_terms(config, model_config, phase),
+                               router=settings(config).moe.router_terms(
+                                   model_config, phase == RL, model_source(config)),
                                **(distill_settings(config, teacher) if phase == RL else {}))
   drafts = draft_config(config) if phase == RL else None
   turns = make_turns(config, tokenizer)
@@ -241,7 +245,8 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None, teache
       train_samples=config.metrics.train_samples if phase == RL else 0,
       train_samples_every=config.metrics.train_samples_every,
       token_subsample=token_subsample(config, loss) if phase == RL else None,
-      sampler_record=sampler_record(config, model_config, loss) if phase == RL else None,
+      sampler_record=sampler_topk.recorder(model_config, loss, rollout_settings(config))
+      if phase == RL else None,
       logprob_check=train.make_batch_size_check(
           model_config, config.rollout.temperature, logprob_chunk=config.rl.logprob_chunk,
           replay=model_config.is_moe and config.moe.routing_replay) if phase == RL else None,
@@ -249,48 +254,12 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None, teache
   return ctx, optimizer
 
 
-def sampler_record(config, model_config, loss: losses.LossSettings):
-  """`LoopContext.sampler_record` when a correction reads the sampler's top-K record (score
-  centering: `rl.rollouts.sampler_topk`, config.loss.sc_top_k tokens, 0 = the whole
-  vocabulary), else None."""
-  if not loss.reads_sampler_topk:
-    return None
-  rollout = config.rollout
-  return functools.partial(sampler_topk.with_sampler_topk, model_config=model_config,
-                           k=loss.sc_top_k or model_config.vocab_size,
-                           temperature=rollout.temperature, top_k=rollout.top_k,
-                           top_p=rollout.top_p)
-
-
 def sampler_publish(config, model_config, phase: str, mesh=None):
-  """trainer parameters -> the sampler's (`LoopContext.publish`), or None for the trainer's
-  own: on a mesh resharded into the sampler's layout; in the RL phase with
-  config.rollout.weights, quantised once per publish (`models.quantize.quantize_params`,
-  jitted), so the behaviour log-probs are the quantised sampler's."""
-  weights = config.rollout.weights if phase == RL else ""
-  if weights:  # one device (`validate` refuses it with a mesh)
-    return jax.jit(functools.partial(quantize.quantize_params, name=weights))
-  return None if mesh is None else reshard.make_publish(mesh, jax.eval_shape(
-      lambda: transformer.init_params(model_config, jax.random.PRNGKey(0))))
-
-
-def router_terms(config, model_config, phase: str) -> composite.RouterTerms | None:
-  """config.moe as the RL train step reads it: None for a dense policy (which refuses a
-  non-default config.moe) and for the warm start (teacher-forced rows: no routing record,
-  and no router losses in supervised training)."""
-  moe = settings(config).moe
-  if not model_config.is_moe:
-    if moe.active:
-      raise ValueError(f"config.moe = {moe} needs a mixture-of-experts policy; "
-                       f"config.model.preset = {config.model.preset!r} / checkpoint "
-                       f"{config.model.checkpoint!r} is dense (use preset 'tiny2_moe' or a "
-                       "Qwen3-MoE / Mixtral checkpoint).")
-    return None
-  if phase != RL:
-    return None
-  return composite.RouterTerms(routing_replay=moe.routing_replay,
-                               load_balancing_coef=moe.load_balancing_coef,
-                               router_z_coef=moe.router_z_coef)
+  """`LoopContext.publish`: quantised in the RL phase with config.rollout.weights (one
+  device), else resharded into the sampler's layout on a mesh, else None."""
+  quantizer = rollout_settings(config).quantizer() if phase == RL else None
+  return quantizer or (None if mesh is None else reshard.make_publish(mesh, jax.eval_shape(
+      lambda: transformer.init_params(model_config, jax.random.PRNGKey(0)))))
 
 
 def batch_advantages(config) -> advantages.BatchAdvantages:

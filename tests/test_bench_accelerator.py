@@ -40,6 +40,7 @@ def test_flops_per_token_by_hand():
   assert decode_cost.train_flops_per_token(config, 6.0) == 3 * per_token_forward
 
 
+@pytest.mark.slow
 def test_a_failing_model_leaves_the_other_sections_measured(tmp_path):
   result = run_bench(tmp_path, "--sections=sampler", "--models=b1,no_such_preset",
                      "--batch_sizes=2,4")

@@ -58,7 +58,9 @@ def _experts(key, num_experts=8, d=16, f=24, tokens=40, k=2):
   return h, weights, experts, gate, up, down
 
 
-@pytest.mark.parametrize("num_experts,k,tokens", [(8, 2, 40), (4, 1, 7), (16, 4, 300)])
+@pytest.mark.parametrize("num_experts,k,tokens", [
+    (8, 2, 40), pytest.param(4, 1, 7, marks=pytest.mark.slow),
+    pytest.param(16, 4, 300, marks=pytest.mark.slow)])
 def test_ragged_dispatch_equals_the_dense_reference(num_experts, k, tokens):
   h, weights, experts, gate, up, down = _experts(jax.random.PRNGKey(num_experts), num_experts,
                                                  tokens=tokens, k=k)
@@ -277,6 +279,7 @@ def test_router_stats_count_only_real_tokens():
   np.testing.assert_array_equal(stats.experts[:, :, 1], h_layers[1].own)
 
 
+@pytest.mark.slow
 def test_verification_forward_writes_each_rows_routing_at_its_own_slots():
   # Speculative decoding's forward: row b runs 3 tokens at slots [starts[b], starts[b] + 3).
   config = _moe_config()

@@ -67,8 +67,11 @@ def test_unknown_format_is_refused():
     quantize.get_format("int3")
 
 
-@pytest.mark.parametrize("config", [CONFIG, MOE], ids=["dense", "moe"])
-@pytest.mark.parametrize("name", ["int8", "fp8"])
+@pytest.mark.parametrize("config,name", [
+    (CONFIG, "int8"), pytest.param(CONFIG, "fp8", marks=pytest.mark.slow),
+    pytest.param(MOE, "int8", marks=pytest.mark.slow),
+    pytest.param(MOE, "fp8", marks=pytest.mark.slow)],
+    ids=["dense-int8", "dense-fp8", "moe-int8", "moe-fp8"])
 def test_quantized_params_run_the_forward_of_their_dequantised_weights(config, name):
   """Exactly the linear layers are stored quantised (a quarter of float32's bytes and the
   scales); the
@@ -97,8 +100,11 @@ def test_quantized_params_run_the_forward_of_their_dequantised_weights(config, n
   assert 1e-6 < gap < 0.05
 
 
-@pytest.mark.parametrize("name", ["int8", "bfloat16"])
-@pytest.mark.parametrize("config", [CONFIG, MOE], ids=["dense", "moe"])
+@pytest.mark.parametrize("config,name", [
+    (CONFIG, "int8"), pytest.param(CONFIG, "bfloat16", marks=pytest.mark.slow),
+    pytest.param(MOE, "int8", marks=pytest.mark.slow),
+    pytest.param(MOE, "bfloat16", marks=pytest.mark.slow)],
+    ids=["dense-int8", "dense-bfloat16", "moe-int8", "moe-bfloat16"])
 def test_the_decode_loop_holds_quantised_weights_and_samples_as_their_dequantised_copy(
     config, name):
   """The decode layout keeps the linear weights quantised (each step dequantises them), and
@@ -156,14 +162,14 @@ KINDS = {
 }
 
 
-@pytest.mark.parametrize("kind", [
-    pytest.param(name, marks=() if name == "independent" else pytest.mark.slow)
-    for name in KINDS])
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_quantized_rollouts_through_the_launcher_record_the_quantised_samplers_logprobs(
     tmp_path, kind):
   """--config.rollout.weights=int4: the behaviour log-probs are the quantised sampler's, so
   the fresh tokens' log-ratio to the float32 trainer is far larger than a float sampler's
-  (float32 rounding), with every rollout kind."""
+  (float32 rounding), with every rollout kind. (The quick tier's launcher run of
+  rollout.weights is tests/test_score_centering.py's.)"""
   quantized, plain = _gaps(tmp_path, KINDS[kind])
   first = quantized[0]  # fresh tokens exist at the first step of every kind
   assert first["rollout_train_mismatch_kl"] > 1e-5

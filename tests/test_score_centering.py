@@ -171,7 +171,7 @@ CONFIG = ModelConfig(vocab_size=51, d_model=32, n_layers=2, n_heads=2, n_kv_head
                      head_dim=16, mlp_dim=64, max_seq_len=24)
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.8])
+@pytest.mark.parametrize("top_p", [pytest.param(1.0, marks=pytest.mark.slow), 0.8])
 def test_the_record_holds_the_distribution_that_drew_each_token(top_p):
   """At every completion slot the record's log-prob of the drawn token equals the
   sampler's behaviour log-prob (decode steps against one forward: float32 rounding), its
@@ -206,6 +206,20 @@ def _rl_records(workdir):
   return [r for r in records if r.get("phase") == "rl" and "loss" in r]
 
 
+def test_quantized_rollouts_and_score_centering_through_the_launcher(tmp_path):
+  """--config.rollout.weights=int4 --config.loss.corrections="('score_centering',)" in one
+  run: the fresh tokens' mismatch and the expected score subtracted are far above float32
+  rounding (the comparisons with a float32 run are the slow tier's)."""
+  launcher.run(tiny_run_config(tmp_path, {"rollout.weights": "int4",
+                                          "loss.corrections": ("score_centering",)}))
+  records = _rl_records(tmp_path)
+  assert len(records) == 2 and all(np.isfinite(r["loss"]) for r in records)
+  assert records[0]["rollout_train_mismatch_kl"] > 1e-5
+  assert records[0]["sc_score_shift"] > 1e-5
+  assert json.loads((tmp_path / "config.json").read_text())["rollout"]["weights"] == "int4"
+
+
+@pytest.mark.slow
 def test_score_centering_through_the_launcher_sees_the_quantised_samplers_drift(tmp_path):
   """--config.loss.corrections="('score_centering',)": with float32 rollouts the expected
   score it subtracts is ~0 (on-policy), with int4 rollouts it is not. (After 'tis' it

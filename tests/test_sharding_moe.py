@@ -139,9 +139,10 @@ def test_expert_leaves_are_really_sharded_in_both_layouts(mesh):
 
 # --- forward --------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name,dispatch", [("softmax_topk", "ragged"),
-                                           ("topk_softmax_shared", "ragged"),
-                                           ("softmax_topk", "dense")])
+@pytest.mark.parametrize("name,dispatch", [
+    ("softmax_topk", "ragged"),
+    pytest.param("topk_softmax_shared", "ragged", marks=pytest.mark.slow),
+    pytest.param("softmax_topk", "dense", marks=pytest.mark.slow)])
 def test_sharded_moe_forward_matches_single_device(mesh, name, dispatch):
   """The training forward in the trainer layout (residual stream pinned to rows, as the
   train step pins it): logits, and with replayed experts (R3) the hidden states and the

@@ -41,7 +41,7 @@ from rl.rollouts import partial as partial_rollout
 from rl.environments import turns as turns_lib
 from rl.tasks import Example
 from rl.tasks import running_sum
-from rl.types import Rollout
+from rl.types import Rollout, SamplerTopK
 from sampling import partial
 from sampling.sampler import SamplingConfig
 from tests import tool_environments
@@ -333,7 +333,7 @@ def test_a_failing_environment_ends_its_row_with_reward_zero_and_the_batch_goes_
 
 # --- The loss never sees environment tokens ---
 
-B, T, P = 6, 24, 3
+B, T, P, K = 6, 24, 3, 4
 
 
 def _batch_with_environment_tokens(seed=0):
@@ -363,6 +363,13 @@ def _batch_with_environment_tokens(seed=0):
     adv[group == g] = (r - r.mean()) / (r.std() + 1e-6)
   advantages = np.where(completion, adv[:, None], garbage()).astype(np.float32)
   version = np.where(completion, 0, rng.integers(-1, 9, (B, T))).astype(np.int32)
+  # The sampler's top-K record and the trainer's log-probs of its tokens (score centering):
+  # K = 4 tokens holding 0.9 of q and 0.8 of p at each slot.
+  weights = rng.uniform(0.1, 1.0, (B, T, K))
+  head_q = np.log(0.9 * weights / weights.sum(-1, keepdims=True)).astype(np.float32)
+  weights = rng.uniform(0.1, 1.0, (B, T, K))
+  head_p = np.log(0.8 * weights / weights.sum(-1, keepdims=True)).astype(np.float32)
+  head_ids = rng.integers(0, 50, (B, T, K)).astype(np.int32)
 
   def pick(x, fill, keep):
     """The rows' slots `keep` (per row, in order), left-aligned, padded at the end."""
@@ -378,12 +385,14 @@ def _batch_with_environment_tokens(seed=0):
                    behavior_logp=take(behav, 0.0), version=take(version, -1),
                    group=jnp.asarray(group), reward=jnp.asarray(reward),
                    advantages=take(advantages, 0.0), prox_logp=take(prox, 0.0),
-                   ref_logp=take(ref, 0.0), env_mask=env_mask)
+                   ref_logp=take(ref, 0.0), env_mask=env_mask,
+                   behavior_topk=SamplerTopK(ids=take(head_ids, 0), logp=take(head_q, 0.0)))
 
   without = lambda x, fill: pick(x, fill, ~env)
   full = rollout(np.ones((B, T), bool), jnp.asarray(env))
   absent = rollout(~env, None)
-  return full, jnp.asarray(logp), absent, without(logp, 0.0), env, without
+  return (full, (jnp.asarray(logp), jnp.asarray(head_p)), absent,
+          (without(logp, 0.0), without(head_p, 0.0)), env, without)
 
 
 _SETTINGS = ([dict(name=name) for name in losses.LOSSES.names()]
@@ -395,24 +404,29 @@ _SETTINGS = ([dict(name=name) for name in losses.LOSSES.names()]
 @pytest.mark.parametrize("setting", _SETTINGS, ids=lambda s: "-".join(
     str(v) if not isinstance(v, tuple) else "+".join(v) for v in s.values()))
 def test_environment_tokens_get_exactly_zero_gradient(setting):
-  full, logp, absent, absent_logp, env, pick = _batch_with_environment_tokens()
+  full, logps, absent, absent_logps, env, pick = _batch_with_environment_tokens()
   config = losses.LossSettings(**{"norm_len": float(T), **setting}).resolved()
   loss_fn = losses.get_loss(setting["name"])
-  needs_prox = config.needs_prox
+  needs_prox, reads_head = config.needs_prox, config.reads_sampler_topk
 
-  def value(lp, batch):
+  def value(lps, batch):
+    lp, head = lps
     prox = batch.prox_logp if needs_prox else None
-    return loss_fn(lp, batch, prox_logp=prox, settings=config)[0]
+    extra = {"head_logp": head} if reads_head else {}
+    return loss_fn(lp, batch, prox_logp=prox, settings=config, **extra)[0]
 
-  loss_full, grad_full = jax.value_and_grad(value)(logp, full)
-  loss_absent, grad_absent = jax.value_and_grad(value)(absent_logp, absent)
+  loss_full, grads_full = jax.value_and_grad(value)(logps, full)
+  loss_absent, grads_absent = jax.value_and_grad(value)(absent_logps, absent)
   assert np.isfinite(float(loss_full))
   np.testing.assert_allclose(float(loss_full), float(loss_absent), rtol=1e-5, atol=1e-7)
-  grad_full = np.asarray(grad_full)
-  assert (grad_full[env] == 0.0).all()  # exactly zero, not small
-  np.testing.assert_allclose(np.asarray(pick(grad_full, 0.0)), np.asarray(grad_absent),
-                             rtol=1e-5, atol=1e-8)
-  assert np.abs(grad_full).max() > 0  # the batch does train its policy tokens
+  for grad_full, grad_absent in zip(grads_full, grads_absent):  # token and head log-probs
+    grad_full = np.asarray(grad_full)
+    assert (grad_full[env] == 0.0).all()  # exactly zero, not small
+    np.testing.assert_allclose(np.asarray(pick(grad_full, 0.0)), np.asarray(grad_absent),
+                               rtol=1e-5, atol=1e-8)
+  assert np.abs(np.asarray(grads_full[0])).max() > 0  # the batch trains its policy tokens
+  if reads_head:
+    assert np.abs(np.asarray(grads_full[1])).max() > 0  # and score centering's term
 
 
 @pytest.mark.slow

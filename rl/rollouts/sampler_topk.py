@@ -55,6 +55,19 @@ def sampler_topk(params, tokens: jax.Array, token_mask: jax.Array, model_config:
   return topk_of_logits(logits, min(k, model_config.vocab_size), temperature, top_k, top_p)
 
 
+def recorder(model_config: ModelConfig, loss, rollout):
+  """`rl.loop.LoopContext.sampler_record` for a run: (sampler parameters, batch) -> the
+  batch with its record, when a correction of `loss` (a LossSettings) reads it, with
+  loss.sc_top_k tokens (0: the whole vocabulary) of the distribution `rollout` (the
+  RolloutSettings) samples; None when none reads it."""
+  if not loss.reads_sampler_topk:
+    return None
+  return functools.partial(with_sampler_topk, model_config=model_config,
+                           k=loss.sc_top_k or model_config.vocab_size,
+                           temperature=rollout.temperature, top_k=rollout.top_k,
+                           top_p=rollout.top_p)
+
+
 def with_sampler_topk(params, rollout: Rollout, model_config: ModelConfig, k: int,
                       temperature: float, top_k: int = 0, top_p: float = 1.0) -> Rollout:
   """`rollout` with its `behavior_topk` record under the sampler's `params`."""

@@ -152,6 +152,17 @@ class RolloutSettings(Settings):
                          "scales; activations and KV cache stay in model.compute_dtype)",
                          choices=_weight_formats)
 
+  def quantizer(self):
+    """trainer parameters -> the sampler's in format `weights`
+    (`models.quantize.quantize_params`, jitted; the loop runs it once per publish), or None
+    for the trainer's own weights."""
+    if not self.weights:
+      return None
+    import functools  # pylint: disable=import-outside-toplevel
+    import jax  # pylint: disable=import-outside-toplevel
+    from models import quantize  # pylint: disable=import-outside-toplevel
+    return jax.jit(functools.partial(quantize.quantize_params, name=self.weights))
+
   @property
   def kind_spec(self) -> "RolloutKind":
     """The registered rollout kind `kind` names."""

@@ -495,7 +495,7 @@ def _reward_stage(settings: RunSettings) -> None:
 
 def _moe(settings: RunSettings) -> None:
   """config.moe against the rest (a checkpoint's model is checked once loaded,
-  rl.wiring.router_terms)."""
+  MoeSettings.router_terms)."""
   moe, model = settings.moe, settings.model
   if not moe.active:
     return
