@@ -92,7 +92,9 @@ _HUB_EXPERT = {"qwen3_moe": "model.layers.1.mlp.experts.5.down_proj.weight",
                "mixtral": "model.layers.1.block_sparse_moe.experts.5.w2.weight"}
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_moe_unnormalized", "mixtral"])
+@pytest.mark.parametrize("kind", ["qwen3_moe",
+                                  pytest.param("qwen3_moe_unnormalized", marks=pytest.mark.slow),
+                                  pytest.param("mixtral", marks=pytest.mark.slow)])
 def test_moe_logits_match_transformers(kind, tmp_path):
   family = "mixtral" if kind == "mixtral" else "qwen3_moe"
   model = random_hf_model(kind)

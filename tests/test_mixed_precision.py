@@ -187,8 +187,8 @@ def test_mixed_precision_through_the_launcher(tmp_path):
     launcher.run(tiny_run_config(tmp_path / "bad", {"model.compute_dtype": "float16"}))
 
 
-@pytest.mark.parametrize("config", [F32, pytest.param(MIXED, marks=pytest.mark.slow)],
-                         ids=["float32", "bfloat16"])
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [F32, MIXED], ids=["float32", "bfloat16"])
 def test_the_batch_size_check_equals_scoring_each_row_by_itself(config):
   """The check's gap is |log-probs of the whole batch in one forward - each row's own
   forward| over completion tokens, mean and maximum: against separate per-row calls

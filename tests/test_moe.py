@@ -184,7 +184,7 @@ def _numpy_moe_mlp(h, layer, config, experts=None):
 @pytest.mark.parametrize("changes", [
     {}, {"routing": "topk_softmax"}, {"normalize_routing": False}, {"shared_expert_dim": 12},
     {"moe_dispatch": "dense", "shared_expert_dim": 12}])
-@pytest.mark.parametrize("replay", [False, True])
+@pytest.mark.parametrize("replay", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_moe_mlp_equals_a_numpy_reference(changes, replay):
   config = _moe_config(**changes)
   params = _params(config)

@@ -149,6 +149,7 @@ def test_routing_metrics_equal_hand_computations():
   assert float(later["_routing_slots"]) == 0.0
 
 
+@pytest.mark.slow
 def test_auxiliary_losses_enter_the_objective_with_their_coefficients(tmp_path):
   config = tiny_running_sum_config(tmp_path, {"model.preset": "tiny2_moe"})
   _, model_config, params = wiring.load_policy(config, jax.random.PRNGKey(0))

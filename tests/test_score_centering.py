@@ -74,9 +74,10 @@ def _case(shape, vocab, k, seed, spread=1.0):
 
 
 @pytest.mark.parametrize("tis_cap", [None, 2.0], ids=["standalone", "tis"])
-@pytest.mark.parametrize("shape,vocab,k", [((3, 5), 11, 4), ((3, 5), 11, 11),
-                                           ((2, 1024), 64, 16)],
-                         ids=["head", "whole-vocabulary", "thousands-of-tokens"])
+@pytest.mark.parametrize("shape,vocab,k", [
+    ((3, 5), 11, 4), pytest.param((3, 5), 11, 11, marks=pytest.mark.slow),
+    pytest.param((2, 1024), 64, 16, marks=pytest.mark.slow)],
+    ids=["head", "whole-vocabulary", "thousands-of-tokens"])
 def test_score_centering_gradient_equals_the_full_vocabulary_reference(tis_cap, shape, vocab,
                                                                        k):
   """The head-only surrogate's gradient with respect to the logits equals, token by token,
