@@ -50,14 +50,6 @@ SPEC = {"cells": [{"name": f"{name}_s{seed}", "module": "experiments.train", "se
 
 # --- The page ---
 
-def _step_mean(result: dict, field: str) -> float | None:
-  return result["summary"]["rl_step_means"].get(field)
-
-
-def _final(result: dict) -> float:
-  return result["summary"]["final_accuracy"]
-
-
 def _reference(name: str) -> str:
   """The cell a setting is compared with: float32 rollouts, or k8_none for k8_sc."""
   return "k8_none" if name.startswith("k8") else "f32_none"
@@ -68,7 +60,7 @@ def _correction_share(group: list[dict]) -> str:
   or the expected score subtracted (score centering's sc_score_shift)."""
   for field, digits in (("is_truncated_fraction", 4), ("masked_fraction", 4),
                         ("sc_score_shift", 5)):
-    values = [_step_mean(r, field) for r in group]
+    values = [pages.step_mean(r, field) for r in group]
     if all(v is not None for v in values):
       return f"{field}: {pages.mean_std(values, digits)}"
   return "-"
@@ -76,10 +68,10 @@ def _correction_share(group: list[dict]) -> str:
 
 def _row(name: str, group: list[dict], groups: dict[str, list[dict]]) -> str:
   s = [r["summary"] for r in group]
-  mean = lambda field, digits=4: pages.mean_std([_step_mean(r, field) for r in group], digits)
+  mean = lambda field, digits=4: pages.mean_std([pages.step_mean(r, field) for r in group], digits)
   reference = _reference(name)
   cells = [pages.mean_std([x["final_accuracy"] for x in s]),
-           pages.paired_difference(group, groups.get(reference, []), _final)
+           pages.paired_difference(group, groups.get(reference, []), pages.final_accuracy)
            if name != reference else "-",
            mean("rollout_train_mismatch_kl", 6), mean("rollout_train_mismatch_k1", 6),
            mean("rollout_train_log_ratio_over_0p1", 4),

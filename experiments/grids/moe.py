@@ -35,20 +35,12 @@ SPEC = {"cells": [{"name": f"{mode}_k{k}_s{seed}", "module": "experiments.train"
 
 # --- The page ---
 
-def _step_mean(result: dict, field: str) -> float | None:
-  return result["summary"]["rl_step_means"].get(field)
-
-
-def _final(result: dict) -> float:
-  return result["summary"]["final_accuracy"]
-
-
 def _row(name: str, group: list[dict], groups: dict[str, list[dict]]) -> str:
   s = [r["summary"] for r in group]
-  mean = lambda field, digits=4: pages.mean_std([_step_mean(r, field) for r in group], digits)
+  mean = lambda field, digits=4: pages.mean_std([pages.step_mean(r, field) for r in group], digits)
   plain = groups.get(name.replace("replay", "plain"), [])
   cells = [pages.mean_std([x["final_accuracy"] for x in s]),
-           pages.paired_difference(group, plain, _final) if name.startswith("replay") else "-",
+           pages.paired_difference(group, plain, pages.final_accuracy) if name.startswith("replay") else "-",
            mean("moe_routing_mismatch"), mean("behavior_train_kl", 5),
            mean("moe_unreplayed_kl", 5), mean("moe_expert_load_max_l0", 2),
            mean("moe_expert_load_max_l1", 2),

@@ -75,6 +75,16 @@ def first_reaching(x: list[float], accuracy: list[float], target: float) -> floa
   return next((xi for xi, a in zip(x, accuracy) if a >= target), None)
 
 
+def step_mean(result: dict, field: str) -> float | None:
+  """A cell's mean of a step metric over its RL steps (None when it never logged it)."""
+  return result["summary"]["rl_step_means"].get(field)
+
+
+def final_accuracy(result: dict) -> float:
+  """A cell's final held-out accuracy."""
+  return result["summary"]["final_accuracy"]
+
+
 def mean_std(values: list[float], digits: int = 3) -> str:
   """'mean ± sample std' (one value as is; '-' for none)."""
   values = [v for v in values if v is not None]
