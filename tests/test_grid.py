@@ -579,7 +579,7 @@ def test_low_precision_page_pairs_each_cell_with_float32_rollouts(tmp_path):
   row = _row(page, "int4_tis")
   # int4 finals (0.5, 0.9) minus float32's (0.6, 0.8), seed by seed: (-0.1, +0.1).
   assert row[2] == "0.700 ± 0.283" and row[3] == "0.000 ± 0.141 (1 up, 1 down)"
-  assert row[4] == "0.001000 ± 0.000000" and row[6] == "0.0200 ± 0.0000"
+  assert row[4] == "0.00100000 ± 0.00000000" and row[6] == "0.0200 ± 0.0000"
   assert row[8] == "is_truncated_fraction: 0.0200 ± 0.0141"
   assert _row(page, "f32_none")[3] == "-"
   assert _row(page, "k8_sc")[8] == "sc_score_shift: 0.20000"

@@ -73,7 +73,7 @@ def _row(name: str, group: list[dict], groups: dict[str, list[dict]]) -> str:
   cells = [pages.mean_std([x["final_accuracy"] for x in s]),
            pages.paired_difference(group, groups.get(reference, []), pages.final_accuracy)
            if name != reference else "-",
-           mean("rollout_train_mismatch_kl", 6), mean("rollout_train_mismatch_k1", 6),
+           mean("rollout_train_mismatch_kl", 8), mean("rollout_train_mismatch_k1", 8),
            mean("rollout_train_log_ratio_over_0p1", 4),
            mean("rollout_train_log_ratio_max", 3), _correction_share(group),
            pages.mean_std([x["time_s"]["rollout"] for x in s], 0)]
@@ -88,8 +88,8 @@ def render_page(results: list[dict], page_path: str) -> str:
            "over the seeds. Paired: the cell's final held-out accuracy minus float32 "
            "rollouts' (k8_sc: minus k8_none's), seed by seed.", "",
            pages.table_head(["cell", "seeds", "final accuracy", "minus reference, paired",
-                             "mismatch KL (k3)", "k1", "share |log-ratio| > 0.1",
-                             "max |log-ratio|", "correction acted on", "rollout s"])]
+                             "mismatch KL (k3)", "k1", "share of log-ratios beyond ±0.1",
+                             "largest absolute log-ratio", "correction acted on", "rollout s"])]
   lines += [_row(name, groups[name], groups) for name in SETTINGS if name in groups]
   if results:
     stem = os.path.splitext(page_path)[0]
