@@ -3,6 +3,12 @@
 - `HF_HUB_OFFLINE=1`: tests never reach the network.
 - `XLA_FLAGS=--xla_force_host_platform_device_count=8`: eight virtual CPU devices for the
  sharding tests (single-device code runs a little slower; that is the price).
+- `XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false`: a mesh program that
+ XLA:CPU loads back from the persistent cache (below) can deadlock in its collectives
+ under the concurrency-optimised thunk scheduler: two collectives over different device
+ groups wait on each other until the 40 s rendezvous timeout aborts the worker. Seen with
+ jaxlib 0.10 on a 2x4 mesh distillation step: compiled fresh it ran, loaded from the
+ cache it hung in 2 of 2 runs; with this flag 3 of 3 runs (2 from the cache) finished.
 - `JAX_PLATFORMS=cpu`: tests are CPU-only (export another value to override).
 - Persistent compilation cache in the user's cache folder (`$XDG_CACHE_HOME/arbor/jax`,
  else `~/.cache/arbor/jax`), shared by every checkout and clone on the machine, so a rerun
@@ -10,6 +16,13 @@
  quarters of a cold run's time). Entries are keyed by the computation, the compile options
  and the jax/jaxlib version, so a stale entry is never used; the folder is capped at 2 GiB. Override the place with
  JAX_COMPILATION_CACHE_DIR.
+- The slow tier reads that cache but does not write it: a session whose `-m` is not the
+ quick tier's `not slow` compiles what it does not find and keeps it in memory only. In
+ jaxlib 0.10 a worker that had loaded the quick tier's programs from the cache and then
+ wrote new ones crashed with a segmentation fault inside XLA's executable serialisation
+ (`compilation_cache.put_executable_and_time`) in 2 of 3 slow-tier runs after a cold quick
+ tier; neither tier alone (cold quick tiers, a slow tier that found everything in the
+ cache, any one test file) crashed.
 - Tests marked `serial` run alone: while one runs, no other test of the session does (its
  setup and teardown included). See `pytest_runtest_protocol`.
 """
@@ -23,16 +36,22 @@ import pytest
 
 _CACHE_HOME = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
+_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _xla_flags = os.environ.get("XLA_FLAGS", "")
 if _DEVICE_FLAG not in _xla_flags:  # an explicit device count from the caller wins
-  os.environ["XLA_FLAGS"] = f"{_xla_flags} {_DEVICE_FLAG}=8".strip()
+  _xla_flags = f"{_xla_flags} {_DEVICE_FLAG}=8"
+if _SCHEDULER_FLAG not in _xla_flags:  # so does an explicit scheduler choice
+  _xla_flags = f"{_xla_flags} {_SCHEDULER_FLAG}=false"
+os.environ["XLA_FLAGS"] = _xla_flags.strip()
 
 # The cache settings go through the environment (a value already there wins), so that the
 # launcher subprocesses some tests start (`python -m experiments.train ...`) share the
 # cache on the same terms.
+_MIN_COMPILE_TIME = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
+_MIN_COMPILE_TIME_GIVEN = _MIN_COMPILE_TIME in os.environ  # the caller's value wins
 _CACHE_SETTINGS = {
     "jax_compilation_cache_dir": str(_CACHE_HOME / "arbor" / "jax"),
     # Cache compilations that take a tenth of a second or more: eager ops compile in
@@ -54,6 +73,10 @@ for _name, _value in _CACHE_SETTINGS.items():  # in case a plugin imported jax f
 
 
 def pytest_configure(config):
+  if config.getoption("markexpr") != "not slow" and not _MIN_COMPILE_TIME_GIVEN:
+    # Not the quick tier: read the compilation cache, never write it (module docstring).
+    os.environ[_MIN_COMPILE_TIME] = "inf"
+    jax.config.update(_MIN_COMPILE_TIME.lower(), float("inf"))
   config.addinivalue_line(
       "markers", "slow: the slow tier (long launcher runs, killed-run resumes, grids, "
       "benchmark smoke runs, statistical tests over many draws); pytest.ini leaves it out "

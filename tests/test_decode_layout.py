@@ -58,6 +58,7 @@ def test_forward_decode_equals_stacked_cached_forward(name):
     np.testing.assert_allclose(back[key], cache[key], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_decode_loop_equals_repeated_decode_step():
   """`sampler.decode` (decode layout inside a while loop) == `decode_step` applied N times
   (stacked cache): the same tokens, behaviour log-probs, stop flags and final cache."""

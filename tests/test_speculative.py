@@ -173,9 +173,9 @@ def _chi_square_p(samples, seqs, probs):
   return scipy_stats.chisquare(observed[keep], expected[keep]).pvalue
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, temperature, top_k", [
-    ("all", 0.8, 5)] + [pytest.param(name, 1.0, 0, marks=pytest.mark.slow)
-                        for name in ("prompt_lookup", "group", "history")])
+    ("all", 0.8, 5), ("prompt_lookup", 1.0, 0), ("group", 1.0, 0), ("history", 1.0, 0)])
 def test_sampled_completions_have_the_policys_distribution(name, temperature, top_k):
   """10^4 completions: their first three tokens fit the exact distribution (p > 0.01), the
   drafts are both accepted and rejected, and every behaviour log-prob is the sampled
@@ -342,6 +342,7 @@ def _chi_square_cells_p(counts, probs):
   return scipy_stats.chisquare(observed[keep], expected[keep]).pvalue
 
 
+@pytest.mark.slow
 def test_sampled_left_padded_prompts_with_top_p_and_a_stop_token_have_the_policys_distribution():
   """Two prompts (8 and 5 tokens, the second left-padded by 3), 4096 rows each,
   temperature 0.9, top-p 0.9, stop token 2, k = 2 drafts. Against each prompt decoded alone

@@ -136,6 +136,7 @@ def test_recomputed_prox_is_the_policy_before_the_batch_first_update():
       jax.tree.leaves(per_update.params), jax.tree.leaves(reference.params))) > 1e-3
 
 
+@pytest.mark.slow
 def test_loglinear_prox_over_minibatches_keeps_fresh_tokens_at_behav():
   """On a fresh batch (version = step) the log-linear proximal policy is behav at every
   update of the batch, so the step equals one-update steps with prox_logp = behav."""

@@ -218,6 +218,7 @@ def _slow_tree_advantages(gen, reward, leaves):
   return treerl, normalized, siblings
 
 
+@pytest.mark.slow
 def test_tree_advantages_match_slow_reference_on_sampled_tree():
   gen = _generate(ENTROPY)
   k = ENTROPY.leaves
