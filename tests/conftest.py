@@ -19,10 +19,11 @@
 - The slow tier reads that cache but does not write it: a session whose `-m` is not the
  quick tier's `not slow` compiles what it does not find and keeps it in memory only. In
  jaxlib 0.10 a worker that had loaded the quick tier's programs from the cache and then
- wrote new ones crashed with a segmentation fault inside XLA's executable serialisation
- (`compilation_cache.put_executable_and_time`) in 2 of 3 slow-tier runs after a cold quick
- tier; neither tier alone (cold quick tiers, a slow tier that found everything in the
- cache, any one test file) crashed.
+ wrote new ones crashed in both slow-tier runs after a cold quick tier (one with a
+ segmentation fault inside XLA's executable serialisation,
+ `compilation_cache.put_executable_and_time`; the other's stack was not kept); neither
+ tier alone (cold quick tiers, a slow tier that found everything in the cache, any one test
+ file) crashed, and the slow tier after a cold quick tier, reading only, passed.
 - Tests marked `serial` run alone: while one runs, no other test of the session does (its
  setup and teardown included). See `pytest_runtest_protocol`.
 """
