@@ -292,8 +292,8 @@ def test_two_processes_agree_with_single_process(single_device_run):
   with tempfile.TemporaryDirectory() as tmp:
     out = os.path.join(tmp, "result.npz")
     # Gloo gives a peer 30 s to reach a collective's set-up. On a loaded machine one process
-    # can still be compiling by then; a second attempt usually starts in step (the other
-    # workers' load has moved on). Only that failure is retried.
+    # can still be compiling by then; a second attempt, made once that load has passed, can
+    # start in step. Only that failure is retried.
     for _ in range(2):
       returncodes, logs = _run_workers(out)
       if returncodes == [0, 0] or not any("DEADLINE_EXCEEDED" in log for log in logs):
