@@ -25,6 +25,8 @@ and [0, 5], never bind at these gaps).
 
 import os
 
+import numpy as np
+
 from experiments.grids import pages
 
 SEEDS = (0, 1, 2)
@@ -37,6 +39,8 @@ CORRECTIONS = {
             "config.loss.is_floor": 0.5},
     "sc": {"config.loss.corrections": ("score_centering",), "config.loss.sc_top_k": 0},
 }
+CORRECTION_NAMES = {"none": "no correction", "tis": "TIS", "mis": "MIS",
+                    "sc": "score centering"}
 SETTINGS = {"f32_none": {},
             **{f"{short}_{name}": {"config.rollout.weights": weights, **flags}
                for short, weights in PRECISIONS.items() for name, flags in CORRECTIONS.items()},
@@ -66,6 +70,44 @@ def _correction_share(group: list[dict]) -> str:
   return "-"
 
 
+def recovery(group: list[dict], reference: list[dict]) -> str:
+  """Whether a setting keeps its reference's final held-out accuracy, paired seed by seed.
+
+  'below' when the mean paired difference is under zero by more than twice its standard
+  error (the paired differences' sample std / sqrt(seeds)) and by more than one
+  evaluation's standard error (the held-out set's binomial stderr, mean over the cells'
+  final evaluations): a drop that is neither seed noise nor evaluation noise. 'above' is
+  the mirror image, 'level' anything between; fewer than two paired seeds is 'too few
+  seeds'. Written as 'verdict (mean difference, seeds)'."""
+  references = {r["seed"]: r for r in reference}
+  pairs = [(r, references[r["seed"]]) for r in group if r["seed"] in references]
+  if len(pairs) < 2:
+    return f"too few seeds ({len(pairs)})"
+  differences = np.array([pages.final_accuracy(a) - pages.final_accuracy(b) for a, b in pairs])
+  paired_stderr = np.std(differences, ddof=1) / np.sqrt(len(differences))
+  evaluation_stderr = np.mean([r["summary"]["final_accuracy_stderr"]
+                               for pair in pairs for r in pair])
+  margin = max(2 * paired_stderr, evaluation_stderr)
+  mean = float(np.mean(differences))
+  verdict = "below" if mean < -margin else "above" if mean > margin else "level"
+  return f"{verdict} ({mean:+.3f}, {len(pairs)} seeds)"
+
+
+def _recovery_table(groups: dict[str, list[dict]]) -> list[str]:
+  """Per precision, each correction's final accuracy against float32 rollouts' (`recovery`);
+  and score centering against none at staleness 8."""
+  reference = groups.get("f32_none", [])
+  lines = [pages.table_head(["rollout weights", *CORRECTION_NAMES.values()])]
+  for short in PRECISIONS:
+    cells = [recovery(groups.get(f"{short}_{name}", []), reference) for name in CORRECTIONS]
+    lines.append("| " + " | ".join([short, *cells]) + " |")
+  staleness = [recovery(groups.get(f"k8_{name}", []), groups.get("k8_none", []))
+               if name in ("none", "sc") else "-" for name in CORRECTIONS]
+  staleness[0] = "(the reference)"
+  lines.append("| " + " | ".join(["float32, staleness 8", *staleness]) + " |")
+  return lines
+
+
 def _row(name: str, group: list[dict], groups: dict[str, list[dict]]) -> str:
   s = [r["summary"] for r in group]
   mean = lambda field, digits=4: pages.mean_std([pages.step_mean(r, field) for r in group], digits)
@@ -91,6 +133,11 @@ def render_page(results: list[dict], page_path: str) -> str:
                              "mismatch KL (k3)", "k1", "share of log-ratios beyond ±0.1",
                              "largest absolute log-ratio", "correction acted on", "rollout s"])]
   lines += [_row(name, groups[name], groups) for name in SETTINGS if name in groups]
+  lines += ["", "Does each correction keep float32 rollouts' final accuracy (staleness 8: "
+            "k8_none's)? Paired over seeds: 'below' / 'above' when the mean difference "
+            "exceeds both twice its standard error and one evaluation's standard error, "
+            "'level' otherwise (`recovery` in experiments/grids/low_precision.py).", "",
+            *_recovery_table(groups)]
   if results:
     stem = os.path.splitext(page_path)[0]
     reference = {"f32 (reference)": groups.get("f32_none", [])}
