@@ -35,6 +35,10 @@ setup(
         # Equivalence of math answers (rl/tasks/math_answer.py); pulls latex2sympy2_extended (an
         # ANTLR LaTeX parser) and antlr4-python3-runtime. Only its LaTeX mode is used.
         "math-verify>=0.9,<0.10",
+        # Statistics: paired t-tests of the grid pages (experiments/grids/low_precision.py),
+        # chi-square tests of speculative decoding's exactness (tests/test_speculative.py).
+        # jax depends on it too.
+        "scipy>=1.17,<2",
     ],
     extras_require={
         "test": [
@@ -49,8 +53,6 @@ setup(
             # constraint) resolves to the local CPU wheel (2.13.0+cpu); install it first.
             "torch>=2.13,<3",
             "transformers>=5.24,<6",
-            # Chi-square tests of speculative decoding's exactness (tests/test_speculative.py).
-            "scipy>=1.17,<2",
         ],
         # Accelerators: JAX's own CUDA 12 or TPU builds of the same version (README).
         "cuda12": ["jax[cuda12]>=0.10.2,<0.11"],

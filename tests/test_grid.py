@@ -586,25 +586,27 @@ def test_low_precision_page_pairs_each_cell_with_float32_rollouts(tmp_path):
   assert (tmp_path / "low_precision.png").exists()
 
 
-def test_low_precision_recovery_verdicts_are_paired_and_bounded_by_both_noises(tmp_path):
+def test_low_precision_recovery_verdicts_are_paired_t_tests_bounded_by_evaluation_noise(
+    tmp_path):
   spec = runpy.run_path(os.path.join(_REPO, "experiments", "grids", "low_precision.py"))
-  f32 = [_cell_result("f32_none", s, [0.3, a], [0, 1], [0, 1], {})
-         for s, a in enumerate((0.80, 0.85, 0.90))]
-  # Differences -0.10, -0.11, -0.09: mean -0.10, paired stderr 0.01/sqrt(3) = 0.0058; the
-  # margin is the evaluation's 0.02 (> 2 x 0.0058), and -0.10 is beyond it.
-  below = [_cell_result("int4_none", s, [0.3, a], [0, 1], [0, 1], {})
-           for s, a in enumerate((0.70, 0.74, 0.81))]
-  assert spec["recovery"](below, f32) == "below (-0.100, 3 seeds)"
-  # Differences +0.15, -0.15, +0.03: mean +0.01 within 2 x 0.087 of zero.
-  noisy = [_cell_result("int4_tis", s, [0.3, a], [0, 1], [0, 1], {})
-           for s, a in enumerate((0.95, 0.70, 0.93))]
-  assert spec["recovery"](noisy, f32) == "level (+0.010, 3 seeds)"
-  # Differences +0.015 in every seed: paired stderr 0, but under one evaluation's 0.02.
-  small = [_cell_result("int4_mis", s, [0.3, a + 0.015], [0, 1], [0, 1], {})
-           for s, a in enumerate((0.80, 0.85, 0.90))]
-  assert spec["recovery"](small, f32) == "level (+0.015, 3 seeds)"
-  assert spec["recovery"](below[:1], f32) == "too few seeds (1)"
-  page = spec["render_page"](f32 + below + noisy + small, str(tmp_path / "low_precision.md"))
+  recovery = spec["recovery"]
+  cells = lambda name, finals: [_cell_result(name, s, [0.3, a], [0, 1], [0, 1], {})
+                                for s, a in enumerate(finals)]
+  f32 = cells("f32_none", (0.80, 0.85, 0.90))
+  # d = -0.10, -0.11, -0.09: stderr 0.01 / sqrt(3) = 0.0058, t = 17.3 > t(0.975, 2) = 4.30.
+  assert recovery(cells("int4_none", (0.70, 0.74, 0.81)), f32) == "below (-0.100 ± 0.006, 3 of 3 lower)"
+  # d = +0.10, +0.11, +0.09 (the mirror image).
+  assert recovery(cells("int4_tis", (0.90, 0.96, 0.99)), f32) == "above (+0.100 ± 0.006, 0 of 3 lower)"
+  # d = -0.20, -0.05, -0.20: stderr 0.05, t = 3.0 < 4.30, and |-0.15| > the evaluation's 0.02.
+  assert (recovery(cells("int4_sc", (0.60, 0.80, 0.70)), f32)
+          == "unresolved (-0.150 ± 0.050, 3 of 3 lower)")
+  # d = +0.01, -0.01, 0: mean 0 within the evaluation's 0.02.
+  assert recovery(cells("int4_mis", (0.81, 0.84, 0.90)), f32) == "level (+0.000 ± 0.006, 1 of 3 lower)"
+  # Identical runs: a zero standard error and a zero mean.
+  assert recovery(f32, f32) == "level (+0.000 ± 0.000, 0 of 3 lower)"
+  assert recovery(cells("int4_none", (0.70,)), f32) == "too few seeds (1)"
+  page = spec["render_page"](f32 + cells("int4_none", (0.70, 0.74, 0.81)),
+                             str(tmp_path / "low_precision.md"))
   row = _row(page, "int4")
-  assert row[1:] == ["below (-0.100, 3 seeds)", "level (+0.010, 3 seeds)",
-                     "level (+0.015, 3 seeds)", "too few seeds (0)"]
+  assert row[1:] == ["below (-0.100 ± 0.006, 3 of 3 lower)", "too few seeds (0)",
+                     "too few seeds (0)", "too few seeds (0)"]

@@ -26,6 +26,7 @@ and [0, 5], never bind at these gaps).
 import os
 
 import numpy as np
+from scipy import stats
 
 from experiments.grids import pages
 
@@ -73,24 +74,30 @@ def _correction_share(group: list[dict]) -> str:
 def recovery(group: list[dict], reference: list[dict]) -> str:
   """Whether a setting keeps its reference's final held-out accuracy, paired seed by seed.
 
-  'below' when the mean paired difference is under zero by more than twice its standard
-  error (the paired differences' sample std / sqrt(seeds)) and by more than one
+  With d_s = final accuracy(cell, seed s) - final accuracy(reference, seed s) over the seeds
+  both have: 'below' / 'above' when a paired t-test rejects a zero mean at the 5% level
+  (two-sided, seeds - 1 degrees of freedom); otherwise 'level' when |mean d| is within one
   evaluation's standard error (the held-out set's binomial stderr, mean over the cells'
-  final evaluations): a drop that is neither seed noise nor evaluation noise. 'above' is
-  the mirror image, 'level' anything between; fewer than two paired seeds is 'too few
-  seeds'. Written as 'verdict (mean difference, seeds)'."""
+  final evaluations), and 'unresolved' when it is larger: a difference the seeds are too
+  few to confirm or rule out. Fewer than two paired seeds is 'too few seeds'. Written
+  'verdict (mean d ± its standard error, seeds lower of seeds)'."""
   references = {r["seed"]: r for r in reference}
   pairs = [(r, references[r["seed"]]) for r in group if r["seed"] in references]
   if len(pairs) < 2:
     return f"too few seeds ({len(pairs)})"
   differences = np.array([pages.final_accuracy(a) - pages.final_accuracy(b) for a, b in pairs])
-  paired_stderr = np.std(differences, ddof=1) / np.sqrt(len(differences))
+  mean = float(np.mean(differences))
+  stderr = float(np.std(differences, ddof=1) / np.sqrt(len(differences)))
+  critical = stats.t.ppf(0.975, df=len(differences) - 1)
+  significant = abs(mean) > critical * stderr if stderr > 0 else mean != 0
   evaluation_stderr = np.mean([r["summary"]["final_accuracy_stderr"]
                                for pair in pairs for r in pair])
-  margin = max(2 * paired_stderr, evaluation_stderr)
-  mean = float(np.mean(differences))
-  verdict = "below" if mean < -margin else "above" if mean > margin else "level"
-  return f"{verdict} ({mean:+.3f}, {len(pairs)} seeds)"
+  if significant:
+    verdict = "below" if mean < 0 else "above"
+  else:
+    verdict = "level" if abs(mean) <= evaluation_stderr else "unresolved"
+  lower = int(np.sum(differences < 0))
+  return f"{verdict} ({mean:+.3f} ± {stderr:.3f}, {lower} of {len(pairs)} lower)"
 
 
 def _recovery_table(groups: dict[str, list[dict]]) -> list[str]:
@@ -133,10 +140,12 @@ def render_page(results: list[dict], page_path: str) -> str:
                              "mismatch KL (k3)", "k1", "share of log-ratios beyond ±0.1",
                              "largest absolute log-ratio", "correction acted on", "rollout s"])]
   lines += [_row(name, groups[name], groups) for name in SETTINGS if name in groups]
-  lines += ["", "Does each correction keep float32 rollouts' final accuracy (staleness 8: "
-            "k8_none's)? Paired over seeds: 'below' / 'above' when the mean difference "
-            "exceeds both twice its standard error and one evaluation's standard error, "
-            "'level' otherwise (`recovery` in experiments/grids/low_precision.py).", "",
+  lines += ["", "Does each setting keep float32 rollouts' final accuracy (staleness 8: "
+            "k8_none's)? Paired over seeds: 'below' / 'above' when a paired t-test at 5% "
+            "says so; else 'level' when the mean difference is within one evaluation's "
+            "standard error, 'unresolved' when it is larger (`recovery` in "
+            "experiments/grids/low_precision.py). In parentheses: the mean difference ± its "
+            "standard error, and the seeds where the setting is lower.", "",
             *_recovery_table(groups)]
   if results:
     stem = os.path.splitext(page_path)[0]
