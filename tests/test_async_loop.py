@@ -277,6 +277,7 @@ def test_async_with_zero_staleness_reproduces_the_sync_loop_exactly(kind):
              zip(jax.tree.leaves(start.train.params), jax.tree.leaves(sync_state.train.params)))
 
 
+@pytest.mark.slow
 def test_async_minibatch_tokens_carry_the_step_of_their_sampling_parameters():
   # num_minibatches = 2: each batch is 2 optimiser updates. Every published copy of the
   # parameters is kept with the TrainState.step it was published at, and every batch's

@@ -90,6 +90,7 @@ def get_config():
       ("a.z", False, "")]
 
 
+@pytest.mark.slow  # the quick tier runs the other recipes through the launcher
 def test_add_objective_recipe(recipe_folder):
   files = write_blocks("add_objective.md", recipe_folder)
   assert list(files) == ["my_objectives.py", "test_my_objectives.py", "reinforce_config.py"]

@@ -219,6 +219,7 @@ def test_async_with_minibatches_counts_versions_in_optimiser_updates(tmp_path):
   assert max(r["staleness"] for r in records) == 2, versions
 
 
+@pytest.mark.slow
 def test_simulated_staleness_counts_optimiser_updates_with_minibatches(tmp_path):
   """rl.staleness = 4 with 2 updates per batch lags sampling by 2 batches: once the lag is
   reached, every batch's tokens are exactly 4 optimiser updates old (the unit of

@@ -43,7 +43,7 @@ def _prompts(prompts, candidates, seed=0):
   return jnp.asarray(tokens, jnp.int32), jnp.asarray(mask)
 
 
-@pytest.mark.parametrize("positive_share", [0.5, 1.0])
+@pytest.mark.parametrize("positive_share", [0.5, pytest.param(1.0, marks=pytest.mark.slow)])
 def test_survivors_are_the_unpruned_rows_and_pruned_rows_stop_at_the_prefix(positive_share):
   """A random head (so the choice is not the identity): each survivor's tokens, log-probs
   and versions equal that row of one unpruned generate with the same key; the tokens
@@ -117,6 +117,7 @@ def _rl_records(workdir):
     return [json.loads(line) for line in f if '"phase": "rl"' in line and '"loss"' in line]
 
 
+@pytest.mark.slow  # the quick tier runs pruned rollouts through the launcher in test_feature_matrix
 def test_pruned_rollouts_through_the_launcher_and_their_head_resumes(tmp_path):
   """--config.rollout.kind=pruned: each step starts prompts x candidates rollouts, trains on
   prompts x group_size, and fits the head; a run stopped after its first RL step and

@@ -183,6 +183,7 @@ def _launch(workdir, *flags):
       timeout=600, env=dict(os.environ, PYTHONPATH=_REPO))
 
 
+@pytest.mark.slow
 def test_resuming_under_another_config_is_refused_unless_allowed(tmp_path):
   """A killed GRPO run (lr 1e-4, seed 0) relaunched in its workdir as DAPO at lr 1e-2 and
   seed 5 is refused before step 1, naming each field with both values; more RL steps are
