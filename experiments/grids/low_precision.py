@@ -108,10 +108,10 @@ def _recovery_table(groups: dict[str, list[dict]]) -> list[str]:
   for short in PRECISIONS:
     cells = [recovery(groups.get(f"{short}_{name}", []), reference) for name in CORRECTIONS]
     lines.append("| " + " | ".join([short, *cells]) + " |")
-  staleness = [recovery(groups.get(f"k8_{name}", []), groups.get("k8_none", []))
-               if name in ("none", "sc") else "-" for name in CORRECTIONS]
-  staleness[0] = "(the reference)"
-  lines.append("| " + " | ".join(["float32, staleness 8", *staleness]) + " |")
+  staleness = {"none": "(the reference)",
+               "sc": recovery(groups.get("k8_sc", []), groups.get("k8_none", []))}
+  cells = [staleness.get(name, "-") for name in CORRECTIONS]
+  lines.append("| " + " | ".join(["float32, staleness 8", *cells]) + " |")
   return lines
 
 
