@@ -328,6 +328,7 @@ def _final_params(workdir):
   return jax.tree.map(np.asarray, tree["train"]["params"])
 
 
+@pytest.mark.slow  # loads SmolLM2; the other refusals stay in the quick tier
 def test_a_teacher_with_another_tokenizer_is_refused_before_step_one(tmp_path):
   config = tiny_run_config(tmp_path, {"distill.teacher": "smollm2", "distill.coef": 1.0})
   with pytest.raises(ValueError, match="another tokenizer than the student"):

@@ -158,6 +158,7 @@ def test_the_plan_is_the_compiled_train_step_and_samplers_memory(dense_plan):
   assert s["temp_bytes"] >= kv_cache
 
 
+@pytest.mark.slow
 def test_chunked_logprobs_drop_the_logits_buffers_and_remat_the_activations(tmp_path,
                                                                            dense_plan):
   chunked = _plan(tmp_path / "chunked", logprob_chunk=32)

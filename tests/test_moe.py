@@ -181,11 +181,11 @@ def _numpy_moe_mlp(h, layer, config, experts=None):
   return np.array(out)
 
 
-@pytest.mark.parametrize("changes", [  # the quick tier: the default and dense dispatch
+@pytest.mark.parametrize("changes", [  # the quick tier: the default
     {}, pytest.param({"routing": "topk_softmax"}, marks=pytest.mark.slow),
     pytest.param({"normalize_routing": False}, marks=pytest.mark.slow),
     pytest.param({"shared_expert_dim": 12}, marks=pytest.mark.slow),
-    {"moe_dispatch": "dense", "shared_expert_dim": 12}])
+    pytest.param({"moe_dispatch": "dense", "shared_expert_dim": 12}, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("replay", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_moe_mlp_equals_a_numpy_reference(changes, replay):
   config = _moe_config(**changes)
