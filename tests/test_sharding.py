@@ -266,8 +266,9 @@ def _free_port() -> int:
 
 def _run_workers(out) -> tuple[list[int], list[str]]:
   """Runs the two worker processes to completion; (return codes, output logs)."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             JAX_PLATFORMS="cpu",
+  # The scheduler flag as tests/conftest.py sets it: the workers share the compilation cache.
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4 "
+             "--xla_cpu_enable_concurrency_optimized_scheduler=false", JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join([_REPO, os.path.join(_REPO, "tests")]))
   coordinator = f"127.0.0.1:{_free_port()}"
   procs = [subprocess.Popen(
