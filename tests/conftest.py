@@ -16,28 +16,36 @@
  quarters of a cold run's time). Entries are keyed by the computation, the compile options
  and the jax/jaxlib version, so a stale entry is never used; the folder is capped at 2 GiB. Override the place with
  JAX_COMPILATION_CACHE_DIR.
-- The slow tier reads that cache but does not write it: a session whose `-m` is not the
- quick tier's `not slow` compiles what it does not find and keeps it in memory only. In
- jaxlib 0.10 a worker that had loaded the quick tier's programs from the cache and then
- wrote new ones crashed in both slow-tier runs after a cold quick tier (one with a
- segmentation fault inside XLA's executable serialisation,
- `compilation_cache.put_executable_and_time`; the other's stack was not kept); neither
- tier alone (cold quick tiers, a slow tier that found everything in the cache, any one test
- file) crashed, and the slow tier after a cold quick tier, reading only, passed.
+- The slow tier does not use that cache at all: a session whose `-m` is not the quick
+ tier's `not slow` compiles everything itself and keeps it in memory only (export
+ JAX_ENABLE_COMPILATION_CACHE=true to override). With jaxlib 0.10, xdist workers that had
+ loaded the quick tier's programs from the cache crashed three times in slow tiers run
+ after a cold quick tier: twice while writing new entries (a segmentation fault inside
+ XLA's executable serialisation, `compilation_cache.put_executable_and_time`), and once,
+ in CI, when the slow tier only read the cache (the stack was not kept). Neither tier
+ alone crashed, nor any one test file with a fresh cache.
+- A worker that dies of a fatal signal writes its faulthandler dump to a file, and the
+ session's summary prints the crashing thread's stack from it (`pytest_terminal_summary`),
+ so it reaches the last lines of a CI log instead of being lost in the middle.
 - Tests marked `serial` run alone: while one runs, no other test of the session does (its
  setup and teardown included). See `pytest_runtest_protocol`.
 """
 
 import contextlib
+import faulthandler
 import fcntl
 import os
 import pathlib
+import shutil
+import tempfile
 
 import pytest
 
 _CACHE_HOME = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 _SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler"
+_CRASH_FOLDER = "ARBOR_TEST_CRASH_FOLDER"  # where xdist workers write their fault dumps
+_FAULT_DUMP = pytest.StashKey()
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -51,8 +59,8 @@ os.environ["XLA_FLAGS"] = _xla_flags.strip()
 # The cache settings go through the environment (a value already there wins), so that the
 # launcher subprocesses some tests start (`python -m experiments.train ...`) share the
 # cache on the same terms.
-_MIN_COMPILE_TIME = "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"
-_MIN_COMPILE_TIME_GIVEN = _MIN_COMPILE_TIME in os.environ  # the caller's value wins
+_ENABLE_CACHE = "JAX_ENABLE_COMPILATION_CACHE"
+_ENABLE_CACHE_GIVEN = _ENABLE_CACHE in os.environ  # the caller's value wins
 _CACHE_SETTINGS = {
     "jax_compilation_cache_dir": str(_CACHE_HOME / "arbor" / "jax"),
     # Cache compilations that take a tenth of a second or more: eager ops compile in
@@ -73,11 +81,13 @@ for _name, _value in _CACHE_SETTINGS.items():  # in case a plugin imported jax f
   jax.config.update(_name, type(_value)(os.environ[_name.upper()]))
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's faulthandler plugin has enabled its own
 def pytest_configure(config):
-  if config.getoption("markexpr") != "not slow" and not _MIN_COMPILE_TIME_GIVEN:
-    # Not the quick tier: read the compilation cache, never write it (module docstring).
-    os.environ[_MIN_COMPILE_TIME] = "inf"
-    jax.config.update(_MIN_COMPILE_TIME.lower(), float("inf"))
+  if config.getoption("markexpr") != "not slow" and not _ENABLE_CACHE_GIVEN:
+    # Not the quick tier: no persistent compilation cache (module docstring).
+    os.environ[_ENABLE_CACHE] = "false"
+    jax.config.update(_ENABLE_CACHE.lower(), False)
+  _write_fault_dumps_to_a_file(config)
   config.addinivalue_line(
       "markers", "slow: the slow tier (long launcher runs, killed-run resumes, grids, "
       "benchmark smoke runs, statistical tests over many draws); pytest.ini leaves it out "
@@ -85,6 +95,54 @@ def pytest_configure(config):
   config.addinivalue_line(
       "markers", "serial: runs alone; no other test of the session runs meanwhile (for "
       "wall-clock bounds; tests/conftest.py)")
+
+
+def _write_fault_dumps_to_a_file(config):
+  """In the controller of an xdist session, makes the folder for the workers' fault dumps
+  (workers inherit its name through the environment, being started later); in a worker,
+  sends faulthandler's dump of a fatal signal to `<folder>/<worker id>.txt`."""
+  if not hasattr(config, "workerinput"):
+    if config.getoption("numprocesses", None):
+      os.environ[_CRASH_FOLDER] = tempfile.mkdtemp(prefix="arbor-test-faults-")
+    return
+  folder = os.environ.get(_CRASH_FOLDER)
+  if folder:
+    dump = open(pathlib.Path(folder) / f"{config.workerinput['workerid']}.txt", "w")  # pylint: disable=consider-using-with
+    config.stash[_FAULT_DUMP] = dump  # kept open for the worker's life
+    faulthandler.enable(file=dump, all_threads=True)
+
+
+def pytest_terminal_summary(terminalreporter):
+  """Prints, for each xdist worker that died of a fatal signal, the error and the stack of
+  the thread that took it (the other threads' stacks stay in the file)."""
+  folder = os.environ.get(_CRASH_FOLDER)
+  if not folder or hasattr(terminalreporter.config, "workerinput"):
+    return
+  for dump in sorted(pathlib.Path(folder).glob("*.txt")):
+    text = dump.read_text()
+    if text.strip():
+      terminalreporter.write_sep("=", f"fatal error in worker {dump.stem} (full dump: {dump})")
+      terminalreporter.write_line(crashing_thread(text))
+
+
+def crashing_thread(dump: str) -> str:
+  """The fatal-error line and the crashing thread's stack from a faulthandler dump (all of
+  it when it names no current thread)."""
+  blocks = dump.split("\n\n")
+  current = [b for b in blocks if b.lstrip().startswith("Current thread")]
+  if not current:
+    return dump
+  errors = [line for line in dump.splitlines() if line.startswith("Fatal Python error")]
+  return "\n".join(errors + [current[0].strip()])
+
+
+def pytest_unconfigure(config):
+  """Removes the controller's fault-dump folder when no worker wrote to it."""
+  folder = os.environ.get(_CRASH_FOLDER)
+  if folder and not hasattr(config, "workerinput"):
+    dumps = list(pathlib.Path(folder).glob("*.txt"))
+    if not any(dump.stat().st_size for dump in dumps):
+      shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -1,0 +1,112 @@
+"""The test session's own machinery in tests/conftest.py: which tier uses JAX's persistent
+compilation cache, and the report of an xdist worker killed by a fatal signal.
+
+Each test runs a small pytest session in a subprocess, over probe files whose conftest
+imports the hooks under test.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_PROBE_CONFTEST = """
+from tests.conftest import pytest_configure, pytest_terminal_summary, pytest_unconfigure
+"""
+
+
+def _run_pytest(folder, *args):
+  """Runs pytest in `folder` with the environment a user's shell would give it (no pytest
+  worker variables, no cache choice inherited from this session)."""
+  (folder / "conftest.py").write_text(_PROBE_CONFTEST)
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith("PYTEST_") and k not in ("JAX_ENABLE_COMPILATION_CACHE",
+                                                      "ARBOR_TEST_CRASH_FOLDER")}
+  env.update(PYTHONPATH=_REPO, TMPDIR=str(folder))  # the session's temporary folders too
+  return subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+      cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+
+
+_CACHE_PROBE = """
+import json, os
+
+import jax
+import pytest
+
+
+@pytest.mark.slow
+def test_slow():
+  _record("slow")
+
+
+def test_quick():
+  _record("quick")
+
+
+def _record(name):
+  with open("cache.jsonl", "a", encoding="utf-8") as log:
+    log.write(json.dumps([name, jax.config.jax_enable_compilation_cache,
+                          os.environ.get("JAX_ENABLE_COMPILATION_CACHE")]) + "\\n")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tier, cached", [("not slow", True), ("slow", False), ("", False)])
+def test_only_the_quick_tier_uses_the_persistent_compilation_cache(tmp_path, tier, cached):
+  (tmp_path / "test_probe.py").write_text(_CACHE_PROBE)
+  result = _run_pytest(tmp_path, "-n", "0", "-m", tier, "test_probe.py")
+  assert result.returncode == 0, result.stdout + result.stderr
+  records = [json.loads(line) for line in (tmp_path / "cache.jsonl").read_text().splitlines()]
+  assert {name for name, _, _ in records} == {"not slow": {"quick"}, "slow": {"slow"},
+                                              "": {"quick", "slow"}}[tier]
+  # Uncached sessions say so in the environment too, which launcher subprocesses inherit.
+  assert all(in_jax == cached and (env == "false") != cached for _, in_jax, env in records)
+
+
+_CRASH_PROBE = """
+import ctypes, threading, time
+
+
+def test_a_thread_dereferences_null():
+  threading.Thread(target=time.sleep, args=(60,), daemon=True).start()  # an idle thread
+  crasher = threading.Thread(target=read_address_zero)
+  crasher.start()
+  crasher.join()
+
+
+def read_address_zero():
+  ctypes.string_at(0)
+"""
+
+
+@pytest.mark.slow
+def test_a_worker_killed_by_a_signal_ends_the_log_with_the_crashing_threads_stack(tmp_path):
+  (tmp_path / "test_crash.py").write_text(_CRASH_PROBE)
+  (tmp_path / "test_fine.py").write_text("def test_fine():\n  pass\n")
+  result = _run_pytest(tmp_path, "-n", "2", "--dist", "loadfile", "--max-worker-restart=0",
+                       "test_crash.py", "test_fine.py")
+  assert result.returncode == 1, result.stdout + result.stderr
+  report = result.stdout[result.stdout.index("fatal error in worker"):]
+  assert "Fatal Python error: Segmentation fault" in report
+  # The crashing thread's frames, and not the idle thread's.
+  assert "in read_address_zero" in report and "in sleep" not in report
+  assert "1 failed, 1 passed" in result.stdout
+
+
+def test_the_crash_report_keeps_the_error_and_the_current_threads_stack():
+  from tests import conftest  # pylint: disable=import-outside-toplevel
+  dump = ("Fatal Python error: Aborted\n\n"
+          "Thread 0x01 (most recent call first):\n  File \"a.py\", line 1 in idle\n\n"
+          "Current thread 0x02 (most recent call first):\n  File \"b.py\", line 2 in crash\n"
+          "  File \"b.py\", line 9 in run\n\nExtension modules: numpy (total: 1)\n")
+  assert conftest.crashing_thread(dump) == (
+      "Fatal Python error: Aborted\nCurrent thread 0x02 (most recent call first):\n"
+      "  File \"b.py\", line 2 in crash\n  File \"b.py\", line 9 in run")
+  # A dump that names no current thread (a fault outside Python code) is shown whole.
+  assert conftest.crashing_thread("Fatal Python error: Aborted\n\n") == (
+      "Fatal Python error: Aborted\n\n")
