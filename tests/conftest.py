@@ -18,15 +18,20 @@
  JAX_COMPILATION_CACHE_DIR.
 - The slow tier does not use that cache at all: a session whose `-m` is not the quick
  tier's `not slow` compiles everything itself and keeps it in memory only (export
- JAX_ENABLE_COMPILATION_CACHE=true to override). With jaxlib 0.10, xdist workers that had
- loaded the quick tier's programs from the cache crashed three times in slow tiers run
- after a cold quick tier: twice while writing new entries (a segmentation fault inside
- XLA's executable serialisation, `compilation_cache.put_executable_and_time`), and once,
- in CI, when the slow tier only read the cache (the stack was not kept). Neither tier
- alone crashed, nor any one test file with a fresh cache.
+ JAX_ENABLE_COMPILATION_CACHE=true to override). Slow-tier workers crashed with jaxlib
+ 0.10 while writing the cache (a segmentation fault inside XLA's executable serialisation,
+ `compilation_cache.put_executable_and_time`) and, in CI, while only reading it; the cause
+ found later, exhausted memory mappings (below), explains those crashes as well, since
+ every cache read or write happens in a process holding many executables. The cache stays
+ out of the slow tier anyway: it saves that tier little (33 min 46 s without it, 30 min
+ 22 s reading it, on two cores), and keeps cache-loaded programs, which have their own
+ fault (the deadlock above), out of its long mesh runs.
 - A worker that dies of a fatal signal writes its faulthandler dump to a file, and the
  session's summary prints the crashing thread's stack from it (`pytest_terminal_summary`),
  so it reaches the last lines of a CI log instead of being lost in the middle.
+- After each test, a process holding more than half the kernel's limit on memory mappings
+ drops JAX's compiled programs (`release_compiled_programs`): XLA:CPU crashes when a long
+ session's executables exhaust vm.max_map_count.
 - Tests marked `serial` run alone: while one runs, no other test of the session does (its
  setup and teardown included). See `pytest_runtest_protocol`.
 """
@@ -34,6 +39,7 @@
 import contextlib
 import faulthandler
 import fcntl
+import gc
 import os
 import pathlib
 import shutil
@@ -79,6 +85,18 @@ import jax  # pylint: disable=wrong-import-position  (must follow the environmen
 
 for _name, _value in _CACHE_SETTINGS.items():  # in case a plugin imported jax first
   jax.config.update(_name, type(_value)(os.environ[_name.upper()]))
+
+
+def _map_budget() -> int | None:
+  """Half the kernel's per-process limit on memory mappings; None where /proc does not say
+  (not Linux)."""
+  try:
+    return int(pathlib.Path("/proc/sys/vm/max_map_count").read_text()) // 2
+  except (OSError, ValueError):
+    return None
+
+
+_MAP_BUDGET = _map_budget()  # see release_compiled_programs
 
 
 @pytest.hookimpl(trylast=True)  # after pytest's faulthandler plugin has enabled its own
@@ -164,7 +182,35 @@ def pytest_runtest_protocol(item, nextitem):  # pylint: disable=unused-argument
   session, on the same machine, are not held off: a wall-clock bound still needs a margin.
   """
   with _run_alone_lock(item.config, item.get_closest_marker("serial") is not None):
-    return (yield)
+    result = yield
+  if _MAP_BUDGET is not None:
+    release_compiled_programs(_MAP_BUDGET)
+  return result
+
+
+def memory_map_count() -> int:
+  """How many memory mappings this process has (Linux's /proc/self/maps, a line each)."""
+  with open("/proc/self/maps", "rb") as maps:
+    return maps.read().count(b"\n")
+
+
+def release_compiled_programs(budget: int) -> bool:
+  """Drops JAX's compiled programs (`jax.clear_caches()`) when this process holds more than
+  `budget` memory mappings; returns whether it did.
+
+  Every XLA:CPU executable keeps 7-20 mappings (its JIT-compiled code and data) while a
+  jit cache holds it, and a test worker compiles thousands over a session: two slow-tier
+  files' launcher tests took one process from 0.5k to 14k. At the kernel's
+  vm.max_map_count (65530 by default) LLVM's next allocation fails ("LLVM compilation
+  error: Cannot allocate memory") and XLA then dies of a segmentation fault inside
+  `backend_compile_and_load`, which is how slow-tier workers crashed. Clearing the caches
+  releases the mappings; later tests recompile what they use (or load it from the
+  persistent cache)."""
+  if memory_map_count() <= budget:
+    return False
+  jax.clear_caches()
+  gc.collect()
+  return True
 
 
 @contextlib.contextmanager

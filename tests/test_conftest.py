@@ -110,3 +110,39 @@ def test_the_crash_report_keeps_the_error_and_the_current_threads_stack():
   # A dump that names no current thread (a fault outside Python code) is shown whole.
   assert conftest.crashing_thread("Fatal Python error: Aborted\n\n") == (
       "Fatal Python error: Aborted\n\n")
+
+
+_MAPS_PROBE = """
+import json
+
+import jax
+import jax.numpy as jnp
+
+from tests import conftest
+
+before = conftest.memory_map_count()
+programs = [jax.jit(lambda x, i=i: jnp.sin(x @ x.T) * i) for i in range(60)]
+for i, program in enumerate(programs):  # 60 executables, each with its own mappings
+  program(jnp.ones((8 + i, 4))).block_until_ready()
+compiled = conftest.memory_map_count()
+kept = conftest.release_compiled_programs(budget=compiled + 1000)
+after_kept = conftest.memory_map_count()
+released = conftest.release_compiled_programs(budget=compiled - 1)
+after_released = conftest.memory_map_count()
+print(json.dumps([before, compiled, kept, after_kept, released, after_released]))
+"""
+
+
+@pytest.mark.slow
+def test_compiled_programs_are_released_over_the_memory_map_budget(tmp_path):
+  script = tmp_path / "probe.py"
+  script.write_text(_MAPS_PROBE)
+  env = {**os.environ, "PYTHONPATH": _REPO, "JAX_ENABLE_COMPILATION_CACHE": "false"}
+  result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600, check=True)
+  before, compiled, kept, after_kept, released, after_released = json.loads(
+      result.stdout.splitlines()[-1])
+  assert compiled - before > 60 * 5  # each executable holds several mappings
+  assert not kept and after_kept >= compiled - 50  # under the budget nothing is dropped
+  # Over it, the caches go and the executables' mappings with them.
+  assert released and after_released - before < (compiled - before) / 4
