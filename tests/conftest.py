@@ -23,9 +23,10 @@
  `compilation_cache.put_executable_and_time`) and, in CI, while only reading it; the cause
  found later, exhausted memory mappings (below), explains those crashes as well, since
  every cache read or write happens in a process holding many executables. The cache stays
- out of the slow tier anyway: it saves that tier little (33 min 46 s without it, 30 min
- 22 s reading it, on two cores), and keeps cache-loaded programs, which have their own
- fault (the deadlock above), out of its long mesh runs.
+ out of the slow tier all the same, a cautious choice: cache-loaded programs have their
+ own fault (the deadlock above), and no slow tier reading the cache has been run since the
+ mapping fix. The price is time: 314 slow tests took 44 min 4 s on two cores without the
+ cache (2026-12-07); 291 took 30 min 22 s reading it (2026-12-06).
 - A worker that dies of a fatal signal writes its faulthandler dump to a file, and the
  session's summary prints the crashing thread's stack from it (`pytest_terminal_summary`),
  so it reaches the last lines of a CI log instead of being lost in the middle.
