@@ -181,6 +181,9 @@ def pytest_runtest_protocol(item, nextitem):  # pylint: disable=unused-argument
   one process per target) there is nothing to wait for; Bazel runs a target that holds a
   serial test alone through the target's "exclusive" tag (BUILD). Processes outside the
   session, on the same machine, are not held off: a wall-clock bound still needs a margin.
+
+  After the test, a process over its memory-mapping budget drops its compiled programs
+  (`release_compiled_programs`).
   """
   with _run_alone_lock(item.config, item.get_closest_marker("serial") is not None):
     result = yield
