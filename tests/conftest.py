@@ -24,9 +24,10 @@
  found later, exhausted memory mappings (below), explains those crashes as well, since
  every cache read or write happens in a process holding many executables. The cache stays
  out of the slow tier all the same, a cautious choice: cache-loaded programs have their
- own fault (the deadlock above), and no slow tier reading the cache has been run since the
- mapping fix. The price is time: 314 slow tests took 44 min 4 s on two cores without the
- cache (2026-12-07); 291 took 30 min 22 s reading it (2026-12-06).
+ own fault (the deadlock above), and the crashes came in some runs only. The price is
+ time. On two cores after a cold quick tier (2026-12-07), the 314 slow tests took 44 min
+ 4 s without the cache. With JAX_ENABLE_COMPILATION_CACHE=true and the mapping fix, they
+ took 26 min 52 s, reading and writing the cache, and no worker crashed; that was one run.
 - A worker that dies of a fatal signal writes its faulthandler dump to a file, and the
  session's summary prints the crashing thread's stack from it (`pytest_terminal_summary`),
  so it reaches the last lines of a CI log instead of being lost in the middle.
