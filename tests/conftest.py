@@ -53,7 +53,8 @@ _CACHE_HOME = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 _SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler"
 _CRASH_FOLDER = "ARBOR_TEST_CRASH_FOLDER"  # where xdist workers write their fault dumps
-_FAULT_DUMP = pytest.StashKey()
+_FAULT_DUMP = pytest.StashKey()  # a worker's open dump file
+_FAULT_FOLDER = pytest.StashKey()  # the controller's folder of its workers' dumps
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -123,7 +124,8 @@ def _write_fault_dumps_to_a_file(config):
   sends faulthandler's dump of a fatal signal to `<folder>/<worker id>.txt`."""
   if not hasattr(config, "workerinput"):
     if config.getoption("numprocesses", None):
-      os.environ[_CRASH_FOLDER] = tempfile.mkdtemp(prefix="arbor-test-faults-")
+      config.stash[_FAULT_FOLDER] = tempfile.mkdtemp(prefix="arbor-test-faults-")
+      os.environ[_CRASH_FOLDER] = config.stash[_FAULT_FOLDER]
     return
   folder = os.environ.get(_CRASH_FOLDER)
   if folder:
@@ -135,8 +137,8 @@ def _write_fault_dumps_to_a_file(config):
 def pytest_terminal_summary(terminalreporter):
   """Prints, for each xdist worker that died of a fatal signal, the error and the stack of
   the thread that took it (the other threads' stacks stay in the file)."""
-  folder = os.environ.get(_CRASH_FOLDER)
-  if not folder or hasattr(terminalreporter.config, "workerinput"):
+  folder = terminalreporter.config.stash.get(_FAULT_FOLDER, None)
+  if folder is None:  # a worker, or a session without workers
     return
   for dump in sorted(pathlib.Path(folder).glob("*.txt")):
     text = dump.read_text()
@@ -157,9 +159,11 @@ def crashing_thread(dump: str) -> str:
 
 
 def pytest_unconfigure(config):
-  """Removes the controller's fault-dump folder when no worker wrote to it."""
-  folder = os.environ.get(_CRASH_FOLDER)
-  if folder and not hasattr(config, "workerinput"):
+  """Removes the controller's fault-dump folder when no worker wrote to it. (The folder
+  comes from the session's own stash, not the environment, which a nested session started
+  by a test inherits.)"""
+  folder = config.stash.get(_FAULT_FOLDER, None)
+  if folder is not None:
     dumps = list(pathlib.Path(folder).glob("*.txt"))
     if not any(dump.stat().st_size for dump in dumps):
       shutil.rmtree(folder, ignore_errors=True)

@@ -19,14 +19,15 @@ from tests.conftest import pytest_configure, pytest_terminal_summary, pytest_unc
 """
 
 
-def _run_pytest(folder, *args):
+def _run_pytest(folder, *args, extra_env=None):
   """Runs pytest in `folder` with the environment a user's shell would give it (no pytest
-  worker variables, no cache choice inherited from this session)."""
+  worker variables, no cache choice inherited from this session), plus `extra_env`."""
   (folder / "conftest.py").write_text(_PROBE_CONFTEST)
   env = {k: v for k, v in os.environ.items()
          if not k.startswith("PYTEST_") and k not in ("JAX_ENABLE_COMPILATION_CACHE",
                                                       "ARBOR_TEST_CRASH_FOLDER")}
   env.update(PYTHONPATH=_REPO, TMPDIR=str(folder))  # the session's temporary folders too
+  env.update(extra_env or {})
   return subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
       cwd=folder, env=env, capture_output=True, text=True, timeout=600)
@@ -98,6 +99,19 @@ def test_a_worker_killed_by_a_signal_ends_the_log_with_the_crashing_threads_stac
   assert "1 failed, 1 passed" in result.stdout
 
 
+@pytest.mark.slow
+def test_a_nested_session_leaves_the_outer_sessions_fault_dumps_alone(tmp_path):
+  # A test that starts pytest itself hands it the outer session's folder in the environment.
+  outer = tmp_path / "outer-faults"
+  outer.mkdir()
+  (outer / "gw0.txt").write_text("")
+  (tmp_path / "test_fine.py").write_text("def test_fine():\n  pass\n")
+  result = _run_pytest(tmp_path, "-n", "0", "test_fine.py",
+                       extra_env={"ARBOR_TEST_CRASH_FOLDER": str(outer)})
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert (outer / "gw0.txt").exists()
+
+
 def test_the_crash_report_keeps_the_error_and_the_current_threads_stack():
   from tests import conftest  # pylint: disable=import-outside-toplevel
   dump = ("Fatal Python error: Aborted\n\n"
@@ -134,6 +148,7 @@ print(json.dumps([before, compiled, kept, after_kept, released, after_released])
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="counts Linux's mappings")
 def test_compiled_programs_are_released_over_the_memory_map_budget(tmp_path):
   script = tmp_path / "probe.py"
   script.write_text(_MAPS_PROBE)

@@ -37,7 +37,7 @@ def test_each_hostile_math_completion_takes_at_most_a_few_seconds_of_wall_time()
 
 
 _PROBE_CONFTEST = """
-from tests.conftest import pytest_configure, pytest_runtest_protocol
+from tests.conftest import pytest_configure, pytest_runtest_protocol, pytest_unconfigure
 """
 
 _PROBE_TESTS = """
