@@ -151,11 +151,22 @@ def test_extreme_log_ratios_and_truncated_tokens_stay_finite():
 
 
 def test_chains_that_do_not_compose_are_refused():
-  with pytest.raises(ValueError, match="'mis' its expected score has no defined weight"):
-    corrections.check_chain(("mis", "score_centering"))
+  """Corrections that take tokens out of the update, 'tis' after it, and objectives whose
+  sampled token carries another weight (a sequence ratio, an IS ratio to the sampler)."""
+  from rl.objectives import losses  # pylint: disable=import-outside-toplevel
+  for masking in ("mis", "m2po", "mu_veto"):
+    with pytest.raises(ValueError, match=f"{masking!r} .* takes some tokens out of the update"):
+      corrections.check_chain((masking, "score_centering"))
   with pytest.raises(ValueError, match="put 'tis' before 'score_centering'"):
     corrections.check_chain(("score_centering", "tis"))
-  corrections.check_chain(("tis", "score_centering"))
+  for name, weight in (("gspo", "a sequence's ratio"), ("vcpo", "a sequence's ratio"),
+                       ("m2po", "its IS ratio to the sampler")):
+    with pytest.raises(ValueError, match=f"'{name}' weights the sampled token by {weight}"):
+      corrections.check_chain(("score_centering",), losses.get_loss(name))
+  for name in ("grpo", "dapo", "drgrpo", "decoupled", "sat"):
+    objective = losses.get_loss(name)
+    corrections.check_chain(objective.corrections + ("tis", "score_centering"), objective)
+    corrections.check_chain(objective.corrections + ("score_centering",), objective)
 
 
 def test_the_correction_needs_the_record():

@@ -16,7 +16,9 @@ optimiser update each, held-out greedy accuracy every 30 steps):
 - `<precision>_<correction>`: rollouts with config.rollout.weights = bfloat16 | int8 | fp8
   | int4 (weight-only, per-channel scales; models/quantize.py), corrected by nothing, TIS
   (weights truncated at C = 2), MIS (tokens with a ratio outside [1/2, 2] masked) or score
-  centering (standalone, the sampler's whole distribution recorded: sc_top_k = 0).
+  centering (standalone, the sampler's whole distribution recorded: sc_top_k = 0; the
+  PPO ratio anchored at the proximal policy, recomputed by a forward, so the sampled token
+  carries weight 1 like its expectation: rl/objectives/corrections.py `score_centering`).
 - `k8_none`, `k8_sc`: float32 rollouts sampled with the parameters of 8 updates before
   (rl.staleness = 8), without and with score centering.
 The truncation C = 2 and the band [1/2, 2] are this grid's choice (the library defaults, 5
@@ -38,7 +40,10 @@ CORRECTIONS = {
     "tis": {"config.loss.corrections": ("tis",), "config.loss.is_cap": 2.0},
     "mis": {"config.loss.corrections": ("mis",), "config.loss.is_cap": 2.0,
             "config.loss.is_floor": 0.5},
-    "sc": {"config.loss.corrections": ("score_centering",), "config.loss.sc_top_k": 0},
+    # prox_estimate is the default: written out because score centering reads it since
+    # its ratio is anchored at the proximal policy (cells run before that are stale).
+    "sc": {"config.loss.corrections": ("score_centering",), "config.loss.sc_top_k": 0,
+           "config.loss.prox_estimate": "recompute"},
 }
 CORRECTION_NAMES = {"none": "no correction", "tis": "TIS", "mis": "MIS",
                     "sc": "score centering"}

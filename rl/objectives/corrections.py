@@ -31,6 +31,7 @@ the sequence ratio `exp(sum_t m * (logp - behav))` is against the concatenation.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import inspect
 from typing import Callable, Mapping, Optional
 
@@ -91,15 +92,37 @@ Correction = Callable[[TokenTerms], tuple[TokenTerms, dict]]
 CorrectionFactory = Callable[..., Correction]
 
 
+class Scope(enum.IntEnum):
+  """How much of the batch one token's loss term depends on, narrowest first: what an
+  objective or a correction declares, and what a batch stage that keeps a subset of the
+  tokens must preserve (rl.objectives.token_subsample).
+
+  TOKEN: the token's own log-probs, advantage and weights. ROW_PREFIX: also those of the
+  earlier tokens of its row (Mu-GRPO's veto). ROW: every token of its row (a sequence
+  ratio). BATCH: statistics over every token of the (micro)batch (M2PO's mask, SAT's
+  quantile, VCPO's ESS and baseline).
+  """
+  TOKEN = 0
+  ROW_PREFIX = 1
+  ROW = 2
+  BATCH = 3
+
+
 @dataclasses.dataclass(frozen=True)
 class CorrectionSpec:
-  """A registered correction: its factory, whether it reads `terms.prox`, `fields`
-  (factory argument -> the config.loss field that supplies it), whether it reads the
-  staleness proxy d = sg(logp - behav) (`reads_logp`), and whether it replaces some
-  tokens' logp (`replaces_logp`: Mu-GRPO's veto gives a dropped token the anchor's value,
-  so a later reader of d would count it as on-policy; `check_chain` refuses that order),
-  and whether it reads the sampler's top-K record and the current log-probs of its tokens
-  (`reads_sampler_topk`: the launcher then records `Rollout.behavior_topk`).
+  """A registered correction and what it declares of itself (`register_correction`):
+
+  factory: builds the correction from its hyperparameters. needs_prox: reads `terms.prox`
+  (the train step then supplies proximal log-probs). fields: factory argument -> the
+  config.loss field that supplies it. reads_logp: reads the staleness proxy d = sg(logp -
+  behav). replaces_logp: replaces some tokens' logp (Mu-GRPO's veto gives a dropped token
+  the anchor's value, so a later reader of d would count it as on-policy; `check_chain`
+  refuses that order). reads_sampler_topk: reads the sampler's top-K record and the current
+  log-probs of its tokens (the launcher then records `Rollout.behavior_topk`). scope: the
+  widest part of the batch a token's term then depends on (`Scope`). scales_with_advantage:
+  scaling a token's advantage by c > 0 scales what the correction makes of its term by c
+  (False: it computes advantages of its own, VCPO's baseline). masks_tokens: it takes some
+  tokens out of the update (weight 0: MIS, M2PO, the veto).
 
   Truncated IS built from the run's settings, on three tokens whose proximal-to-sampler
   ratios are 1, 2 and 10: the third is truncated at is_cap = 5.
@@ -123,6 +146,9 @@ class CorrectionSpec:
   reads_logp: bool = False
   replaces_logp: bool = False
   reads_sampler_topk: bool = False
+  scope: Scope = Scope.TOKEN
+  scales_with_advantage: bool = True
+  masks_tokens: bool = False
 
   def build(self, settings) -> Correction:
     """The correction with its hyperparameters read from `settings` (a LossSettings)."""
@@ -135,7 +161,8 @@ CORRECTIONS: Registry[CorrectionSpec] = Registry("correction", "config.loss.corr
 def register_correction(name: str, needs_prox: bool = False,
                         fields: Optional[Mapping[str, str]] = None, *,
                         reads_logp: bool = False, replaces_logp: bool = False,
-                        reads_sampler_topk: bool = False):
+                        reads_sampler_topk: bool = False, scope: Scope = Scope.TOKEN,
+                        scales_with_advantage: bool = True, masks_tokens: bool = False):
   """Decorator adding a correction factory to the registry (`CORRECTIONS`).
 
   Args:
@@ -144,7 +171,9 @@ def register_correction(name: str, needs_prox: bool = False,
       log-probs).
     fields: factory argument -> the `LossSettings` field that supplies it (each must be an
       argument of the factory).
-    reads_logp, replaces_logp, reads_sampler_topk: as in `CorrectionSpec`.
+    reads_logp, replaces_logp, reads_sampler_topk, scope, scales_with_advantage,
+      masks_tokens: what it declares of itself (`CorrectionSpec`); the launcher refuses, from
+      these, a chain, objective or batch stage it does not compose with.
 
   Returns:
     A decorator that registers the factory and returns it unchanged.
@@ -154,8 +183,9 @@ def register_correction(name: str, needs_prox: bool = False,
     if unknown:
       raise ValueError(f"Correction {name!r}: {sorted(unknown)} are not arguments of "
                        f"{factory.__name__}.")
-    CORRECTIONS.register(name, CorrectionSpec(factory, needs_prox, dict(fields or {}),
-                                              reads_logp, replaces_logp, reads_sampler_topk))
+    CORRECTIONS.register(name, CorrectionSpec(
+        factory, needs_prox, dict(fields or {}), reads_logp, replaces_logp,
+        reads_sampler_topk, Scope(scope), scales_with_advantage, masks_tokens))
     return factory
   return wrap
 
@@ -163,22 +193,16 @@ def register_correction(name: str, needs_prox: bool = False,
 get_correction = CORRECTIONS.get  # the CorrectionSpec named in config.loss.corrections
 
 
-def check_chain(names) -> None:
+def check_chain(names, objective=None) -> None:
   """Raises ValueError when a correction that reads the staleness proxy d follows one that
   replaces logp (after 'mu_veto', a vetoed token's logp is its anchor's, so 'm2po', 'sat'
   or VCPO would count it as exactly on-policy, d = 0, in their batch statistics), and
-  when score centering does not compose with the chain's IS weights (`score_centering`:
-  after 'tis', never with 'mis')."""
+  when score centering does not compose with the chain or with `objective` (an
+  `rl.objectives.losses.Objective`, whose declared `scope` and `ratio_anchor` are read;
+  `check_score_centering`)."""
   names = tuple(names)
   if "score_centering" in names:
-    if "mis" in names:
-      raise ValueError("config.loss.corrections: 'score_centering' composes with 'tis' "
-                       "(truncated weights f(r) = min(r, is_cap)) or stands alone; with "
-                       "'mis' its expected score has no defined weight. Use ('tis', "
-                       "'score_centering') or ('score_centering',).")
-    if "tis" in names and names.index("tis") > names.index("score_centering"):
-      raise ValueError("config.loss.corrections: put 'tis' before 'score_centering' (it "
-                       "weights the expected score with the same truncated ratios).")
+    check_score_centering(names, objective)
   replaced_by = None
   for name in names:
     spec = get_correction(name)
@@ -193,11 +217,46 @@ def check_chain(names) -> None:
       replaced_by = name
 
 
-def chain(names, terms: TokenTerms, settings) -> tuple[TokenTerms, dict]:
+SCORE_CENTERING_OBJECTIVES = "grpo, dapo, drgrpo, decoupled or sat"
+
+
+def check_score_centering(names: tuple[str, ...], objective=None) -> None:
+  """Score centering's estimator, A [w(y) grad log p(y) - E_q[w grad log p]], subtracts
+  the expectation of the very weight w the sampled token carries (`score_centering`). It
+  is defined where that weight is the chain's IS weight (1, or 'tis''s min(r, is_cap)) times
+  PPO's per-token ratio to the proximal policy, which is 1 at a batch's first update:
+  refused after a correction that takes tokens out of the update (MIS, M2PO's mask, the
+  veto: the weight of a dropped token has no expectation), with 'tis' after it, and with an
+  objective whose sampled weight is another (a sequence ratio: GSPO, VCPO; an IS ratio to
+  the sampler: M2PO, VCPO)."""
+  masking = [n for n in names if get_correction(n).masks_tokens]
+  if masking:
+    raise ValueError(
+        f"config.loss.corrections: 'score_centering' subtracts the expected score under "
+        f"the weight the sampled token carries, and {masking[0]!r} (in the chain "
+        f"{names}) takes some tokens out of the update, whose weight has no expectation. "
+        "Use ('score_centering',) or ('tis', 'score_centering') with "
+        f"{SCORE_CENTERING_OBJECTIVES}.")
+  if "tis" in names and names.index("tis") > names.index("score_centering"):
+    raise ValueError("config.loss.corrections: put 'tis' before 'score_centering' (it "
+                     "weights the expected score with the same truncated ratios).")
+  if objective is None:
+    return
+  if objective.scope != Scope.TOKEN or objective.ratio_anchor != "old":
+    weight = ("a sequence's ratio" if objective.scope != Scope.TOKEN
+              else "its IS ratio to the sampler, exp(logp - behav)")
+    raise ValueError(
+        f"config.loss.name = {objective.name!r} with 'score_centering': the centering term "
+        "is the expectation of the weight the sampled token carries (1, or min(p / q, "
+        f"is_cap) after 'tis'), and {objective.name!r} weights the sampled token by "
+        f"{weight}. Use {SCORE_CENTERING_OBJECTIVES}.")
+
+
+def chain(names, terms: TokenTerms, settings, objective=None) -> tuple[TokenTerms, dict]:
   """Builds the named corrections from `settings` (a LossSettings) and applies them in
-  order (refusing an order `check_chain` refuses); metrics of later ones win on name
-  clashes."""
-  check_chain(names)
+  order (refusing what `check_chain` refuses with `objective`); metrics of later ones win
+  on name clashes."""
+  check_chain(names, objective)
   metrics = {}
   for name in names:
     terms, m = get_correction(name).build(settings)(terms)
@@ -233,7 +292,8 @@ def truncated_is(is_cap: float = 5.0) -> Correction:
   return apply
 
 
-@register_correction("mis", needs_prox=True, fields=dict(is_cap="is_cap", is_floor="is_floor"))
+@register_correction("mis", needs_prox=True, fields=dict(is_cap="is_cap", is_floor="is_floor"),
+                     masks_tokens=True)
 def masked_is(is_cap: float = 5.0, is_floor: float = 0.0) -> Correction:
   """Masked IS (MIS): zero tokens whose exp(prox - behav) leaves [is_floor, is_cap]; kept
   tokens are weighted by that ratio (the decoupled-PPO 'mask' mode), so outliers drop out
@@ -272,7 +332,8 @@ def score_centering_coefficients(head_logp: jax.Array, behav_head: jax.Array,
   return sg(q_weighted - alpha[..., None] * p), rho
 
 
-@register_correction("score_centering", fields=dict(eps="sc_eps"), reads_sampler_topk=True)
+@register_correction("score_centering", needs_prox=True, fields=dict(eps="sc_eps"),
+                     reads_sampler_topk=True)
 def score_centering(eps: float = 1e-6) -> Correction:
   """Score centering (arXiv 2609.20807; Tunix's agentic GRPO learner): subtract from each
   token's policy gradient the expected score under the distribution that sampled it.
@@ -298,12 +359,22 @@ def score_centering(eps: float = 1e-6) -> Correction:
   logit, so the full-vocabulary gradient costs O(K). With K = V (the whole vocabulary,
   config.loss.sc_top_k = 0) the tail is empty and the expectation is exact.
 
+  The sampled token carries exactly w(y): the correction declares `needs_prox`, so the
+  train step supplies proximal log-probs and the objective's PPO ratio is taken against
+  them, p / prox = 1 at a batch's first update, times the chain's IS weight (1 standalone;
+  'tis''s min(prox / q, is_cap)). Taken against the sampler instead, a standalone run
+  would weight the sampled token by p / q and its expectation by 1, which is neither
+  estimator.
+
   Choices where the source leaves them open: p(v) in w and in the coefficients is the
-  current policy's, detached (the proximal policy's at a batch's first update, which is the
-  only update with the default one update per batch); the term is added after the other
-  corrections' weights and is not multiplied by them (an M2PO / veto mask does not remove
-  it), and it is not clipped; it composes with 'tis' and stands alone, and is refused with
-  'mis' (`check_chain`).
+  current policy's, detached (the proximal policy's at a batch's first update, the only
+  update with the default one update per batch); later updates of the same batch
+  (rl.num_minibatches or rl.ppo_epochs > 1) multiply the sampled term by PPO's ratio
+  p / prox and clip it, as every PPO objective does, and the term added here is neither
+  multiplied by that ratio nor clipped. Refused (`check_score_centering`): corrections
+  that take tokens out of the update (mis, m2po, mu_veto), 'tis' after it, and objectives
+  whose sampled weight is another (GSPO's and VCPO's sequence ratios, M2PO's ratio to the
+  sampler).
   """
   def apply(terms: TokenTerms) -> tuple[TokenTerms, dict]:
     if terms.head_logp is None or terms.behav_head is None:
@@ -382,7 +453,8 @@ def m2_mask(d: jax.Array, mask: jax.Array, tau: float) -> jax.Array:
   return keep * mask + (1.0 - mask)  # invalid tokens are left to the aggregation mask
 
 
-@register_correction("m2po", fields=dict(tau="m2_tau"), reads_logp=True)
+@register_correction("m2po", fields=dict(tau="m2_tau"), reads_logp=True, scope=Scope.BATCH,
+                     masks_tokens=True)
 def m2po_mask(tau: float = 0.04) -> Correction:
   """M2PO (second-moment trust policy optimisation): zero the fewest, largest-d^2 tokens so
   that the kept tokens' mean squared log-ratio d = sg(logp - behav) is <= tau
@@ -408,7 +480,7 @@ def sat_kernel(abs_d: jax.Array, mask: jax.Array, quantile: float, bandwidth: fl
 
 
 @register_correction("sat", fields=dict(quantile="sat_quantile", bandwidth="sat_bandwidth"),
-                     reads_logp=True)
+                     reads_logp=True, scope=Scope.BATCH)
 def staleness_adaptive_trust(quantile: float = 0.9, bandwidth: float = 0.1) -> Correction:
   """SAT (staleness-adaptive trust region): shrink the PPO clip width of high-mismatch
   tokens by `sat_kernel`, 1 up to the batch `quantile` of |d| and decaying over
@@ -445,7 +517,8 @@ def ess_lr_scale(rho: jax.Array, rho_ref: float) -> jax.Array:
   return jnp.sqrt(jnp.minimum(1.0, rho / rho_ref))
 
 
-@register_correction("vcpo_ess", fields=dict(rho_ref="vcpo_rho_ref"), reads_logp=True)
+@register_correction("vcpo_ess", fields=dict(rho_ref="vcpo_rho_ref"), reads_logp=True,
+                     scope=Scope.BATCH)
 def vcpo_step_scale(rho_ref: float = 1.0) -> Correction:
   """VCPO (a), variance-controlled policy optimisation: ESS step scaling,
   metrics['lr_scale'] = `ess_lr_scale(rho, rho_ref)` (config.loss.vcpo_rho_ref; the train
@@ -471,7 +544,8 @@ def optimal_baseline(log_w: jax.Array, g: jax.Array, reward: jax.Array,
   return c @ reward / c.sum(axis=1)
 
 
-@register_correction("vcpo_baseline", reads_logp=True)
+@register_correction("vcpo_baseline", reads_logp=True, scope=Scope.BATCH,
+                     scales_with_advantage=False)
 def vcpo_baseline() -> Correction:
   """VCPO (b): advantages (R - b) / (std_group(R) + 1e-6) with the off-policy optimal
   baseline b replacing the group mean (the std keeps GRPO's scale). No hyperparameters.
@@ -523,7 +597,8 @@ def veto_keep(d: jax.Array, adv: jax.Array, mask: jax.Array, eps_low: float,
 
 
 @register_correction("mu_veto", fields=dict(eps_low="mu_eps_low", eps_high="mu_eps_high"),
-                     reads_logp=True, replaces_logp=True)
+                     reads_logp=True, replaces_logp=True, scope=Scope.ROW_PREFIX,
+                     masks_tokens=True)
 def negative_advantage_veto(eps_low: float = 0.5, eps_high: float = 1.0) -> Correction:
   """Mu-GRPO (Tian, Xie and Wei, "How Off-Policy Can GRPO Be?", arXiv 2605.17570): the
   negative-advantage veto (`veto_keep`) on the staleness ratio exp(d), d = sg(logp - behav),

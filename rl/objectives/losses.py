@@ -32,6 +32,7 @@ from rl.settings.loss import AGGREGATIONS, LossSettings
 from rl.types import Rollout
 
 LossFn = Callable[..., tuple[jax.Array, dict]]
+RATIO_ANCHORS = ("old", "behav")
 LOSSES: Registry[LossFn] = Registry(
     "loss", "config.loss.name", "register_loss adds one: docs/add_objective.md")
 
@@ -214,8 +215,12 @@ class Objective:
   overrides: LossSettings fields that define the method (e.g. DAPO's eps_high=0.28).
   reads: the LossSettings fields the surrogate reads (`LossSettings.check` refuses a
   setting no part of the objective reads).
-  per_token: whether each token's loss depends on its own log-ratio alone (False for
-  sequence-level ratios and weights: GSPO, VCPO).
+  scope: the widest part of the batch one token's surrogate term depends on
+  (`corrections.Scope`: TOKEN for per-token ratios, ROW for GSPO's and VCPO's sequence
+  ratios); token subsampling and score centering read it.
+  ratio_anchor: what the sampled token's ratio is taken against: "old" (the proximal
+  log-probs when the train step supplies them, else the sampler's: PPO-clip) or "behav"
+  (always the sampler's: M2PO's and VCPO's importance weights).
   """
   name: str
   doc: str
@@ -224,7 +229,13 @@ class Objective:
   uses_prox: bool = False
   overrides: Mapping[str, object] = dataclasses.field(default_factory=dict)
   reads: tuple[str, ...] = ()
-  per_token: bool = True
+  scope: corr.Scope = corr.Scope.TOKEN
+  ratio_anchor: str = "old"
+
+  def __post_init__(self):
+    if self.ratio_anchor not in RATIO_ANCHORS:
+      raise ValueError(f"Objective {self.name!r}: ratio_anchor {self.ratio_anchor!r}; "
+                       f"known: {RATIO_ANCHORS}.")
 
   def __call__(self, logp: jax.Array, batch: Rollout, *, prox_logp=None,
                settings: LossSettings, head_logp=None) -> tuple[jax.Array, dict]:
@@ -243,7 +254,7 @@ class Objective:
     if uses_prox and terms.prox is None:
       raise ValueError("This objective needs prox_logp; build the train step with rl.train, "
                        "which supplies it (config.loss.prox_estimate).")
-    terms, metrics = corr.chain(corrections + cfg.corrections, terms, cfg)
+    terms, metrics = corr.chain(corrections + cfg.corrections, terms, cfg, objective=self)
     per_token, surrogate_metrics = surrogate(terms, cfg)
     per_token = per_token * corr.sg(terms.weight)
     if terms.extra is not None:
@@ -262,8 +273,8 @@ class Objective:
 
 def make_objective(surrogate: Callable, corrections: tuple[str, ...] = (),
                    uses_prox: bool = False, *, name: str = "", doc: str = "",
-                   reads: tuple[str, ...] = (), per_token: bool = True,
-                   **overrides) -> Objective:
+                   reads: tuple[str, ...] = (), scope: corr.Scope = corr.Scope.TOKEN,
+                   ratio_anchor: str = "old", **overrides) -> Objective:
   """An objective from a per-token surrogate (docs/add_objective.md).
 
   Args:
@@ -273,7 +284,10 @@ def make_objective(surrogate: Callable, corrections: tuple[str, ...] = (),
     name, doc: the registry's name and description (default: the surrogate's).
     reads: the `LossSettings` fields the surrogate reads (`LossSettings.check` refuses a set
       field nothing reads).
-    per_token: whether each token's loss depends on its own log-ratio alone.
+    scope: the widest part of the batch one token's term depends on (`corrections.Scope`;
+      TOKEN when it reads its own log-ratio alone, ROW for a sequence ratio).
+    ratio_anchor: "old" (PPO: prox when supplied, else behav) or "behav" (an IS weight to
+      the sampler).
     **overrides: `LossSettings` fields that define the method (DAPO's eps_high = 0.28).
 
   Returns:
@@ -288,7 +302,8 @@ def make_objective(surrogate: Callable, corrections: tuple[str, ...] = (),
   return Objective(name=name or getattr(surrogate, "__name__", "objective"),
                    doc=doc or (surrogate.__doc__ or ""), surrogate=surrogate,
                    corrections=tuple(corrections), uses_prox=uses_prox,
-                   overrides=dict(overrides), reads=tuple(reads), per_token=per_token)
+                   overrides=dict(overrides), reads=tuple(reads), scope=corr.Scope(scope),
+                   ratio_anchor=ratio_anchor)
 
 
 _EPS = ("eps_low", "eps_high")  # the PPO clip widths clipped_surrogate reads by default
@@ -310,11 +325,11 @@ _register("drgrpo", "Dr.GRPO: PPO-clip with a constant normaliser (seq_mean_toke
           clipped_surrogate, reads=_EPS, aggregation="seq_mean_token_sum_norm")
 _register("gspo", "GSPO: sequence-level ratio exp(mean_t(logp - old)), clipped at sequence level "
           "(eps 3e-4 / 4e-4); one loss per sequence.",
-          gspo_surrogate, reads=_EPS, per_token=False, eps_low=3e-4, eps_high=4e-4,
+          gspo_surrogate, reads=_EPS, scope=corr.Scope.ROW, eps_low=3e-4, eps_high=4e-4,
           aggregation="seq_mean_token_mean")
 _register("gspo_token", "GSPO-token: per-token ratio sg(s_i) exp(logp - sg(logp)), clipped at "
           "eps 3e-4 / 4e-4; equals GSPO when a sequence's tokens share an advantage.",
-          gspo_token_surrogate, reads=_EPS, per_token=False, eps_low=3e-4, eps_high=4e-4,
+          gspo_token_surrogate, reads=_EPS, scope=corr.Scope.ROW, eps_low=3e-4, eps_high=4e-4,
           aggregation="seq_mean_token_mean")
 _register("decoupled", "Decoupled PPO (AReaL): clip exp(logp - prox) and weight by "
           "sg(min(exp(prox - behav), is_cap)) (the 'tis' correction; cap 5 by default; use "
@@ -322,7 +337,8 @@ _register("decoupled", "Decoupled PPO (AReaL): clip exp(logp - prox) and weight 
           clipped_surrogate, corrections=("tis",), uses_prox=True, reads=_EPS)
 _register("m2po", "M2PO: unclipped -(1/N) sum m M exp(logp - behav) A with the second-moment "
           "mask M (the 'm2po' correction), N = valid tokens.",
-          importance_pg_surrogate(None), corrections=("m2po",), aggregation="token_mean")
+          importance_pg_surrogate(None), corrections=("m2po",), ratio_anchor="behav",
+          aggregation="token_mean")
 _register("sat", "SAT: PPO-clip against behav whose high-mismatch tokens get a contracted "
           "interval (the 'sat' correction).", clipped_surrogate, corrections=("sat",),
           reads=_EPS)
@@ -331,7 +347,7 @@ _register("vcpo", "VCPO: policy gradient with one truncated IS weight per sequen
           "off-policy optimal baseline per group, and the ESS learning-rate scale "
           "sqrt(min(1, rho / vcpo_rho_ref)) (metrics['lr_scale']).",
           vcpo_surrogate, corrections=("vcpo_baseline", "vcpo_ess"),
-          reads=("vcpo_is_cap", "vcpo_is_level"), per_token=False)
+          reads=("vcpo_is_cap", "vcpo_is_level"), scope=corr.Scope.ROW, ratio_anchor="behav")
 _register("mu_grpo", "Mu-GRPO (arXiv 2605.17570): PPO-clip with the relaxed interval "
           "[1 - mu_eps_low, 1 + mu_eps_high] (default [1/2, 2]: keeps the gradients of stale "
           "tokens that eps 0.2 would clip) and the negative-advantage veto (the 'mu_veto' "

@@ -28,14 +28,23 @@ Choices the paper's abstract leaves open, made here:
     if every row is cut, so the batch's forward length shrinks by u^a. Each row's
     inclusion probabilities are the same as with a u per row, so the estimator is
     still unbiased; its rows are correlated (a higher variance than independent cuts).
-  - The reweighting is applied to the advantages: every per-token objective here is
-    positively homogeneous in its token's advantage (PPO-clip picks the clip side by A's
-    sign; IS and truncated-IS gradients are linear in A), so scaling A_t by w_t > 0 scales
-    that token's loss by w_t. w_t also carries the aggregation's denominators, so that the
-    objective aggregated over the kept tokens equals the Horvitz-Thompson estimate of the
-    full-token loss aggregated over all of them (`horvitz_thompson_weights`), per PPO
-    minibatch (the unit one update aggregates over). Sequence-level objectives (GSPO,
-    VCPO) are refused: a sequence's ratio over a subset of its tokens is another quantity.
+  - The reweighting is applied to the advantages: a term that scales with its token's
+    advantage (PPO-clip picks the clip side by A's sign; IS and truncated-IS gradients
+    and score centering's term are linear in A) is then scaled by w_t > 0. w_t also
+    carries the aggregation's denominators, so that the objective aggregated over the
+    kept tokens equals the Horvitz-Thompson estimate of the full-token loss aggregated
+    over all of them (`horvitz_thompson_weights`), per PPO minibatch (the unit one update
+    aggregates over).
+  - That estimate is unbiased only for terms that scale with the advantage and read no
+    token the scheme may drop (`check_composes`, from what each objective and correction
+    declares, `corrections.Scope`): urs keeps tokens independently, so a term may read
+    its own token only; rpc keeps a prefix of every row, so a term may also read the
+    tokens before it (Mu-GRPO's veto: a kept token's trigger lies in the kept prefix).
+    Refused: sequence ratios (GSPO, VCPO: a ratio over a subset of a row's tokens is
+    another quantity), batch statistics (M2PO's mask, SAT's quantile, VCPO's ESS and
+    baseline: over the kept tokens they are other statistics), Mu-GRPO's veto under urs
+    (a dropped token cannot trigger it), a correction that computes its own advantages
+    (VCPO's baseline discards the weights), and a KL penalty (not scaled by the advantage).
 
 The subsample is drawn on the host after the advantage stage (rl.loop.produce_timed) from
 the iteration's key, so a resumed run draws the same subsets.
@@ -45,9 +54,9 @@ alike; tests/test_token_subsample.py runs it through the launcher on independent
 partial rollouts), with the async loop and simulated staleness (the stage runs where the
 batch is made), with speculative decoding (it acts after sampling) and with tools (under
 rpc an environment's answers after the cut leave the batch with the tokens they follow),
-and with PPO minibatches (the weights are per minibatch). Refused: sequence-level
-objectives (above) and on-policy distillation, whose term would be taken over the kept
-tokens unweighted.
+and with PPO minibatches (the weights are per minibatch). Refused: what `check_composes`
+refuses (above) and on-policy distillation, whose term would be taken over the kept tokens
+unweighted.
 """
 
 from __future__ import annotations
@@ -57,8 +66,53 @@ import dataclasses
 import jax
 import numpy as np
 
+from rl.objectives.corrections import Scope, get_correction
 from rl.settings.loss import AGGREGATIONS, TOKEN_SUBSAMPLES as SCHEMES
 from rl.types import Rollout
+
+# The widest part of the batch a term may read and stay unbiased under each scheme.
+PRESERVED_SCOPE = {"urs": Scope.TOKEN, "rpc": Scope.ROW_PREFIX}
+_SCOPE_WORDS = {Scope.TOKEN: "its own token", Scope.ROW_PREFIX: "the earlier tokens of its row",
+                Scope.ROW: "every token of its row", Scope.BATCH: "statistics of the whole batch"}
+
+
+def check_composes(scheme: str, objective, chain: tuple[str, ...], kl_coef: float = 0.0) -> None:
+  """Raises ValueError, naming the piece and why, when token subsampling `scheme` would
+  bias the loss of `objective` (a registered objective) with the corrections `chain`
+  (module docstring): every term must scale with its advantage and read nothing beyond
+  `PRESERVED_SCOPE[scheme]`; a KL penalty (`kl_coef` > 0) is refused."""
+  if scheme == "none":
+    return
+  preserved = PRESERVED_SCOPE[scheme]
+  prefix = f"config.loss.token_subsample = {scheme!r}"
+  name = getattr(objective, "name", getattr(objective, "__name__", "objective"))
+  scope = getattr(objective, "scope", None)
+  if scope is None:
+    raise ValueError(f"{prefix} with objective {name!r}, which declares no scope (register it "
+                     "with make_objective(..., scope=...), docs/add_objective.md): NAT cannot "
+                     "tell whether a subset of the tokens keeps its loss unbiased.")
+  if scope > preserved:
+    raise ValueError(f"{prefix} with config.loss.name = {name!r}: its term for a token reads "
+                     f"{_SCOPE_WORDS[scope]}, which the subsample changes, so the "
+                     "reweighted loss is another quantity; use a per-token objective (grpo, "
+                     "dapo, drgrpo, decoupled) or token_subsample='none'.")
+  for correction in chain:
+    spec = get_correction(correction)
+    if not spec.scales_with_advantage:
+      raise ValueError(f"{prefix} with the correction {correction!r}: it computes advantages "
+                       "of its own and discards NAT's Horvitz-Thompson weights; remove it or "
+                       "set token_subsample='none'.")
+    if spec.scope > preserved:
+      other = [s for s, p in PRESERVED_SCOPE.items() if p >= spec.scope]
+      hint = f"token_subsample={other[0]!r}" if other else "token_subsample='none'"
+      raise ValueError(f"{prefix} with the correction {correction!r}: a token's term reads "
+                       f"{_SCOPE_WORDS[spec.scope]}, which the subsample changes (a dropped "
+                       "token no longer counts), so the reweighted loss is biased; use "
+                       f"{hint} or leave {correction!r} out.")
+  if kl_coef:
+    raise ValueError(f"{prefix} with config.loss.kl_coef = {kl_coef}: the KL penalty is not "
+                     "scaled by the advantage, so NAT's weights do not reach it; set one of "
+                     "them off.")
 
 
 def completion_positions(completion_mask: np.ndarray) -> np.ndarray:

@@ -183,15 +183,12 @@ class LossSettings(Settings):
     aggregation = self.resolved().aggregation
     if aggregation not in AGGREGATIONS:
       raise ValueError(f"Unknown config.loss.aggregation {aggregation!r}; known: {AGGREGATIONS}.")
-    _corrections().check_chain(self.chain)
-    if self.token_subsample != "none" and not getattr(loss_fn, "per_token", True):
-      raise ValueError(f"config.loss.token_subsample = {self.token_subsample!r} with "
-                       f"config.loss.name = {self.name!r}: NAT reweights each kept token's "
-                       "term, and this objective's ratio is a sequence's, which a subset "
-                       "of its tokens would change; use a per-token objective (grpo, dapo, "
-                       "drgrpo, m2po, mu_grpo, ...) or token_subsample='none'.")
-    if any(_corrections().get_correction(n).replaces_logp for n in self.chain) and not getattr(
-        loss_fn, "per_token", True):
+    corrections = _corrections()
+    corrections.check_chain(self.chain, loss_fn if hasattr(loss_fn, "scope") else None)
+    from rl.objectives import token_subsample  # pylint: disable=import-outside-toplevel
+    token_subsample.check_composes(self.token_subsample, loss_fn, self.chain, self.kl_coef)
+    if (any(corrections.get_correction(n).replaces_logp for n in self.chain)
+        and getattr(loss_fn, "scope", corrections.Scope.TOKEN) != corrections.Scope.TOKEN):
       raise ValueError(f"config.loss.name = {self.name!r} takes sequence-level ratios, which "
                        f"would count the tokens a correction in {self.chain} drops (their "
                        "logp replaced by the anchor) as on-policy; use a per-token objective "
