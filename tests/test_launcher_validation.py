@@ -73,6 +73,81 @@ def test_bad_config_fails_before_any_work(tmp_path, overrides, message):
   assert not workdir.exists()  # nothing written: no model loaded, no step taken
 
 
+@pytest.mark.parametrize("overrides,message", [
+    # Token subsampling (NAT) keeps its estimator only for per-token terms that scale with
+    # the advantage (tests/test_combinations.py checks the ones accepted).
+    ({"loss.token_subsample": "urs", "loss.corrections": ("vcpo_baseline",)},
+     r"'vcpo_baseline': it computes advantages of its own and discards NAT"),
+    ({"loss.token_subsample": "rpc", "loss.corrections": ("vcpo_baseline",)},
+     r"'vcpo_baseline': it computes advantages of its own"),
+    ({"loss.token_subsample": "urs", "loss.name": "m2po"},
+     r"'m2po': a token's term reads statistics of the whole batch"),
+    ({"loss.token_subsample": "rpc", "loss.corrections": ("m2po",)}, r"'m2po'"),
+    ({"loss.token_subsample": "urs", "loss.corrections": ("vcpo_ess",)}, r"'vcpo_ess'"),
+    ({"loss.token_subsample": "rpc", "loss.name": "sat"}, r"'sat'"),
+    ({"loss.token_subsample": "urs", "loss.name": "mu_grpo"},
+     r"'mu_veto': a token's term reads the earlier tokens of its row.*token_subsample='rpc'"),
+    ({"loss.token_subsample": "rpc", "loss.name": "gspo"}, r"config.loss.name = 'gspo'"),
+    # Score centering: the sampled token's weight must be the one its expectation uses.
+    ({"loss.name": "m2po", "loss.corrections": ("score_centering",)},
+     r"'m2po' .* takes some tokens out of the update"),
+    ({"loss.name": "gspo", "loss.corrections": ("score_centering",)},
+     r"'gspo' weights the sampled token by a sequence's ratio"),
+    # A correction twice, or on a loss that applies none.
+    ({"loss.name": "decoupled", "loss.corrections": ("tis",)}, r"'tis' appears twice"),
+    ({"loss.name": "sft", "loss.corrections": ("tis",)}, r"a loss function that applies no "
+                                                         r"corrections"),
+    # Advantages a correction or a rollout kind computes itself, over the estimator's.
+    ({"loss.name": "vcpo", "advantage.name": "rloo"},
+     r"config.advantage.name = 'rloo' with the correction 'vcpo_baseline'"),
+    ({"rollout.kind": "tree", "advantage.name": "rloo"},
+     r"config.advantage.name = 'rloo' has no effect with config.rollout.kind = 'tree'"),
+    ({"rollout.kind": "tree", "loss.name": "vcpo"}, r"would discard the tree's"),
+    # Settings of a kind that is not selected.
+    ({"selection.pods.rollouts": 16}, r"config.selection.pods.rollouts = 16 has no effect "
+                                      r"with config.selection.kind = 'uniform': it is read only "
+                                      r"when config.selection.kind = 'pods'"),
+    ({"selection.ar3po.stages": 3}, r"config.selection.ar3po.stages = 3 has no effect"),
+    ({"selection.kind": "pods", "selection.ar3po.reuse": False},
+     r"config.selection.ar3po.reuse = False has no effect with config.selection.kind = 'pods'"),
+    ({"selection.greso.explore_prob": 0.3}, r"config.selection.greso.explore_prob"),
+    ({"selection.adaptive.prompts": 2}, r"config.selection.adaptive.prompts"),
+    ({"selection.max_attempts": 3}, r"config.selection.max_attempts = 3 has no effect .* "
+                                    r"refills its batch"),
+    ({"rollout.pruning.candidates": 8}, r"config.rollout.pruning.candidates = 8 has no "
+                                        r"effect with config.rollout.kind = 'independent'"),
+    ({"rollout.tree.rounds": 2}, r"config.rollout.tree.rounds = 2 has no effect"),
+    ({"rollout.kind": "tree", "rollout.tree.segment_len": 4},
+     r"config.rollout.tree.segment_len = 4 has no effect with config.rollout.tree.policy = "
+     r"'entropy'"),
+    ({"rollout.resume": "reprefill"}, r"config.rollout.resume = 'reprefill' has no effect"),
+    ({"rollout.decode_window": 8}, r"config.rollout.decode_window = 8 has no effect"),
+    ({"rollout.speculative.ngram": 2}, r"config.rollout.speculative.ngram = 2 has no effect "
+                                       r"with config.rollout.speculative.tokens = 0"),
+    ({"distill.objective": "k1"}, r"config.distill.objective = 'k1' has no effect"),
+], ids=lambda value: None if isinstance(value, str) else ",".join(
+    f"{k}={v}" for k, v in value.items()))
+def test_combinations_that_would_not_compute_what_they_say_are_refused(tmp_path, overrides,
+                                                                         message):
+  """Each was accepted and then computed another estimator, or ignored a setting."""
+  workdir = tmp_path / "run"
+  with pytest.raises(ValueError, match=message):
+    train_launcher.run(tiny_run_config(workdir, overrides))
+  assert not workdir.exists()
+
+
+@pytest.mark.parametrize("overrides", [
+    {"loss.token_subsample": "rpc", "loss.name": "mu_grpo"},  # the veto's trigger is kept
+    {"loss.token_subsample": "urs", "loss.corrections": ("tis", "score_centering")},
+    {"loss.name": "decoupled", "loss.corrections": ("score_centering",)},
+    {"selection.kind": "pods", "selection.pods.rollouts": 16},
+    {"rollout.kind": "tree", "rollout.tree.policy": "segments", "rollout.tree.segment_len": 4},
+    {"selection.kind": "greso", "selection.max_attempts": 3, "task.train_pool": 64},
+])
+def test_combinations_next_to_the_refused_ones_validate(overrides):
+  wiring.validate(tiny_run_config("unused", overrides))
+
+
 def test_default_configs_validate():
   wiring.validate(default.get_config())
   wiring.validate(tiny_run_config("unused"))

@@ -41,7 +41,7 @@ def test_the_lazy_choices_are_the_libraries_own():
   for remat in transformer.REMAT_POLICIES:
     model_settings.ModelSettings(remat=remat).check()
   for resume in partial.RESUME_MODES:
-    rollout_settings.RolloutSettings(resume=resume).check()
+    rollout_settings.RolloutSettings(kind="partial", resume=resume).check()
   with pytest.raises(ValueError, match="config.model.remat = 'some'; use one of 'none', "
                      "'full', 'dots'"):
     model_settings.ModelSettings(remat="some").check()

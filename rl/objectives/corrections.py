@@ -194,13 +194,19 @@ get_correction = CORRECTIONS.get  # the CorrectionSpec named in config.loss.corr
 
 
 def check_chain(names, objective=None) -> None:
-  """Raises ValueError when a correction that reads the staleness proxy d follows one that
-  replaces logp (after 'mu_veto', a vetoed token's logp is its anchor's, so 'm2po', 'sat'
-  or VCPO would count it as exactly on-policy, d = 0, in their batch statistics), and
-  when score centering does not compose with the chain or with `objective` (an
+  """Raises ValueError when a correction appears twice in `names`, when one that reads the
+  staleness proxy d follows one that replaces logp (after 'mu_veto', a vetoed token's logp
+  is its anchor's, so 'm2po', 'sat' or VCPO would count it as exactly on-policy, d = 0, in
+  their batch statistics), and when score centering does not compose with the chain or with `objective` (an
   `rl.objectives.losses.Objective`, whose declared `scope` and `ratio_anchor` are read;
   `check_score_centering`)."""
   names = tuple(names)
+  repeated = sorted({n for n in names if names.count(n) > 1})
+  if repeated:
+    raise ValueError(f"config.loss.corrections: {repeated[0]!r} appears twice in the chain "
+                     f"{names} (the objective's own corrections come first), so it would act "
+                     f"twice (a weight squared, a metric overwritten); leave it out of "
+                     "config.loss.corrections.")
   if "score_centering" in names:
     check_score_centering(names, objective)
   replaced_by = None

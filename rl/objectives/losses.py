@@ -116,10 +116,16 @@ def clip_interval(adv: jax.Array, eps_low, eps_high,
 def clip_objective(ratio: jax.Array, adv: jax.Array, eps_low, eps_high,
                    clip_scale: jax.Array | float = 1.0) -> tuple[jax.Array, jax.Array]:
   """PPO-clip per token: (-min(r A, clip(r, lo, hi) A), clipping-active indicator), with
-  the interval of `clip_interval`."""
+  the interval of `clip_interval`.
+
+  The min is taken as a choice of branch, so that its gradient is -A dr wherever the
+  unclipped branch is the min, ties included (r on an endpoint: SAT contracts the interval
+  to [1 - eps_low, 1] at a batch's first update, where r = 1); `jnp.minimum` would split a
+  tie's gradient between the branches, and the clip's own between its bound and r."""
   lo, hi = clip_interval(adv, eps_low, eps_high, clip_scale)
   clipped = jnp.clip(ratio, lo, hi)
-  return -jnp.minimum(ratio * adv, clipped * adv), (ratio * adv > clipped * adv)
+  active = ratio * adv > clipped * adv
+  return -jnp.where(active, clipped * adv, ratio * adv), active
 
 
 def clipped_surrogate(terms: corr.TokenTerms, cfg, widths: tuple[str, str] = ("eps_low", "eps_high")

@@ -215,16 +215,23 @@ class TokenSubsample:
       raise ValueError(f"config.loss.token_keep = {self.keep} must be in (0, 1].")
 
   def __call__(self, batch: Rollout, key: jax.Array) -> tuple[Rollout, dict]:
-    """The batch with completion_mask the kept tokens and the advantages reweighted
-    (`horvitz_thompson_weights`). Under urs a dropped token joins the prompt mask (still
-    context, never trained); under rpc the slots after a row's last kept token are masked
-    out of it altogether (nothing kept attends to them; an environment's answers there
-    are no longer context either).
+    """The batch restricted to a subset drawn from `key` (`restrict`).
     Metrics: token_subsample_kept_fraction, the kept share of the completion tokens."""
     mask = np.asarray(jax.device_get(batch.completion_mask), bool)
     shape = mask.shape if self.scheme == "urs" else (1,)
     uniforms = 1.0 - np.asarray(jax.random.uniform(key, shape), np.float64)  # (0, 1]
     kept = draw_kept(mask, self.scheme, self.keep, uniforms)
+    fraction = float(kept.sum()) / max(int(mask.sum()), 1)
+    return self.restrict(batch, kept), {"token_subsample_kept_fraction": fraction}
+
+  def restrict(self, batch: Rollout, kept: np.ndarray) -> Rollout:
+    """The batch with completion_mask the `kept` tokens [B, T] (a subset of its completion
+    tokens) and the advantages reweighted (`horvitz_thompson_weights`). Under urs a
+    dropped token joins the prompt mask (still context, never trained); under rpc the
+    slots after a row's last kept token are masked out of it altogether (nothing kept
+    attends to them; an environment's answers there are no longer context either)."""
+    mask = np.asarray(jax.device_get(batch.completion_mask), bool)
+    kept = np.asarray(kept, bool)
     pi = inclusion_probabilities(mask, self.scheme, self.keep)
     weights = horvitz_thompson_weights(mask, kept, pi, self.aggregation, self.num_minibatches)
     advantages = np.asarray(jax.device_get(batch.advantages), np.float32)
@@ -240,5 +247,4 @@ class TokenSubsample:
       new["prompt_mask"] = prompt_mask & before_cut
       if batch.env_mask is not None:
         new["env_mask"] = np.asarray(jax.device_get(batch.env_mask), bool) & before_cut
-    fraction = float(kept.sum()) / max(int(mask.sum()), 1)
-    return batch.replace(**new), {"token_subsample_kept_fraction": fraction}
+    return batch.replace(**new)

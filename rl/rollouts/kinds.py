@@ -62,6 +62,8 @@ class RolloutKind:
     batch_advantages: `(rollout, estimator) -> BatchAdvantages`: the loop's advantage stage
       for these batches, given config.advantage.name's estimator (default: group-relative
       over each prompt's rows).
+    own_advantages: `batch_advantages` ignores the estimator (a tree's advantages come from
+      config.rollout.tree.advantage), so config.advantage.name is not read.
     check: `(rollout, tools) -> None`: raises ValueError for a bad setting of the kind's own
       fields (`tools`: whether an environment answers tool calls).
     any_selection: composes with every config.selection.kind (else only 'uniform': the kind
@@ -85,6 +87,7 @@ class RolloutKind:
   batch_advantages: Callable[[RolloutSettings, Callable], advantages.BatchAdvantages] = (
       lambda rollout, estimator: advantages.group_relative(estimator))
   check: Callable[[RolloutSettings, bool], None] = lambda rollout, tools: None
+  own_advantages: bool = False
   any_selection: bool = False
   mesh: bool = False
   identical_prompt_groups: bool = False
@@ -113,7 +116,8 @@ ROLLOUT_KINDS.register("tree", RolloutKind(
     rows_per_prompt=lambda rollout: rollout.tree.fork_policy().leaves,
     batch_advantages=lambda rollout, estimator: advantages.per_tree(
         advantages.get_tree_advantage_fn(rollout.tree.advantage), rollout.prompt_len),
-    check=lambda rollout, tools: rollout.tree.check(), group_relative=False))
+    check=lambda rollout, tools: rollout.tree.check(), own_advantages=True,
+    group_relative=False))
 
 
 def _check_partial(rollout: RolloutSettings, tools: bool) -> None:

@@ -39,10 +39,46 @@ from ml_collections import config_dict
 _MISSING = object()
 
 
+@dataclasses.dataclass(frozen=True)
+class UsedWhen:
+  """When a field (or a nested section) is read: while sibling field `field` is one of
+  `values` (e.g. rollout.tree while rollout.kind == 'tree'), or, with no values, while it
+  is set (non-zero, non-empty: tools.max_turns while tools.name is). `predicate`
+  (settings -> bool) replaces that test where the rule is richer, and `condition` then
+  says it in words. `Settings.check` refuses a field that differs from its default while
+  it is not read: a setting accepted and then ignored would silently change what a run
+  means."""
+  field: str
+  values: tuple = ()
+  predicate: Callable[[Any], bool] | None = None
+  condition: str = ""
+
+  def holds(self, settings: "Settings") -> bool:
+    if self.predicate is not None:
+      return bool(self.predicate(settings))
+    value = getattr(settings, self.field)
+    return value in self.values if self.values else bool(value)
+
+  def describe(self, settings: "Settings") -> str:
+    """The condition in words, with config paths."""
+    if self.condition:
+      return self.condition
+    path = settings.path(self.field)
+    if not self.values:
+      return f"{path} is set"
+    return " or ".join(f"{path} = {v!r}" for v in self.values)
+
+
+def used_when(field: str, *values: Any, predicate: Callable[[Any], bool] | None = None,
+              condition: str = "") -> UsedWhen:
+  """A `UsedWhen` for `setting(..., used_when=...)` and `nested(..., used_when=...)`."""
+  return UsedWhen(field, tuple(values), predicate, condition)
+
+
 def setting(default: Any, doc: str, *, low: float | None = None, high: float | None = None,
             low_open: bool = False,
             choices: Sequence[Any] | Callable[[], Sequence[Any]] | None = None,
-            optional: bool = False) -> Any:
+            optional: bool = False, used_when: UsedWhen | None = None) -> Any:
   """A settings field.
 
   Args:
@@ -53,6 +89,8 @@ def setting(default: Any, doc: str, *, low: float | None = None, high: float | N
       checked (for choices defined in a module that imports JAX: the settings modules
       import none, so the default config and the launcher's --help stay light).
     optional: None is allowed (unset: the piece decides, e.g. an objective's own value).
+    used_when: when the field is read (`UsedWhen`); a value other than the default is
+      refused while it is not.
 
   Returns:
     A `dataclasses.field` carrying these in its metadata.
@@ -60,13 +98,14 @@ def setting(default: Any, doc: str, *, low: float | None = None, high: float | N
   return dataclasses.field(default=default, metadata=dict(
       doc=doc, low=low, high=high, low_open=low_open,
       choices=choices if choices is None or callable(choices) else tuple(choices),
-      optional=optional))
+      optional=optional, used_when=used_when))
 
 
-def nested(cls: type, doc: str) -> Any:
+def nested(cls: type, doc: str, *, used_when: UsedWhen | None = None) -> Any:
   """A field holding another settings class (a config subsection, e.g. selection.greso),
-  at that class's defaults."""
-  return dataclasses.field(default=cls(), metadata=dict(doc=doc, nested=True))
+  at that class's defaults; `used_when` as in `setting` (for the whole section)."""
+  return dataclasses.field(default=cls(), metadata=dict(doc=doc, nested=True,
+                                                        used_when=used_when))
 
 
 def as_tuple(value):
@@ -139,8 +178,8 @@ class Settings:
     return f"config.{self.SECTION}.{name}" if self.SECTION else f"config.{name}"
 
   def check(self) -> None:
-    """Raises ValueError naming the first field out of its range or choices. Subclasses
-    add their own checks after calling this one."""
+    """Raises ValueError naming the first field out of its range or choices, or set while
+    it is not read (`UsedWhen`). Subclasses add their own checks after calling this one."""
     for f in dataclasses.fields(self):
       if _is_nested(f):
         getattr(self, f.name).check()
@@ -164,3 +203,31 @@ class Settings:
             ([f"> {low}" if meta["low_open"] else f">= {low}"] if low is not None else [])
             + ([f"<= {high}"] if high is not None else []))
         raise ValueError(f"{self.path(f.name)} = {value} must be {bound}.")
+    self.check_unread()
+
+  def check_unread(self) -> None:
+    """Raises ValueError for a field, or a field of a nested section, that differs from its
+    default while its `used_when` does not hold: it names the field, the setting that
+    selects it and the fix."""
+    for f in dataclasses.fields(self):
+      when = f.metadata.get("used_when")
+      if when is None or when.holds(self) or f.default is dataclasses.MISSING:
+        continue
+      value = getattr(self, f.name)
+      if _is_nested(f):
+        changed = [(name, default, getattr(value, name)) for name, default
+                   in f.default.defaults().items()
+                   if as_tuple(getattr(value, name)) != as_tuple(default)]
+        if not changed:
+          continue
+        name, default, value = changed[0]
+        path = f"{self.path(f.name)}.{name}"
+      elif as_tuple(value) == as_tuple(f.default):
+        continue
+      else:
+        path, default = self.path(f.name), f.default
+      now = getattr(self, when.field)
+      raise ValueError(
+          f"{path} = {value!r} has no effect with {self.path(when.field)} = {now!r}: it is "
+          f"read only when {when.describe(self)}. Set that, or leave {path} at its default "
+          f"{default!r}.")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from rl.settings import Settings, setting
+from rl.settings import Settings, setting, used_when
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,10 +22,12 @@ class DistillSettings(Settings):
                          "folder, a .gguf file or \"smollm2\"; same tokenizer as the student, "
                          "context >= prompt_len + max_new_tokens")
   objective: str = setting("reverse_kl", "reverse_kl (exact) | k1 | k3 (sampled, as per-token "
-                           "advantages) | forward_kl_topk (DISTILL_OBJECTIVES)")
+                           "advantages) | forward_kl_topk (DISTILL_OBJECTIVES)",
+                           used_when=used_when("teacher"))
   coef: float = setting(0.0, "weight of the distillation term (> 0 with a teacher)", low=0)
   with_reward: bool = setting(True, "False: pure OPD, the policy objective is dropped")
-  top_k: int = setting(16, "forward_kl_topk: teacher tokens kept (renormalised)", low=1)
+  top_k: int = setting(16, "forward_kl_topk: teacher tokens kept (renormalised)", low=1,
+                       used_when=used_when("objective", "forward_kl_topk"))
 
   def check(self) -> None:
     super().check()

@@ -184,6 +184,11 @@ class LossSettings(Settings):
     if aggregation not in AGGREGATIONS:
       raise ValueError(f"Unknown config.loss.aggregation {aggregation!r}; known: {AGGREGATIONS}.")
     corrections = _corrections()
+    if self.corrections and not hasattr(loss_fn, "corrections"):
+      raise ValueError(f"config.loss.corrections = {tuple(self.corrections)} with "
+                       f"config.loss.name = {self.name!r}, a loss function that applies no "
+                       "corrections (register it with make_objective to give it a chain, "
+                       "docs/add_objective.md); set config.loss.corrections=().")
     corrections.check_chain(self.chain, loss_fn if hasattr(loss_fn, "scope") else None)
     from rl.objectives import token_subsample  # pylint: disable=import-outside-toplevel
     token_subsample.check_composes(self.token_subsample, loss_fn, self.chain, self.kl_coef)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from rl.settings import Settings, nested, setting
+from rl.settings import Settings, nested, setting, used_when
 
 if TYPE_CHECKING:
   from rl.rollouts.kinds import RolloutKind
@@ -39,18 +39,25 @@ class TreeSettings(Settings):
                            "siblings")
   init_chains: int = setting(4, "chains grown from each prompt (M)", low=1)
   fork_points: int = setting(2, "entropy: forks per round at the N highest-entropy tokens",
-                             low=1)
-  branches: int = setting(2, "entropy: branches per fork point (B); segments: b", low=1)
-  rounds: int = setting(1, "entropy: fork rounds (L); leaves = M + L*N*B", low=0)
-  segment_len: int = setting(2, "segments: tokens between branchings (S)", low=1)
-  max_depth: int = setting(2, "segments: branchings; leaves = M * b**max_depth", low=0)
-  leaves: int = setting(8, "lookahead: leaf budget per prompt", low=1)
-  top_k: int = setting(2, "lookahead: 1 + children per branching", low=1)
+                             low=1, used_when=used_when("policy", "entropy"))
+  branches: int = setting(2, "entropy: branches per fork point (B); segments: b", low=1,
+                          used_when=used_when("policy", "entropy", "segments"))
+  rounds: int = setting(1, "entropy: fork rounds (L); leaves = M + L*N*B", low=0,
+                        used_when=used_when("policy", "entropy"))
+  segment_len: int = setting(2, "segments: tokens between branchings (S)", low=1,
+                             used_when=used_when("policy", "segments"))
+  max_depth: int = setting(2, "segments: branchings; leaves = M * b**max_depth", low=0,
+                           used_when=used_when("policy", "segments"))
+  leaves: int = setting(8, "lookahead: leaf budget per prompt", low=1,
+                        used_when=used_when("policy", "lookahead"))
+  top_k: int = setting(2, "lookahead: 1 + children per branching", low=1,
+                       used_when=used_when("policy", "lookahead"))
   min_entropy: float = setting(1.0, "lookahead: branch when sampling entropy (nats) >= this",
-                               low=0)
-  lookahead_steps: int = setting(2, "lookahead: window before a child is checked", low=1)
+                               low=0, used_when=used_when("policy", "lookahead"))
+  lookahead_steps: int = setting(2, "lookahead: window before a child is checked", low=1,
+                                 used_when=used_when("policy", "lookahead"))
   prune_similarity: float = setting(1.0, "lookahead: prune when this fraction matches parent",
-                                    low=0, high=1.0)
+                                    low=0, high=1.0, used_when=used_when("policy", "lookahead"))
 
   def fork_policy(self):
     """The fork policy `policy` names (a sampling.tree.ForkPolicy), built from these
@@ -75,8 +82,9 @@ class SpeculativeSettings(Settings):
   sources: tuple[str, ...] = setting(
       ("prompt_lookup",), "prompt_lookup (the row's own prompt and text) | group (its "
       "siblings' text) | history (the prompt's previous completion; needs task.train_pool); "
-      "an earlier-listed source's match wins")
-  ngram: int = setting(3, "longest suffix matched (shorter ones tried after)", low=1)
+      "an earlier-listed source's match wins", used_when=used_when("tokens"))
+  ngram: int = setting(3, "longest suffix matched (shorter ones tried after)", low=1,
+                       used_when=used_when("tokens"))
 
   def draft_config(self, group_size: int):
     """The sampler's sampling.speculative.DraftConfig (None when tokens = 0)."""
@@ -135,14 +143,16 @@ class RolloutSettings(Settings):
                       "CoPRIS; sampling/partial.py); pruned: more rollouts than group_size, "
                       "cut back to group_size after a prefix by a learned quality head "
                       "(arrol; rl/rollouts/pruning.py); ROLLOUT_KINDS")
-  tree: TreeSettings = nested(TreeSettings, "used when kind == 'tree'")
-  pruning: PruningSettings = nested(PruningSettings, "used when kind == 'pruned'")
+  tree: TreeSettings = nested(TreeSettings, "used when kind == 'tree'",
+                              used_when=used_when("kind", "tree"))
+  pruning: PruningSettings = nested(PruningSettings, "used when kind == 'pruned'",
+                                    used_when=used_when("kind", "pruned"))
   num_slots: int = setting(0, "partial: pool rows (0 = 2 * prompts_per_step * group_size)",
-                           low=0)
+                           low=0, used_when=used_when("kind", "partial"))
   resume: str = setting("kept_kv", "partial: kept_kv (cheap) | reprefill (exact pi_new)",
-                        choices=_resume_modes)
+                        choices=_resume_modes, used_when=used_when("kind", "partial"))
   decode_window: int = setting(0, "partial: most decode steps per round (0 = max_new_tokens)",
-                               low=0)
+                               low=0, used_when=used_when("kind", "partial"))
   train_length_buckets: tuple[int, ...] = setting(
       (24, 48), "completion slots the train step may cut a batch to (its longest row's "
       "bucket; () = always max_new_tokens)")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from rl.settings import Settings, as_tuple, nested, setting
+from rl.settings import Settings, nested, setting, used_when
 from rl.settings.dataset import DatasetSettings
 from rl.settings.distill import DistillSettings
 from rl.settings.loss import LossSettings
@@ -117,9 +117,10 @@ class LoraSettings(Settings):
   is off are refused (they would be ignored)."""
   SECTION = "lora"
   rank: int = setting(0, "adapter rank r (0 = off: RL trains full weights)", low=0)
-  alpha: float = setting(16.0, "the update A @ B is scaled by alpha / r", low=0, low_open=True)
+  alpha: float = setting(16.0, "the update A @ B is scaled by alpha / r", low=0, low_open=True,
+                         used_when=used_when("rank"))
   targets: tuple[str, ...] = setting(("q", "k", "v", "o", "gate", "up", "down"),
-                                     "adapted projections")
+                                     "adapted projections", used_when=used_when("rank"))
 
   @property
   def target_names(self) -> tuple[str, ...]:
@@ -128,20 +129,11 @@ class LoraSettings(Settings):
     return tuple(t.strip() for item in items for t in str(item).split(",") if t.strip())
 
   def check(self) -> None:
-    super().check()
     if isinstance(self.rank, bool) or not isinstance(self.rank, int):
       raise ValueError(f"config.lora.rank = {self.rank!r} must be an integer (0 = LoRA off).")
+    super().check()
     if self.rank:
       self.lora_config()  # an unknown target fails here
-      return
-    defaults = self.defaults()
-    changed = [name for name in ("alpha", "targets")
-               if as_tuple(getattr(self, name)) != as_tuple(defaults[name])]
-    if changed:
-      raise ValueError(f"config.lora.{changed[0]} = {getattr(self, changed[0])!r} has no "
-                       "effect with config.lora.rank = 0 (LoRA off, RL trains full "
-                       "weights); set config.lora.rank > 0 to train adapters, or leave "
-                       f"config.lora.{changed[0]} at its default {defaults[changed[0]]!r}.")
 
   def lora_config(self):
     """The models/lora.py LoraConfig of these settings, or None when rank = 0."""
@@ -493,6 +485,36 @@ def _reward_stage(settings: RunSettings) -> None:
                      "config.tools.name puts environment text between them; turn one off.")
 
 
+def _advantage_source(settings: RunSettings) -> None:
+  """config.advantage.name is read only where the rollout kind takes its advantages from
+  the estimator, and a correction that computes advantages of its own (VCPO's baseline:
+  GRPO's group statistics around its off-policy baseline) replaces whatever the estimator
+  or the tree computed, so it runs with the default estimator on group-relative batches."""
+  name, kind = settings.advantage.name, settings.rollout.kind_spec
+  default = AdvantageSettings.defaults()["name"]
+  if kind.own_advantages and name != default:
+    raise ValueError(f"config.advantage.name = {name!r} has no effect with "
+                     f"config.rollout.kind = {settings.rollout.kind!r}, whose advantages are "
+                     "config.rollout.tree.advantage's; set that, or leave "
+                     f"config.advantage.name at its default {default!r}.")
+  from rl.objectives import corrections  # pylint: disable=import-outside-toplevel
+  own = [c for c in settings.loss.chain
+         if not corrections.get_correction(c).scales_with_advantage]
+  if not own:
+    return
+  if name != default:
+    raise ValueError(f"config.advantage.name = {name!r} with the correction {own[0]!r} "
+                     f"(config.loss.name = {settings.loss.name!r}): it computes advantages of "
+                     "its own from the rewards, so the estimator's would be discarded; leave "
+                     f"config.advantage.name at {default!r} or use another objective.")
+  if kind.own_advantages:
+    raise ValueError(f"config.rollout.kind = {settings.rollout.kind!r} with the correction "
+                     f"{own[0]!r} (config.loss.name = {settings.loss.name!r}): it computes "
+                     "group advantages of its own and would discard the tree's "
+                     "(config.rollout.tree.advantage); use rollout.kind='independent' or "
+                     "another objective.")
+
+
 def _moe(settings: RunSettings) -> None:
   """config.moe against the rest (a checkpoint's model is checked once loaded,
   MoeSettings.router_terms)."""
@@ -545,4 +567,5 @@ def _low_precision(settings: RunSettings) -> None:
 
 
 _CROSS_CHECKS = (_batch_layout, _prefix_sharing, _speculative, _no_reference_policy, _groups,
-                 check_composition, _tools, _distillation, _reward_stage, _moe, _low_precision)
+                 check_composition, _tools, _distillation, _reward_stage, _advantage_source,
+                 _moe, _low_precision)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from rl.settings import Settings, nested, setting
+from rl.settings import Settings, nested, setting, used_when
 
 if TYPE_CHECKING:
   from rl.rollouts.selection import SelectionRule
@@ -88,12 +88,19 @@ class SelectionSettings(Settings):
   SECTION = "selection"
   kind: str = setting("uniform", "uniform | dynamic (DAPO) | greso | adaptive | pods | "
                       "ar3po (SELECTION_RULES)")
-  max_attempts: int = setting(8, "dynamic / greso: rollout rounds to fill a batch, then error",
-                              low=1)
-  greso: GresoSettings = nested(GresoSettings, "GRESO's skip rule")
-  adaptive: AdaptiveSettings = nested(AdaptiveSettings, "adaptive allocation")
-  pods: PodsSettings = nested(PodsSettings, "PODS max-variance down-sampling")
-  ar3po: Ar3poSettings = nested(Ar3poSettings, "AR3PO adaptive rollout and response reuse")
+  max_attempts: int = setting(
+      8, "dynamic / greso: rollout rounds to fill a batch, then error", low=1,
+      used_when=used_when("kind", predicate=lambda s: s.rule.refills(s),
+                          condition="config.selection.kind refills its batch (dynamic, or "
+                          "greso with greso.refill)"))
+  greso: GresoSettings = nested(GresoSettings, "GRESO's skip rule",
+                                used_when=used_when("kind", "greso"))
+  adaptive: AdaptiveSettings = nested(AdaptiveSettings, "adaptive allocation",
+                                      used_when=used_when("kind", "adaptive"))
+  pods: PodsSettings = nested(PodsSettings, "PODS max-variance down-sampling",
+                              used_when=used_when("kind", "pods"))
+  ar3po: Ar3poSettings = nested(Ar3poSettings, "AR3PO adaptive rollout and response reuse",
+                                used_when=used_when("kind", "ar3po"))
 
   @property
   def rule(self) -> "SelectionRule":

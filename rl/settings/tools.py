@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from rl.environments import ENVIRONMENTS
-from rl.settings import Settings, setting
+from rl.settings import Settings, setting, used_when
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,21 +24,15 @@ class ToolSettings(Settings):
   name: str = setting("", "the environment: \"\" = off; adder (running_sum's \"?a+b=\") | "
                       "calculator (GSM8K's \"<<48/2=\" -> \"24>>\"); rl/environments/")
   max_turns: int = setting(16, "environment answers per rollout; a row's next call past "
-                           "them ends it", low=1)
+                           "them ends it", low=1, used_when=used_when("name"))
   max_observation_tokens: int = setting(32, "an answer is cut to this many tokens (and to "
-                                        "the row's remaining budget)", low=1)
+                                        "the row's remaining budget)", low=1,
+                                        used_when=used_when("name"))
   timeout_s: float = setting(0.0, "time limit of one environment step in the scoring worker "
-                             "(0 = the environment's own, 1 s for built-ins)", low=0)
+                             "(0 = the environment's own, 1 s for built-ins)", low=0,
+                             used_when=used_when("name"))
 
   def check(self) -> None:
     super().check()
     if self.name:
       ENVIRONMENTS.get(self.name)
-      return
-    defaults = self.defaults()
-    changed = [k for k in ("max_turns", "max_observation_tokens", "timeout_s")
-               if getattr(self, k) != defaults[k]]
-    if changed:
-      raise ValueError(f"config.tools.{changed[0]} = {getattr(self, changed[0])!r} has no "
-                       "effect without an environment: set config.tools.name (e.g. 'adder'), "
-                       f"or leave it at its default {defaults[changed[0]]!r}.")
