@@ -39,6 +39,7 @@ table (prompt, completion, the answer read, the target, reward, category):
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -52,6 +53,7 @@ import ml_collections
 import numpy as np
 
 from experiments import config_flag
+from experiments import provenance
 from models import lora as lora_lib
 from models import peft_adapter
 from models.config import ModelConfig
@@ -61,6 +63,7 @@ from rl import checkpoint
 from rl import evaluation
 from rl import samples as samples_lib
 from rl import wiring
+from rl.rollouts import selection as selection_lib
 from rl.tasks import Task
 from sampling.sampler import SamplingConfig
 
@@ -79,6 +82,10 @@ _ADAPTER = flags.DEFINE_string("adapter", None, "A PEFT LoRA folder to evaluate 
                                "config's base policy instead of the run's checkpoints.")
 _SHOW = flags.DEFINE_integer("show", 0, "Print this many greedy samples of each checkpoint "
                              "(prompt, completion, answer, target, reward, category).")
+_TRAINED_SEEDS = flags.DEFINE_list(
+    "trained_seeds", [], "Seeds of the runs the evaluated policies were trained by (the "
+    "config's run otherwise): the held-out problems are checked against the prompts each "
+    "trained on, and the number shared is recorded (`overlap_with_training`).")
 
 
 USAGE = ("usage: python -m experiments.eval --config.workdir=<the run's workdir> "
@@ -188,11 +195,11 @@ def greedy_accuracy(config: ml_collections.ConfigDict, policy: Policy, params,
 def evaluate_checkpoint(config: ml_collections.ConfigDict, policy: Policy, step: int | str, *,
                         num_samples: int, ks: Sequence[int], temperature: float,
                         num_examples: int, seed: int = 0, progress: bool = True,
-                        params=None, samples: int = 0) -> tuple[dict, list[dict]]:
-  """(one table row, greedy samples): greedy and sampled metrics of checkpoint `step` (or
-  of `params`, when given) on the held-out split, with the greedy answers' failure
-  categories, and the greedy completions of `samples` held-out problems
-  (`rl.samples.eval_samples`)."""
+                        params=None, samples: int = 0) -> tuple[dict, list[dict], list]:
+  """(one table row, greedy samples, the problems): greedy and sampled metrics of
+  checkpoint `step` (or of `params`, when given) on the held-out split, with the greedy
+  answers' failure categories, the greedy completions of `samples` held-out problems
+  (`rl.samples.eval_samples`), and the held-out examples scored."""
   params = load_params(config, policy, step) if params is None else params
   examples = policy.task.examples("eval", num_examples)
   common = evaluation_settings(config, policy, progress)
@@ -212,7 +219,48 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, policy: Policy, step:
          "mixed": mixed_share(sampled.num_correct, num_samples),
          "sampled_reward": sampled.mean_reward, "sampled_length": sampled.mean_length,
          "greedy_categories": greedy.categories}
-  return row, greedy.samples
+  return row, greedy.samples, examples
+
+
+def problems_sha256(examples: Sequence) -> str:
+  """A hash of the evaluated problems (each prompt and answer, in order): two evaluations
+  with the same hash scored the same problems."""
+  text = "\x1e".join(f"{e.prompt}\x1f{e.answer}" for e in examples)
+  return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def trained_prompts(config: ml_collections.ConfigDict, seed: int) -> set[str]:
+  """The prompts the run of `config` with seed `seed` trains on: its task's train split
+  from where the warm start leaves the data cursor (warm_start.steps x batch_size) for
+  rl.steps x prompts_per_step prompts, cycling over task.train_pool when it is finite.
+  Other selection rules draw more prompts than they train: refused."""
+  if config.selection.kind != "uniform":
+    raise ValueError(f"--trained_seeds reads the prompts of uniform selection; "
+                     f"config.selection.kind = {config.selection.kind!r} draws others.")
+  run = ml_collections.ConfigDict(config.to_dict())
+  run.seed = seed
+  task = wiring.build_task(run)
+  start = config.warm_start.steps * config.warm_start.batch_size
+  count = config.rl.steps * config.rollout.prompts_per_step
+  pool = config.task.train_pool
+  return {task.examples("train", 1, selection_lib.train_position(start + i, pool))[0].prompt
+          for i in range(count)}
+
+
+def provenance_record(config: ml_collections.ConfigDict, examples: Sequence, sampling_seed: int,
+                      trained_seeds: Sequence[int]) -> dict:
+  """What an evaluation's result must say of itself: the source commit it ran
+  (`provenance.commit_label`), the problems' seed (config.seed) and hash, the sampling
+  seed, and, for `trained_seeds`, how many of the problems each of those runs trained on
+  (checked against `trained_prompts`, not assumed); None when no run was named."""
+  prompts = {e.prompt for e in examples}
+  overlap = None
+  if trained_seeds:
+    overlap = {str(s): len(prompts & trained_prompts(config, int(s))) for s in trained_seeds}
+  return {"commit": provenance.commit_label(provenance.source_state(os.getcwd())),
+          "problem_seed": int(config.seed), "problems": len(examples),
+          "problems_sha256": problems_sha256(examples), "sampling_seed": int(sampling_seed),
+          "overlap_with_training": overlap}
 
 
 def mixed_share(num_correct, num_samples: int) -> float:
@@ -242,11 +290,14 @@ def shown_samples(step, samples: Sequence[dict], show: int, categories: dict) ->
 def run(config: ml_collections.ConfigDict, *, steps: str = "latest", num_samples: int = 16,
         ks: Sequence[int] = (1, 4, 16), temperature: float | None = None,
         num_examples: int | None = None, seed: int = 0, progress: bool = True,
-        adapter: str | None = None, show: int = 0) -> list[dict]:
+        adapter: str | None = None, show: int = 0,
+        trained_seeds: Sequence[int] = ()) -> list[dict]:
   """Evaluates the named checkpoints (or `adapter`, a PEFT folder), writes
   <workdir>/eval/eval.{json,md} and each checkpoint's greedy samples
   (samples_<step>.jsonl: max(show, config.metrics.eval_samples) of them), prints the first
-  `show` samples of each, returns the rows."""
+  `show` samples of each, returns the rows; each row's "provenance" is
+  `provenance_record` (with `trained_seeds`, the runs whose training prompts the problems
+  are checked against)."""
   temperature = config.rollout.temperature if temperature is None else temperature
   if temperature <= 0:
     raise ValueError(f"--temperature={temperature}: pass@k needs sampling (> 0); the greedy "
@@ -267,10 +318,11 @@ def run(config: ml_collections.ConfigDict, *, steps: str = "latest", num_samples
   os.makedirs(out, exist_ok=True)
   rows = []
   for step in chosen:
-    row, samples = evaluate_checkpoint(
+    row, samples, examples = evaluate_checkpoint(
         config, policy, step, num_samples=num_samples, ks=ks, temperature=temperature,
         num_examples=num_examples, seed=seed, progress=progress, params=params,
         samples=max(show, config.metrics.eval_samples))
+    row["provenance"] = provenance_record(config, examples, seed, trained_seeds)
     rows.append(row)
     with open(os.path.join(out, f"samples_{step}.jsonl"), "w") as f:
       f.write(samples_lib.jsonl(step, samples))
@@ -299,7 +351,7 @@ def main(argv):
     rows = run(config, steps=_STEPS.value, num_samples=_NUM_SAMPLES.value,
                ks=[int(k) for k in _K.value], temperature=_TEMPERATURE.value,
                num_examples=_NUM_EXAMPLES.value, seed=_SEED.value, adapter=_ADAPTER.value,
-               show=_SHOW.value)
+               show=_SHOW.value, trained_seeds=[int(s) for s in _TRAINED_SEEDS.value])
   except NoCheckpointsError as error:
     exit_with_usage(f"Nothing to evaluate. {error}")
   print(markdown_table(rows), end="")

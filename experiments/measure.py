@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from experiments import provenance
 from models.config import ModelConfig
 from rl.types import Rollout
 
@@ -75,8 +76,10 @@ def load() -> str:
 def write_results(out_dir: str, name: str, result: dict, markdown: Callable[[dict], str],
                   plot: Callable[[dict, str], None] | None) -> None:
   """Writes <name>.json, <name>.md and (with `plot`) <name>.png to out_dir and prints the
-  table."""
+  table. The JSON records the source it ran as "commit" (`provenance.commit_label` of the
+  checkout when the results are written: a commit, "-dirty-<hash>" when code differed)."""
   os.makedirs(out_dir, exist_ok=True)
+  result = {"commit": provenance.commit_label(provenance.source_state(os.getcwd())), **result}
   with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
     json.dump(result, f, indent=2)
   table = markdown(result)

@@ -123,3 +123,28 @@ def test_mixed_share_counts_groups_neither_all_right_nor_all_wrong():
   assert eval_launcher.mixed_share([0, 0], 8) == 0.0
   assert eval_launcher.mixed_share([8, 8], 8) == 0.0
   assert eval_launcher.mixed_share([1], 1) == 0.0  # one sample is never mixed
+
+
+@pytest.mark.slow
+def test_trained_prompts_are_the_prompts_the_launcher_trained_on(tmp_path):
+  """`trained_prompts` (what an evaluation's overlap check compares its problems with)
+  equals the prompts of every RL row the launcher trained on, read from its training
+  samples (all rows kept at every step); an evaluation on the run's own train split shares
+  exactly those, and one on its held-out split none."""
+  config = tiny_config(tmp_path, {"metrics.train_samples_every": 1,
+                                  "metrics.train_samples": 8})
+  train_launcher.run(config)
+  seen = set()
+  for path in (tmp_path / "samples").glob("train_*.jsonl"):
+    seen |= {json.loads(line)["prompt"] for line in path.read_text().splitlines()}
+  trained = eval_launcher.trained_prompts(config, config.seed)
+  assert trained == seen and len(trained) == config.rl.steps * config.rollout.prompts_per_step
+  task = eval_launcher.build_policy(config).task
+  start = config.warm_start.steps * config.warm_start.batch_size
+  on_train = task.examples("train", 6, start - 2)  # 2 warm-start prompts, then 4 trained
+  record = eval_launcher.provenance_record(config, on_train, 0, [config.seed])
+  assert record["overlap_with_training"] == {str(config.seed): 4}
+  held_out = eval_launcher.provenance_record(config, task.examples("eval", 16), 0,
+                                             [config.seed])
+  assert held_out["overlap_with_training"] == {str(config.seed): 0}
+  assert held_out["problems_sha256"] != record["problems_sha256"]

@@ -1,0 +1,117 @@
+"""Every committed result names the source it ran, and that source is in this history.
+
+Each JSON file under docs/results/ (a grid cell, a benchmark, an evaluation; the PEFT
+adapter folders, which are weights, aside) records the commit it ran (a grid cell's and a
+benchmark's top-level "commit"; each evaluation row's "provenance"), and that commit is an
+ancestor of HEAD: a rewritten history, or a result whose work landed again as another
+commit, is caught at the next run. An evaluation row also names its problems' seed, their
+hash and its sampling seed, and one of a trained policy says how many of its problems the
+runs it evaluates trained on (checked by experiments.eval, not assumed).
+"""
+
+import json
+import pathlib
+import re
+import subprocess
+
+import pytest
+
+_REPO = pathlib.Path(__file__).resolve().parent.parent
+_RESULTS = _REPO / "docs" / "results"
+_LABEL = re.compile(r"^([0-9a-f]{40})(-dirty(-[0-9a-f]+)?)?$")
+_EVALUATION_FIELDS = ("commit", "problem_seed", "problems", "problems_sha256",
+                      "sampling_seed", "overlap_with_training")
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+  return subprocess.run(["git", *args], cwd=_REPO, capture_output=True, text=True,
+                        check=False)
+
+
+def _history_available() -> str:
+  """'' when this checkout has its full history, else why the test cannot run."""
+  try:
+    inside = _git("rev-parse", "--is-inside-work-tree")
+  except OSError:
+    return "git is not installed"
+  if inside.returncode or inside.stdout.strip() != "true":
+    return "not a git checkout (no history to check the results' commits against)"
+  if _git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
+    return "a shallow clone: older commits are absent (git fetch --unshallow)"
+  return ""
+
+
+def result_files() -> list[pathlib.Path]:
+  return sorted(p for p in _RESULTS.rglob("*.json") if "adapters" not in p.parts)
+
+
+def commit_labels(result) -> list[str]:
+  """The commit labels a result records: its top-level "commit", or each evaluation row's
+  provenance "commit"."""
+  if isinstance(result, dict):
+    return [result["commit"]] if "commit" in result else []
+  return [row.get("provenance", {}).get("commit") for row in result
+          if isinstance(row, dict)]
+
+
+def evaluation_problems(path: pathlib.Path, result) -> list[str]:
+  """What an evaluation row (experiments.eval's eval.json) lacks of its provenance."""
+  if not isinstance(result, list):
+    return []
+  problems = []
+  for row in result:
+    record = row.get("provenance") or {}
+    missing = [f for f in _EVALUATION_FIELDS if f not in record]
+    if missing:
+      problems.append(f"{path.relative_to(_REPO)} step {row.get('step')}: no {missing}")
+    elif row.get("step") not in (0, "initial") and record["overlap_with_training"] is None:
+      problems.append(f"{path.relative_to(_REPO)} step {row.get('step')}: a trained policy's "
+                      "evaluation without its overlap with the training prompts "
+                      "(experiments.eval --trained_seeds)")
+  return problems
+
+
+def test_every_result_records_a_commit_that_is_an_ancestor_of_head():
+  why = _history_available()
+  if why:
+    pytest.skip(f"cannot check the results' commits: {why}")
+  problems, checked = [], {}
+  for path in result_files():
+    result = json.loads(path.read_text())
+    labels = commit_labels(result)
+    if not labels or not all(labels):
+      problems.append(f"{path.relative_to(_REPO)}: records no commit")
+    for label in filter(None, labels):
+      match = _LABEL.match(label)
+      if match is None:
+        problems.append(f"{path.relative_to(_REPO)}: commit {label!r} is not a commit label")
+        continue
+      commit = match.group(1)
+      if commit not in checked:
+        checked[commit] = _git("merge-base", "--is-ancestor", commit, "HEAD").returncode == 0
+      if not checked[commit]:
+        problems.append(f"{path.relative_to(_REPO)}: commit {commit[:12]} is not an ancestor "
+                        "of HEAD (absent, or on a history that was rewritten): rerun it")
+    problems += evaluation_problems(path, result)
+  assert not problems, "\n".join(problems)
+  assert checked  # the results do record commits
+
+
+def test_a_result_from_another_history_is_caught(tmp_path):
+  """A label whose commit this history lacks, and an evaluation row without provenance,
+  are reported."""
+  why = _history_available()
+  if why:
+    pytest.skip(f"cannot check the results' commits: {why}")
+  absent = "0123456789abcdef0123456789abcdef01234567"
+  assert _git("merge-base", "--is-ancestor", absent, "HEAD").returncode != 0
+  head = _git("rev-parse", "HEAD").stdout.strip()
+  assert _git("merge-base", "--is-ancestor", head, "HEAD").returncode == 0
+  assert commit_labels({"commit": f"{head}-dirty-abc123"}) == [f"{head}-dirty-abc123"]
+  assert _LABEL.match(f"{head}-dirty-abc123").group(1) == head
+  path = _RESULTS / "example.json"
+  rows = [{"step": "adapter", "greedy_accuracy": 0.5}]
+  assert evaluation_problems(path, rows) == [
+      f"docs/results/example.json step adapter: no {list(_EVALUATION_FIELDS)}"]
+  rows[0]["provenance"] = dict.fromkeys(_EVALUATION_FIELDS)
+  assert "without its overlap" in evaluation_problems(path, rows)[0]
