@@ -125,6 +125,8 @@ def test_bad_config_fails_before_any_work(tmp_path, overrides, message):
     ({"rollout.speculative.ngram": 2}, r"config.rollout.speculative.ngram = 2 has no effect "
                                        r"with config.rollout.speculative.tokens = 0"),
     ({"distill.objective": "k1"}, r"config.distill.objective = 'k1' has no effect"),
+    ({"rl.max_staleness": 1}, r"config.rl.max_staleness = 1 has no effect with "
+                              r"config.rl.async_ = False and config.rollout.kind = 'independent'"),
 ], ids=lambda value: None if isinstance(value, str) else ",".join(
     f"{k}={v}" for k, v in value.items()))
 def test_combinations_that_would_not_compute_what_they_say_are_refused(tmp_path, overrides,
@@ -157,7 +159,8 @@ def test_default_configs_validate():
     {"rl.steps": 0, "rollout.temperature": 0.0},  # no RL rollouts: nothing samples at T = 0
     {"rl.async_": True, "rl.num_minibatches": 2, "rl.max_staleness": 0},  # synchronous
     {"rl.async_": True, "rl.num_minibatches": 2, "rl.max_staleness": 2},  # one batch ahead
-    {"rl.num_minibatches": 2, "rl.max_staleness": 1},  # sync partial pools may bound below U
+    # sync partial pools may bound below U
+    {"rl.num_minibatches": 2, "rl.max_staleness": 1, "rollout.kind": "partial"},
 ])
 def test_settings_next_to_the_refused_ones_validate(overrides):
   wiring.validate(tiny_run_config("unused", overrides))

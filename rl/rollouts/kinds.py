@@ -64,6 +64,8 @@ class RolloutKind:
       over each prompt's rows).
     own_advantages: `batch_advantages` ignores the estimator (a tree's advantages come from
       config.rollout.tree.advantage), so config.advantage.name is not read.
+    bounds_staleness: the producer itself discards rows older than config.rl.max_staleness
+      (a partial pool), so that bound is read without config.rl.async_.
     check: `(rollout, tools) -> None`: raises ValueError for a bad setting of the kind's own
       fields (`tools`: whether an environment answers tool calls).
     any_selection: composes with every config.selection.kind (else only 'uniform': the kind
@@ -88,6 +90,7 @@ class RolloutKind:
       lambda rollout, estimator: advantages.group_relative(estimator))
   check: Callable[[RolloutSettings, bool], None] = lambda rollout, tools: None
   own_advantages: bool = False
+  bounds_staleness: bool = False
   any_selection: bool = False
   mesh: bool = False
   identical_prompt_groups: bool = False
@@ -139,7 +142,7 @@ def _partial_producer(rollout: RolloutSettings, ctx, selection, max_staleness):
 
 ROLLOUT_KINDS.register("partial", RolloutKind(
     make_producer=_partial_producer, rows_per_prompt=_group_size, check=_check_partial,
-    tools=True))
+    bounds_staleness=True, tools=True))
 
 
 ROLLOUT_KINDS.register("pruned", RolloutKind(

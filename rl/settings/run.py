@@ -400,6 +400,13 @@ def check_composition(settings: RunSettings) -> None:
                      f"and parameters change once per batch of config.rl.num_minibatches * "
                      f"ppo_epochs = {updates} updates: set rl.staleness to a multiple of "
                      f"{updates} (sampling then lags rl.staleness // {updates} batches).")
+  default_bound = RLSettings.defaults()["max_staleness"]
+  if not rl.async_ and not r.kind_spec.bounds_staleness and rl.max_staleness != default_bound:
+    raise ValueError(f"config.rl.max_staleness = {rl.max_staleness} has no effect with "
+                     f"config.rl.async_ = False and config.rollout.kind = {r.kind!r}: it "
+                     "bounds the asynchronous producer's lead and a partial pool's oldest "
+                     "rows. Set rl.async_ = True or rollout.kind = 'partial', or leave it at "
+                     f"its default {default_bound}.")
   if rl.async_ and 0 < rl.max_staleness < updates:
     raise ValueError(f"config.rl.max_staleness = {rl.max_staleness} counts optimiser "
                      f"updates, and one batch is config.rl.num_minibatches * ppo_epochs = "
