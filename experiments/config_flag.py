@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Collection, NoReturn
 
 from absl import app
 from absl import flags
@@ -91,7 +92,63 @@ def parse_flags(argv: list[str]) -> list[str]:
 _DEFINED: list[str] = []
 
 
+class InputError(ValueError):
+  """A config or an input a launcher refuses before it does any work (the settings check,
+  the task's files, the resume check): its message names the field or file and the fix."""
+
+
+TRACEBACK_ENV = "ARBOR_TRACEBACK"  # set to 1 for a refused input's whole traceback
+
+
+def exit_on_input_error(error: InputError) -> NoReturn:
+  """Prints `error: <message>` on stderr and exits with status 2, or, with the
+  environment variable ARBOR_TRACEBACK=1, re-raises it with its traceback."""
+  if os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
+    raise error
+  sys.stderr.write(f"error: {error}\n")
+  sys.exit(2)
+
+
 DEFAULT_RUN_CONFIG = os.path.join(os.path.dirname(__file__), "configs", "default.py")
+
+
+def task_defaults(config: config_dict.ConfigDict, overrides: Collection[str],
+                  file_task: str) -> config_dict.ConfigDict:
+  """`config` with the task's own fields at that task's defaults when the command line
+  switched config.task.name away from the config file's task (`file_task`): the file's
+  task.difficulty belongs to the file's task (the default config's are running_sum's carry
+  settings), so only the difficulty fields the command line sets (`overrides`, dotted
+  paths) are kept, and task.prompt_style, unless set there, becomes the new task's own
+  (`rl.tasks.default_prompt_style`). A field of another task set on the command line is
+  still refused, by the task that does not know it.
+
+  >>> from experiments.configs import default
+  >>> c = task_defaults(default.get_config().copy_and_resolve_references(), (), "running_sum")
+  >>> c.task.name = "dataset"
+  >>> c = task_defaults(c, ["task.name"], "running_sum")
+  >>> dict(c.task.difficulty), c.task.prompt_style
+  ({}, 'full')
+  """
+  if config.task.name == file_task:
+    return config
+  from rl import tasks  # pylint: disable=import-outside-toplevel
+  config = config_dict.ConfigDict(config.to_dict())
+  if "task.difficulty" not in overrides:
+    given = {path.split(".", 2)[2] for path in overrides if path.startswith("task.difficulty.")}
+    config.task.difficulty = config_dict.ConfigDict(
+        {key: value for key, value in config.task.difficulty.items() if key in given})
+  if "task.prompt_style" not in overrides and config.task.name in tasks.task_names():
+    config.task.prompt_style = tasks.default_prompt_style(config.task.name)
+  return config
+
+
+def resolved(holder: flags.FlagHolder) -> config_dict.ConfigDict:
+  """The run config of the command line: the `--config` flag's value, with `task_defaults`
+  applied for the overrides the command line gave."""
+  flag = flags.FLAGS[holder.name]
+  overrides = flag._GetOverrides(flag._GetArgv())  # pylint: disable=protected-access
+  file_task = flag.parser.parse(flag.config_filename).task.name
+  return task_defaults(holder.value, overrides, file_task)
 
 
 def run_config() -> flags.FlagHolder:

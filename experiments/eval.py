@@ -287,17 +287,10 @@ def shown_samples(step, samples: Sequence[dict], show: int, categories: dict) ->
           + samples_lib.text_table(samples[:show]) + "\n")
 
 
-def run(config: ml_collections.ConfigDict, *, steps: str = "latest", num_samples: int = 16,
-        ks: Sequence[int] = (1, 4, 16), temperature: float | None = None,
-        num_examples: int | None = None, seed: int = 0, progress: bool = True,
-        adapter: str | None = None, show: int = 0,
-        trained_seeds: Sequence[int] = ()) -> list[dict]:
-  """Evaluates the named checkpoints (or `adapter`, a PEFT folder), writes
-  <workdir>/eval/eval.{json,md} and each checkpoint's greedy samples
-  (samples_<step>.jsonl: max(show, config.metrics.eval_samples) of them), prints the first
-  `show` samples of each, returns the rows; each row's "provenance" is
-  `provenance_record` (with `trained_seeds`, the runs whose training prompts the problems
-  are checked against)."""
+def _prepare(config: ml_collections.ConfigDict, steps: str, temperature: float | None,
+             num_examples: int | None, adapter: str | None):
+  """What `run` evaluates, checked before any decoding: (policy, the steps, the parameters
+  given directly or None, the sampling temperature, the number of problems)."""
   temperature = config.rollout.temperature if temperature is None else temperature
   if temperature <= 0:
     raise ValueError(f"--temperature={temperature}: pass@k needs sampling (> 0); the greedy "
@@ -314,6 +307,27 @@ def run(config: ml_collections.ConfigDict, *, steps: str = "latest", num_samples
   policy = build_policy(config)
   params = (adapter_params(config, policy, adapter) if adapter is not None
             else initial_params(config) if initial else None)
+  return policy, chosen, params, temperature, num_examples
+
+
+def run(config: ml_collections.ConfigDict, *, steps: str = "latest", num_samples: int = 16,
+        ks: Sequence[int] = (1, 4, 16), temperature: float | None = None,
+        num_examples: int | None = None, seed: int = 0, progress: bool = True,
+        adapter: str | None = None, show: int = 0,
+        trained_seeds: Sequence[int] = ()) -> list[dict]:
+  """Evaluates the named checkpoints (or `adapter`, a PEFT folder), writes
+  <workdir>/eval/eval.{json,md} and each checkpoint's greedy samples
+  (samples_<step>.jsonl: max(show, config.metrics.eval_samples) of them), prints the first
+  `show` samples of each, returns the rows; each row's "provenance" is
+  `provenance_record` (with `trained_seeds`, the runs whose training prompts the problems
+  are checked against)."""
+  try:
+    policy, chosen, params, temperature, num_examples = _prepare(
+        config, steps, temperature, num_examples, adapter)
+  except NoCheckpointsError:
+    raise
+  except ValueError as error:
+    raise config_flag.InputError(str(error)) from error
   out = os.path.join(config.workdir, "eval")
   os.makedirs(out, exist_ok=True)
   rows = []
@@ -346,7 +360,7 @@ def main(argv):
     exit_with_usage(f"Unexpected arguments {argv[1:]}: name the run with --config.workdir.")
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every restore at INFO
-  config = CONFIG.value  # the run's --config
+  config = config_flag.resolved(CONFIG)  # the run's --config
   try:
     rows = run(config, steps=_STEPS.value, num_samples=_NUM_SAMPLES.value,
                ks=[int(k) for k in _K.value], temperature=_TEMPERATURE.value,
@@ -354,6 +368,8 @@ def main(argv):
                show=_SHOW.value, trained_seeds=[int(s) for s in _TRAINED_SEEDS.value])
   except NoCheckpointsError as error:
     exit_with_usage(f"Nothing to evaluate. {error}")
+  except config_flag.InputError as error:
+    config_flag.exit_on_input_error(error)
   print(markdown_table(rows), end="")
   print(f"Written to {os.path.join(config.workdir, 'eval')}/eval.json and eval.md")
 

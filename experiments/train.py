@@ -55,16 +55,21 @@ def check_metrics(config: ml_collections.ConfigDict) -> None:
 
 def run(config: ml_collections.ConfigDict) -> dict:
   """Runs (or resumes) the configured job and returns its summary. The config is checked
-  (rl.wiring.validate) before anything is built, so a bad one fails before step 1."""
+  (rl.wiring.validate) before anything is built, so a bad one fails before step 1; what is
+  refused before the first step (the config, the task's files, the resume check) raises
+  `config_flag.InputError`."""
   # JAX, orbax, reasoning-gym and the model code load here, not at import: `--help` and
   # flag errors answer at once.
   from experiments import job as job_lib  # pylint: disable=import-outside-toplevel
   from rl import wiring  # pylint: disable=import-outside-toplevel
 
-  wiring.validate(config)
-  check_metrics(config)
-  job = job_lib.Job(config)
-  job.restore_or_start()
+  try:
+    wiring.validate(config)
+    check_metrics(config)
+    job = job_lib.Job(config)
+    job.restore_or_start()
+  except ValueError as error:
+    raise config_flag.InputError(str(error)) from error
   for phase in (wiring.WARM_START, wiring.RL):
     if job.meta["phase"] == phase:
       job.run_phase(phase)
@@ -75,8 +80,14 @@ def main(argv):
   del argv
   if not flags.FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # orbax logs every save at INFO
-  summary = run(CONFIG.value)
-  print(f"Warm-start held-out accuracy: {summary['warm_start_accuracy']:.3f} "
+  config = config_flag.resolved(CONFIG)
+  try:
+    summary = run(config)
+  except config_flag.InputError as error:
+    config_flag.exit_on_input_error(error)
+  # The first evaluation is the warm start's end, or the initial policy without one.
+  start = "Warm-start" if config.warm_start.steps or config.warm_start.init_from else "Initial"
+  print(f"{start + ' held-out accuracy:':<29} {summary['warm_start_accuracy']:.3f} "
         f"+- {summary['warm_start_accuracy_stderr']:.3f}")
   print(f"Final held-out accuracy:      {summary['final_accuracy']:.3f} "
         f"+- {summary['final_accuracy_stderr']:.3f}  "
@@ -85,9 +96,9 @@ def main(argv):
   if final:
     print("Final held-out answers by category: "
           + ", ".join(f"{name} {count}" for name, count in final.items() if count)
-          + f" (why each failed: {CONFIG.value.workdir}/samples/, docs/metrics.md)")
+          + f" (why each failed: {config.workdir}/samples/, docs/metrics.md)")
   if "accuracy_by_size" in summary:
-    print("Held-out accuracy by problem size (examples: warm start -> final):")
+    print(f"Held-out accuracy by problem size (examples: {start.lower()} -> final):")
     for size, row in summary["accuracy_by_size"].items():
       before = "  -  " if row["warm_start"] is None else f"{row['warm_start']:.3f}"
       print(f"  size {size:>3} ({row['examples']:>4}): {before} -> {row['final']:.3f}")
@@ -99,7 +110,7 @@ def main(argv):
         f"{summary['trained_tokens_per_s']:.0f} tokens/s trained (RL)")
   split = ", ".join(f"{part} {seconds:.0f} s" for part, seconds in summary["time_s"].items())
   print(f"Wall time: {summary['wall_time_s']:.0f} s ({split}); outputs in "
-        f"{CONFIG.value.workdir}")
+        f"{config.workdir}")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from rl.rollouts import batches as rollout_lib
 from rl.rollouts import samplers
 from rl.tasks import Example, Task
 from sampling.sampler import SamplingConfig
+from sharding import mesh as mesh_lib
 from sharding import multihost
 
 
@@ -119,14 +120,30 @@ def _decode_and_score(generate_fn: Callable, params, chunk: Sequence[Example], r
           rollout_lib.scored_rows(repeated, completions, scores.verdicts))
 
 
+def batch_rows(batch_size: int, examples: int, repeats: int = 1, multiple: int = 1) -> int:
+  """Rows of an evaluation batch: `batch_size`, but never more than the work, `examples`
+  problems of `repeats` rows each (a held-out set of 16 is not padded to 250 rows), in
+  whole groups of `repeats`, rounded up to a multiple of `multiple` (a mesh's data x fsdp
+  rows).
+
+  >>> batch_rows(250, 16), batch_rows(250, 500), batch_rows(250, 16, repeats=8)
+  (16, 250, 128)
+  >>> batch_rows(250, 200, repeats=8), batch_rows(250, 5, multiple=4)
+  (248, 8)
+  """
+  groups = max(min(batch_size, examples * repeats) // repeats, 1)
+  rows = groups * repeats
+  return -(-rows // multiple) * multiple
+
+
 def evaluate(params, examples: Sequence[Example], *, task: Task, tokenizer, prompt_len: int,
              max_new_tokens: int, model_config: ModelConfig, batch_size: int = 256,
              progress: bool = False, mesh: jax.sharding.Mesh | None = None,
              turns=None, samples: int = 0) -> EvalResult:
-  """Greedy-decodes every example (fixed batch shape, last batch padded) and scores it.
+  """Greedy-decodes every example (fixed batch shape, last batch padded) and scores it, in
+  batches of `batch_rows(batch_size, len(examples), multiple=data x fsdp)` rows.
 
-  The sampler is `rl.rollouts.samplers.make_sampler`'s: with `mesh`, the sharded one;
-  batch_size must then be a multiple of data x fsdp. With `turns` (rl.environments.turns.Turns)
+  The sampler is `rl.rollouts.samplers.make_sampler`'s: with `mesh`, the sharded one. With `turns` (rl.environments.turns.Turns)
   an environment answers the policy's tool calls (one device). `samples`: how many
   examples' completions to keep as samples (`rl.samples.eval_samples`: the same spread
   of examples every time).
@@ -134,6 +151,8 @@ def evaluate(params, examples: Sequence[Example], *, task: Task, tokenizer, prom
   sampling_config = SamplingConfig(max_new_tokens=max_new_tokens, temperature=0.0,
                                    stop_tokens=(tokenizer.eos_id,), pad_id=tokenizer.pad_id)
   generate_fn = samplers.make_sampler(model_config, sampling_config, mesh=mesh, turns=turns)
+  multiple = 1 if mesh is None else mesh_lib.batch_size_multiple(mesh)
+  batch_size = batch_rows(batch_size, len(examples), multiple=multiple)
   scores, lengths, calls, rows = [], [], [], []
   starts = range(0, len(examples), batch_size)
   for start in tqdm.tqdm(starts, desc="greedy eval", disable=not progress, leave=False):
@@ -164,9 +183,10 @@ def evaluate_sampled(params, examples: Sequence[Example], *, task: Task, tokeniz
   """Samples `num_samples` completions per example and reports the unbiased pass@k (with
   `turns`, an environment answers the tool calls, as in `evaluate`).
 
-  Rows of one batch are whole groups: batch_size // num_samples examples per batch (at
-  least one), the last batch padded, so the sampler compiles once. Batch b uses
-  `fold_in(rng, b)`. pass@1 is the mean exact-match rate of the samples.
+  Rows of one batch are whole groups: `batch_rows(batch_size, len(examples), num_samples)`
+  rows (at least one group, no more than the work), the last batch padded, so the sampler
+  compiles once. Batch b uses `fold_in(rng, b)`. pass@1 is the mean exact-match rate of the
+  samples.
   """
   if num_samples < 1:
     raise ValueError(f"num_samples={num_samples} must be >= 1.")
@@ -174,8 +194,8 @@ def evaluate_sampled(params, examples: Sequence[Example], *, task: Task, tokeniz
     if not 1 <= k <= num_samples:
       raise ValueError(f"pass@{k} needs 1 <= k <= num_samples={num_samples}; raise "
                        "num_samples or drop that k.")
-  per_batch = max(batch_size // num_samples, 1)
-  rows = per_batch * num_samples
+  rows = batch_rows(batch_size, len(examples), num_samples)
+  per_batch = rows // num_samples
   generate_fn = samplers.make_sampler(model_config, sampling_config, turns=turns)
   scores, lengths = [], []
   starts = range(0, len(examples), per_batch)

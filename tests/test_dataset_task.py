@@ -369,8 +369,11 @@ def test_the_default_config_switched_to_the_dataset_names_the_fix(tmp_path):
 
 
 @pytest.mark.parametrize("flags,message", [
-    ([], "holds another task's settings (the default config's are running_sum's); the dataset "
-         "task has none"),
+    # Switching task.name drops the default config's running_sum fields, but one set on the
+    # command line is still refused.
+    (["--config.task.difficulty.max_steps=3"],
+     "holds another task's settings (the default config's are running_sum's); the dataset "
+     "task has none"),
     (["--config.task.difficulty={}", "--config.task.prompt_field=problem"],
      ", line 1: no field 'problem' (config.task.prompt_field); the row has the fields "
      "'question', 'answer'"),
@@ -396,6 +399,33 @@ def qwen2_folder(tmp_path_factory):
   # Qwen prepends no BOS.
   return save_tiny_hf_model(tmp_path_factory.mktemp("qwen2"), "qwen2", add_bos=False,
                             max_position_embeddings=512)
+
+
+def test_a_dataset_run_from_the_default_config_needs_no_other_tasks_settings(tmp_path,
+                                                                             qwen2_folder):
+  """`--config.task.name=dataset` on the default config: the running_sum difficulty fields
+  and prompt style it holds are the task's own defaults again (no --config.task.difficulty={}
+  or --config.task.prompt_style=full), and the run trains and says its first evaluation
+  is the initial policy's (no warm start)."""
+  train = _jsonl(tmp_path / "train.jsonl", _gsm_rows(8))
+  test = _jsonl(tmp_path / "test.jsonl", _gsm_rows(4, offset=50))
+  workdir = tmp_path / "run"
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.train", f"--config.workdir={workdir}",
+       "--config.task.name=dataset", f"--config.task.path={train}",
+       f"--config.task.eval_path={test}", "--config.task.eval_size=4",
+       f"--config.model.checkpoint={qwen2_folder}", "--config.warm_start.steps=0",
+       "--config.rl.steps=1", "--config.rollout.prompts_per_step=2",
+       "--config.rollout.group_size=2", "--config.rollout.prompt_len=192",
+       "--config.rollout.max_new_tokens=6", "--config.rollout.train_length_buckets=()",
+       "--config.eval.batch_size=4", "--config.metrics.eval_samples=0"],
+      cwd=_REPO, capture_output=True, text=True, timeout=600,
+      env=dict(os.environ, PYTHONPATH=_REPO, JAX_PLATFORMS="cpu"))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "Initial held-out accuracy:" in result.stdout
+  resolved = json.loads((workdir / "config.json").read_text())
+  assert resolved["task"]["difficulty"] == {} and resolved["task"]["prompt_style"] == "full"
+  assert json.loads((workdir / "summary.json").read_text())["steps"] == 1
 
 
 def test_the_qwen_recipe_validates_and_reads_gsm8k_files(tmp_path, qwen2_folder):

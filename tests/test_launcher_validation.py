@@ -166,6 +166,32 @@ def test_settings_next_to_the_refused_ones_validate(overrides):
   wiring.validate(tiny_run_config("unused", overrides))
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--config.loss.name=foo"], "error: Unknown loss 'foo' (config.loss.name); known: "),
+    (["--config.selection.pods.rollouts=16"],
+     "error: config.selection.pods.rollouts = 16 has no effect with config.selection.kind = "
+     "'uniform'"),
+    (["--config.task.name=dataset", "--config.task.path=missing.jsonl"],
+     "error: config.task.path = 'missing.jsonl': no such file"),
+], ids=["unknown-name", "unread-setting", "missing-file"])
+def test_a_refused_input_is_one_line_and_a_nonzero_exit(tmp_path, flags, message):
+  """No traceback: the message and status 2; ARBOR_TRACEBACK=1 shows the traceback."""
+  command = [sys.executable, "-m", "experiments.train", f"--config.workdir={tmp_path / 'run'}",
+             *flags]
+  env = dict(os.environ, PYTHONPATH=_REPO, JAX_PLATFORMS="cpu")
+  env.pop("ARBOR_TRACEBACK", None)
+  result = subprocess.run(command, cwd=_REPO, capture_output=True, text=True, timeout=300,
+                          env=env)
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines()[-1].startswith(message), result.stderr[-2000:]
+  assert "Traceback" not in result.stderr
+  if flags == ["--config.loss.name=foo"]:
+    shown = subprocess.run(command, cwd=_REPO, capture_output=True, text=True, timeout=300,
+                           env=dict(env, ARBOR_TRACEBACK="1"))
+    assert shown.returncode != 0 and "Traceback" in shown.stderr
+    assert "InputError: Unknown loss 'foo'" in shown.stderr
+
+
 def test_unknown_field_lists_the_valid_ones():
   config = default.get_config()
   assert config_flag.unknown_field(config, "rl.steps") is None

@@ -4,7 +4,8 @@ Each JSON file under docs/results/ (a grid cell, a benchmark, an evaluation; the
 adapter folders, which are weights, aside) records the commit it ran (a grid cell's and a
 benchmark's top-level "commit"; each evaluation row's "provenance"), and that commit is an
 ancestor of HEAD: a rewritten history, or a result whose work landed again as another
-commit, is caught at the next run. An evaluation row also names its problems' seed, their
+commit, is caught at the next run (such a result is rerun, or, where a rerun of part of it
+reproduces it exactly, names that rerun under "reproduced"). An evaluation row also names its problems' seed, their
 hash and its sampling seed, and one of a trained policy says how many of its problems the
 runs it evaluates trained on (checked by experiments.eval, not assumed).
 """
@@ -47,8 +48,12 @@ def result_files() -> list[pathlib.Path]:
 
 def commit_labels(result) -> list[str]:
   """The commit labels a result records: its top-level "commit", or each evaluation row's
-  provenance "commit"."""
+  provenance "commit". A run whose own commit was lost from the history (its work landed
+  again as another commit) names, under "reproduced", the commit and the file of a rerun
+  that reproduced its result: that commit is the one checked."""
   if isinstance(result, dict):
+    if "reproduced" in result:
+      return [result["reproduced"].get("commit")]
     return [result["commit"]] if "commit" in result else []
   return [row.get("provenance", {}).get("commit") for row in result
           if isinstance(row, dict)]
@@ -69,6 +74,19 @@ def evaluation_problems(path: pathlib.Path, result) -> list[str]:
                       "evaluation without its overlap with the training prompts "
                       "(experiments.eval --trained_seeds)")
   return problems
+
+
+def reproduction_problems(path: pathlib.Path, result) -> list[str]:
+  """A "reproduced" record must name a committed file that ran at its commit."""
+  if not isinstance(result, dict) or "reproduced" not in result:
+    return []
+  record = result["reproduced"]
+  rerun = _REPO / record.get("file", "")
+  if not record.get("file") or not rerun.is_file():
+    return [f"{path.relative_to(_REPO)}: its reproduction {record.get('file')!r} is not a file"]
+  if record.get("commit") not in commit_labels(json.loads(rerun.read_text())):
+    return [f"{path.relative_to(_REPO)}: {record['file']} did not run at {record.get('commit')}"]
+  return []
 
 
 def test_every_result_records_a_commit_that_is_an_ancestor_of_head():
@@ -93,6 +111,7 @@ def test_every_result_records_a_commit_that_is_an_ancestor_of_head():
         problems.append(f"{path.relative_to(_REPO)}: commit {commit[:12]} is not an ancestor "
                         "of HEAD (absent, or on a history that was rewritten): rerun it")
     problems += evaluation_problems(path, result)
+    problems += reproduction_problems(path, result)
   assert not problems, "\n".join(problems)
   assert checked  # the results do record commits
 

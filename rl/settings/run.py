@@ -180,7 +180,9 @@ class EvalSettings(Settings):
   """config.eval: held-out evaluation during the run."""
   SECTION = "eval"
   every: int = setting(30, "GRPO steps between held-out evaluations", low=1)
-  batch_size: int = setting(250, "prompts per greedy decoding batch", low=1)
+  batch_size: int = setting(250, "most rows per evaluation batch: a smaller held-out set "
+                            "(times its samples) is one batch of its own size "
+                            "(rl/evaluation.py batch_rows)", low=1)
 
 
 @dataclasses.dataclass(frozen=True)

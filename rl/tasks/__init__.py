@@ -18,7 +18,8 @@ isolated, time-bounded worker. docs/add_task.md shows how to add one.
 
 from rl.tasks import gsm  # registers gsm_symbolic
 from rl.tasks import running_sum  # registers running_sum
-from rl.tasks.base import PROMPT_STYLES, TASKS, Example, Task, make_task, task_names
+from rl.tasks.base import (PROMPT_STYLES, TASKS, Example, Task, default_prompt_style, make_task,
+                           task_names)
 from rl.tasks.gym import ReasoningGymTask, parse_completion, register_task
 
 TASK_NAMES = task_names()  # the built-in tasks that build from their defaults alone
@@ -27,4 +28,5 @@ TASK_NAMES = task_names()  # the built-in tasks that build from their defaults a
 from rl.tasks import dataset  # registers dataset: built in, but it needs a file (config.task.path)
 
 __all__ = ["PROMPT_STYLES", "TASKS", "TASK_NAMES", "Example", "ReasoningGymTask", "Task",
-           "make_task", "parse_completion", "register_task", "task_names"]
+           "default_prompt_style", "make_task", "parse_completion", "register_task",
+           "task_names"]

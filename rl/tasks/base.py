@@ -12,6 +12,7 @@ adding one.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Callable, Protocol
 
 from rl.registry import Registry
@@ -84,6 +85,19 @@ def make_task(name: str, prompt_style: str = "compact", *, seed: int = 0,
   build = TASKS.get(name)
   sized = {} if eval_size is None else {"eval_size": eval_size}
   return build(prompt_style, seed, **sized, **difficulty)
+
+
+def default_prompt_style(name: str) -> str:
+  """The prompt style the registered task `name` builds with when given none (its
+  builder's default: 'full' for tasks that need a pretrained tokenizer).
+
+  >>> default_prompt_style("running_sum"), default_prompt_style("dataset")
+  ('compact', 'full')
+  """
+  parameter = inspect.signature(TASKS.get(name)).parameters.get("prompt_style")
+  if parameter is None or parameter.default is inspect.Parameter.empty:
+    return "compact"
+  return parameter.default
 
 
 def task_names() -> tuple[str, ...]:
