@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
     import pytest  # pylint: disable=import-outside-toplevel
   except ImportError:
     print(f"pytest is not installed for {sys.executable}: activate the virtualenv Arbor is "
-          "installed in before running bazel (README.md, \"Bazel\").", file=sys.stderr)
+          "installed in before running bazel (docs/testing.md, \"Bazel\").", file=sys.stderr)
     return 2
   return int(pytest.main(pytest_args(argv[1:], os.environ)))
 

@@ -307,3 +307,31 @@ def test_a_doc_that_claims_what_a_test_file_checks_names_its_tests():
   assert len(found) == 2, "\n".join(found)
   assert "claims what tests/test_lora.py checks" in found[0]
   assert "claims what tests/test_train_sharded.py checks" in found[1]
+
+
+def test_the_readme_own_data_command_is_a_valid_run():
+  """The README's own-model-and-data command, as the launcher resolves it (the default
+  config with its overrides, the dataset task's own defaults: `config_flag.resolved`),
+  passes the launcher's whole check, and its files are the committed examples."""
+  import shlex  # pylint: disable=import-outside-toplevel
+  from experiments import config_flag  # pylint: disable=import-outside-toplevel
+  from experiments.configs import default  # pylint: disable=import-outside-toplevel
+  from tests.launcher_config import apply_overrides  # pylint: disable=import-outside-toplevel
+  readme = (_REPO / "README.md").read_text()
+  section = readme[readme.index("## Your own model and data"):]
+  block = _FENCE.search(section).group()
+  command = shlex.split(" ".join(line.rstrip("\\") for line in block.splitlines()[1:-1]))
+  assert command[:3] == ["python", "-m", "experiments.train"]
+  overrides = dict(arg[len("--config."):].split("=", 1) for arg in command[3:])
+  parse = lambda value: {"True": True, "False": False}.get(value, value)
+  values = {}
+  for path, value in overrides.items():
+    try:
+      values[path] = int(value)
+    except ValueError:
+      values[path] = parse(value)
+  config = config_flag.task_defaults(apply_overrides(default.get_config(), values),
+                                     list(overrides), "running_sum")
+  assert (_REPO / config.task.path).is_file() and (_REPO / config.task.eval_path).is_file()
+  assert config.task.prompt_style == "full" and not config.task.difficulty
+  wiring.validate(config)
