@@ -3,7 +3,8 @@
 The axes come from the registries, so a newly registered objective, correction, advantage
 estimator, token-subsampling scheme, reward stage or rollout kind joins the enumeration by
 being registered: objective x correction chain x advantage estimator x token subsampling x
-reward stage, and in the slow tier x rollout kind and chains of two appended corrections.
+reward stage, and in the slow tier x rollout kind and chains of two appended corrections,
+and the quick tier's losses under every rollout kind x selection rule.
 Each combination goes through `RunSettings.check`, the launcher's own validation. Every
 accepted one is compared with its documented estimator (tests/combination_reference.py,
 float64 NumPy written from the methods' docs); a piece without one there fails the test, so
@@ -49,10 +50,12 @@ from rl.objectives import corrections
 from rl.objectives import losses
 from rl.objectives import token_subsample
 from rl.rollouts import kinds
+from rl.rollouts import selection as selection_rules
 from rl.settings import reward as reward_settings
 from rl.settings.loss import LossSettings, TOKEN_SUBSAMPLES
 from rl.settings.rollout import RolloutSettings
-from rl.settings.run import AdvantageSettings, RunSettings
+from rl.settings.run import AdvantageSettings, RunSettings, TaskSettings
+from rl.settings.selection import SelectionSettings
 from rl.types import Rollout, SamplerTopK
 from tests import combination_reference as reference
 
@@ -73,6 +76,8 @@ REWARD_STAGES = {"task": {}, "noisy_verifier": dict(false_negative=0.1, false_po
                  **{kind: dict(kind=kind) for kind in reward_settings.REWARD_KINDS
                     if kind != "verifier"}}
 ROLLOUT_KINDS = kinds.ROLLOUT_KINDS.names()
+SELECTION_KINDS = selection_rules.SELECTION_RULES.names()
+SELECTION_POOL = 64  # a finite prompt pool, which GRESO needs (the others ignore it)
 KEEP = 0.5  # NAT's kept fraction in the checks
 LATER_UPDATE_SHIFT = 0.35  # how far the proximal policy is from the current one
 
@@ -85,6 +90,7 @@ class Combination:
   advantage: str
   reward: str
   kind: str = "independent"
+  selection: str = "uniform"
 
   def run_settings(self) -> RunSettings:
     return RunSettings(
@@ -92,7 +98,9 @@ class Combination:
                           token_subsample=self.scheme),
         advantage=AdvantageSettings(name=self.advantage),
         reward=reward_settings.RewardSettings(**REWARD_STAGES[self.reward]),
-        rollout=RolloutSettings(kind=self.kind))
+        rollout=RolloutSettings(kind=self.kind),
+        selection=SelectionSettings(kind=self.selection),
+        task=TaskSettings(train_pool=SELECTION_POOL))
 
   @property
   def loss(self) -> tuple[str, tuple[str, ...], str]:
@@ -128,9 +136,15 @@ def quick_combinations() -> list[Combination]:
 
 
 def slow_combinations() -> list[Combination]:
-  return [Combination(*axes) for axes in itertools.product(
+  """The quick tier's axes with every rollout kind and the ordered pairs of appended
+  corrections, and the quick tier's losses under every rollout kind x selection rule
+  (whose reused responses and re-weighted groups reach the loss as batch values)."""
+  return ([Combination(*axes) for axes in itertools.product(
       OBJECTIVES, QUICK_CHAINS + PAIR_CHAINS, SCHEMES, ADVANTAGES, REWARD_STAGES,
       ROLLOUT_KINDS)]
+          + [Combination(objective, chain, scheme, "grpo", "task", kind, selection)
+             for objective, chain, scheme, kind, selection in itertools.product(
+                 OBJECTIVES, QUICK_CHAINS, SCHEMES, ROLLOUT_KINDS, SELECTION_KINDS)])
 
 
 # --- The exact problem ---------------------------------------------------------------
@@ -354,12 +368,12 @@ def test_every_accepted_combination_computes_its_documented_estimator():
 
 @pytest.mark.slow
 def test_every_accepted_combination_with_rollout_kinds_and_correction_pairs():
-  """Slow tier: with every rollout kind and every ordered pair of appended corrections:
-  209088 combinations, 18755 accepted, 444 distinct losses."""
+  """Slow tier: with every rollout kind and every ordered pair of appended corrections, and
+  every selection rule: 217008 combinations, 19776 accepted, 444 distinct losses."""
   combinations = slow_combinations()
   count, cases, failures = check_combinations(combinations)
   assert not failures, "\n".join(failures)
-  assert (len(combinations), count, cases) == (209088, 18755, 444)
+  assert (len(combinations), count, cases) == (217008, 19776, 444)
 
 
 # --- The harness catches what it is for ----------------------------------------------
