@@ -397,7 +397,7 @@ def bench_grpo_step(config: ModelConfig, g: dict, repeats: int, params=None, tas
           model_config=config, sampling_config=sampling_config, prompt_len=g["prompt_len"],
           prompts_per_step=g["prompts"], group_size=g["group_size"]),
       train_step=train.make_train_step(config, optimizer, GRPO),
-      batch_advantages=advantages.group_relative(advantages.grpo_advantages))
+      stages=advantages.advantage_stage(advantages.group_relative(advantages.grpo_advantages)))
   producer = producers.independent(ctx.batch)
   if params is None:
     params = transformer.init_params(config, jax.random.PRNGKey(0))

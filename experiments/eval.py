@@ -156,7 +156,7 @@ def load_params(config: ml_collections.ConfigDict, policy: Policy, step: int):
                                        policy.model_config, phase)
   producer = wiring.make_rl_producer(config, ctx) if phase == wiring.RL else None
   like = wiring.loop_state_like(config, policy.model_config, policy.params_like, phase,
-                                optimizer, producer)
+                                optimizer, producer, ctx.stages)
   state, _ = checkpoint.restore(manager, step, like)
   return state.train.policy_params()
 

@@ -119,7 +119,8 @@ class Job:
     phase = meta["phase"]
     like = wiring.loop_state_like(self.config, self.model_config, self.state.train.params,
                                   phase, self.contexts[phase][1],
-                                  self.producer if phase == RL else None)
+                                  self.producer if phase == RL else None,
+                                  self.contexts[RL][0].stages)
     if self.mesh is None:
       return like
     # Restore straight into the trainer's layout; the ring (adapters or weights, and their
@@ -174,7 +175,8 @@ class Job:
     # Where the warm start left the data stream (older checkpoints kept it in their meta).
     cursor = int(meta["data_cursor"] if "data_cursor" in meta else tree["producer"]["cursor"])
     state = loop.LoopState(train=train_state, rng=rng, history=self.history(train_state.params),
-                           producer=self.producer.init(cursor), iteration=0)
+                           producer=self.producer.init(cursor),
+                           stages=self.contexts[RL][0].stages.init(), iteration=0)
     records = metrics.MetricsLog(os.path.join(source, "metrics.jsonl"), writers=[]).read()
     if self.primary:
       self.log.truncate_after(-1)
@@ -340,7 +342,8 @@ class Job:
       train_state = self.new_train_state(self.state.train.params, RL)
       self.state = loop.LoopState(
           train=train_state, rng=self.state.rng, history=self.history(train_state.params),
-          producer=self.producer.init(int(self.state.producer.cursor)), iteration=0)
+          producer=self.producer.init(int(self.state.producer.cursor)),
+          stages=self.contexts[RL][0].stages.init(), iteration=0)
       self.save()
 
   def finish(self) -> dict:

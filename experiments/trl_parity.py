@@ -197,7 +197,7 @@ def main(argv):
   batch, _, _ = producer.produce(producer.init(0), params, 0, jax.random.PRNGKey(config.seed), 0)
   g = config.rollout.group_size
   batch = batch.replace(reward=jnp.asarray(fixed_rewards(_PROMPTS.value, g)))
-  own = ctx.batch_advantages(batch)
+  own = wiring.batch_advantages(config)(batch)
   logp = composite.policy_logprobs(params, batch, model_config, config.rollout.temperature)
   mask = np.asarray(batch.completion_mask)
   prompt_ids, completion_ids = row_ids(batch)

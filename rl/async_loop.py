@@ -141,7 +141,8 @@ def run_async(state: LoopState, ctx: LoopContext, producer: Producer, num_steps:
   batches: queue.Queue = queue.Queue()
 
   def produce_batches():
-    rng, producer_state, first = state.rng, state.producer, state.iteration
+    rng, producer_state, stage_state, first = (state.rng, state.producer, state.stages,
+                                               state.iteration)
     updates = updates_per_batch
     try:
       for i in range(num_steps):
@@ -151,12 +152,12 @@ def run_async(state: LoopState, ctx: LoopContext, producer: Producer, num_steps:
         newest = channel.wait_for(i - batch_lag(max_staleness, updates) if i else 0)
         waited = time.perf_counter() - started
         rng, sample_rng = jax.random.split(rng)
-        rollout, metrics, producer_state = loop.produce_timed(
-            producer, ctx, producer_state, newest.params, newest.version, sample_rng,
-            expected_step(newest, i, updates), iteration=first + i + 1)
+        rollout, metrics, producer_state, stage_state = loop.produce_timed(
+            producer, ctx, producer_state, stage_state, newest.params, newest.version,
+            sample_rng, expected_step(newest, i, updates), iteration=first + i + 1)
         metrics.update(sampled_version=newest.version, time_producer_wait_s=waited)
         batches.put((rollout, metrics))
-      batches.put((rng, producer_state))
+      batches.put((rng, producer_state, stage_state))
     except BaseException as error:  # handed to the trainer thread, which re-raises it
       batches.put(error)
 
@@ -196,8 +197,8 @@ def run_async(state: LoopState, ctx: LoopContext, producer: Producer, num_steps:
     item = batches.get()
     if isinstance(item, BaseException):
       raise item
-    rng, producer_state = item
+    rng, producer_state, stage_state = item
   finally:
     channel.close()
     thread.join()
-  return state.replace(rng=rng, producer=producer_state), history
+  return state.replace(rng=rng, producer=producer_state, stages=stage_state), history

@@ -1,17 +1,19 @@
-"""The synchronous rollout -> score -> advantages -> train loop (supervised warm start,
-then GRPO).
+"""The synchronous rollout -> score -> stages -> train loop (supervised warm start, then
+GRPO).
 
 Every way of making a GRPO batch is a producer (rl/rollouts/producers.py: `init` and
 `produce`, its state explicit): independent samples of the prompts a selection rule picks
-(uniform = plain GRPO), trees, or partial rollouts (rl/rollouts/partial.py).
-`grpo_iteration` runs any of them with simulated staleness and sharded publishing around
-it, then the advantage stage and one train step; the asynchronous loop
-(rl/async_loop.py) runs the same producers and `train_on` from two threads.
+(uniform = plain GRPO), trees, or partial rollouts (rl/rollouts/partial.py). The batch then
+passes through the run's batch stages (rl/stages.py: the reward stage, the sampler's
+record, the advantages, training samples, token subsampling), and the train step trains on
+it. `grpo_iteration` runs a producer with simulated staleness and sharded publishing around
+it, its stages and one train step; the asynchronous loop (rl/async_loop.py) runs the same
+producers, stages and `train_on` from two threads.
 
 Each iteration is a plain function of explicit state (`LoopState`: the TrainState, RNG,
-parameter history and the producer's state, which holds the data cursor, selection history
-or partial pool), so a launcher (experiments/train.py) can checkpoint the LoopState between
-any two iterations and resume exactly.
+parameter history, the producer's state, which holds the data cursor, selection history
+or partial pool, and the stages' state), so a launcher (experiments/train.py) can
+checkpoint the LoopState between any two iterations and resume exactly.
 
 Simulated staleness (docs/concepts.md, Staleness): with `LoopContext.staleness = k > 0`, GRPO
 iteration t samples with the parameters of iteration max(t - k, 0), kept in a ring buffer
@@ -31,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rl import samples
+from rl import stages as stages_lib
 from rl import timing
 from rl.rollouts import batches as rollout_lib
 from rl.rollouts import producers
@@ -39,9 +41,6 @@ from rl.rollouts.producers import BatchContext, Producer
 from rl.tasks import Task
 from rl.train import TrainState
 from rl.types import Rollout
-
-
-TOKEN_SUBSAMPLE_STREAM = 0x4E4154  # folded into an iteration's key for NAT's draws
 
 
 @flax.struct.dataclass
@@ -100,14 +99,30 @@ class LoopState:
   train: the TrainState; rng: the loop's PRNG key; history: the parameter ring for
   simulated staleness (None when off); producer: the state of the phase's batch producer
   (`rl.rollouts.producers`: the warm start's `CursorState`, the RL producer's own state,
-  each holding the next data cursor); iteration: iterations done in the current phase
-  (host int, static: the launcher keeps it with the checkpoint's step).
+  each holding the next data cursor); stages: the state of the phase's batch stages
+  (`LoopContext.stages.init()`: TTRL's vote memory, else Nones); iteration: iterations
+  done in the current phase (host int, static: the launcher keeps it with the
+  checkpoint's step).
   """
   train: TrainState
   rng: jax.Array
   history: Optional[ParamHistory] = None
   producer: Any = None
+  stages: Any = None
   iteration: int = flax.struct.field(pytree_node=False, default=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class PeriodicCheck:
+  """A diagnostic of the train step run every `every` iterations (0 = never):
+  `check(trainer parameters, batch) -> metrics`, before the step, with the parameters it
+  starts from (`rl.train.make_batch_size_check`)."""
+  check: Callable[[Any, Rollout], dict]
+  every: int
+
+  def due(self, iteration: int) -> bool:
+    """Whether the batch of (1-based) `iteration` is checked."""
+    return bool(self.every and iteration % self.every == 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,48 +131,24 @@ class LoopContext:
   the warm start's supervised batches read).
 
   train_step: (TrainState, Rollout) -> (TrainState, metrics), jitted by rl.train.
-  batch_advantages: the advantage stage (rl.objectives.advantages.group_relative /
-    per_tree): the final batch -> its per-token advantages, computed once by
-    `with_advantages`.
+  stages: the batch stages (`rl.stages.Stage`, a chain), from the produced batch to the
+    one the step trains on; its state lives in `LoopState.stages`.
   staleness: simulated staleness k (GRPO samples with parameters k iterations old).
   publish: trainer parameters -> sampler parameters, called each time the sampler gets
-    new parameters (`sharding.reshard.make_publish`: FSDP -> tensor-parallel on device);
-    None = the sampler reads the trainer's parameters as they are.
-  train_samples, train_samples_every: every `train_samples_every` iterations, the
-    batch's metrics carry `samples`, `train_samples` of its rows as sample records
-    (`rl.samples.train_samples`; the launcher writes them); 0 = never.
-  logprob_check, logprob_check_every: every `logprob_check_every` iterations (0 = never),
-    `logprob_check(trainer parameters, batch)` (`rl.train.make_batch_size_check`) adds
-    its metrics to the step's, scored with the parameters the step starts from.
-  sampler_record: (sampler parameters, batch) -> the batch with the sampler's top-K
-    distribution (`rl.rollouts.sampler_topk.with_sampler_topk`), run right after a batch
-    is produced, with the parameters that produced it, when a correction reads it (score
-    centering); None = no record.
-  token_subsample: NAT's stage (`rl.objectives.token_subsample.TokenSubsample`: the
-    tokens the step trains on, reweighted), applied after the advantage stage; None =
-    every completion token.
+    new parameters (`sharding.reshard.make_publish`: FSDP -> tensor-parallel on device;
+    a quantiser for low-precision rollouts); None = the sampler reads the trainer's
+    parameters as they are.
+  logprob_check: `PeriodicCheck` of the trainer's log-probs of one batch scored all at once
+    and one row at a time, adding its metrics to the step's; None = never. (Not a stage:
+    it reads the parameters the train step starts from, which the asynchronous loop's
+    producer thread does not have.)
   """
   batch: BatchContext
   train_step: Callable[[TrainState, Rollout], tuple[TrainState, dict]]
-  batch_advantages: Callable[[Rollout], jax.Array]
+  stages: stages_lib.Stage = stages_lib.chain()
   staleness: int = 0
   publish: Callable[[Any], Any] | None = None
-  train_samples: int = 0
-  train_samples_every: int = 0
-  token_subsample: Callable[[Rollout, jax.Array], tuple[Rollout, dict]] | None = None
-  sampler_record: Callable[[Any, Rollout], Rollout] | None = None
-  logprob_check: Callable[[Any, Rollout], dict] | None = None
-  logprob_check_every: int = 0
-
-  def logprob_check_due(self, iteration: int) -> bool:
-    """Whether the batch of (1-based) `iteration` gets the log-prob batch-size check."""
-    return bool(self.logprob_check is not None and self.logprob_check_every
-                and iteration % self.logprob_check_every == 0)
-
-  def samples_due(self, iteration: int) -> bool:
-    """Whether the batch of (1-based) `iteration` carries training samples."""
-    return bool(self.train_samples and self.train_samples_every
-                and iteration % self.train_samples_every == 0)
+  logprob_check: PeriodicCheck | None = None
 
 
 def sft_iteration(state: LoopState, ctx: LoopContext,
@@ -234,43 +225,32 @@ def train_throughput(batch: Rollout, seconds: float) -> dict:
               trained_tokens_per_s=per_second(tokens, seconds))
 
 
-def with_advantages(rollout: Rollout, ctx: LoopContext) -> Rollout:
-  """The advantage stage: the produced batch with its per-token advantages, computed once
-  on the final batch by ctx.batch_advantages (whatever rounds, rejections or pool made it).
-  Step rewards (a process estimator's input) are consumed here: the batch goes on without
-  them."""
-  return rollout.replace(advantages=ctx.batch_advantages(rollout), step_rewards=None)
-
-
-def produce_timed(producer: Producer, ctx: LoopContext, state, params, version: int,
-                  rng: jax.Array, trains_at: int, *, iteration: int) -> tuple[Rollout, dict, Any]:
-  """`producer.produce(state, params, version, rng, trains_at)` and the advantage stage
-  (`with_advantages`): (batch, its metrics, the producer's new state) for the phase's
-  (1-based) `iteration`. The metrics are the batch's `BatchStats` with the wall time split
-  into phases: time_rollout_s (all of it) = time_sample_s (generation, prompt encoding,
-  advantages) + time_score_s (the task's reward scoring, rl.timing's "score" phase); and
-  sampled_tokens_per_s = sampled_tokens / time_sample_s. When training samples are due
-  (`LoopContext.samples_due`) they ride along as `samples`, a list of records (not a
-  number: whoever logs the metrics takes it out), taken after the clock stops."""
+def produce_timed(producer: Producer, ctx: LoopContext, state, stage_state, params,
+                  version: int, rng: jax.Array, trains_at: int, *, iteration: int
+                  ) -> tuple[Rollout, dict, Any, Any]:
+  """`producer.produce(state, params, version, rng, trains_at)` and the batch stages
+  (`LoopContext.stages`, given `params`, `rng` and the phase's 1-based `iteration`):
+  (batch, its metrics, the producer's new state, the stages' new state). The metrics are
+  the batch's `BatchStats` with the stages' counters and the wall time split into phases:
+  time_rollout_s (all of it) = time_sample_s (generation, prompt encoding, the stages) +
+  time_score_s (the task's reward scoring, rl.timing's "score" phase); and
+  sampled_tokens_per_s = sampled_tokens / time_sample_s. Training samples, when a stage
+  takes them, ride along as `samples`, a list of records (not a number: whoever logs the
+  metrics takes it out)."""
   started = time.perf_counter()
+  if stage_state is None:  # a LoopState made without its stages' state: theirs at the start
+    stage_state = ctx.stages.init()
   with timing.phases() as parts:
     rollout, stats, state = producer.produce(state, params, version, rng, trains_at)
-    if ctx.sampler_record is not None:
-      rollout = ctx.sampler_record(params, rollout)
-    rollout = with_advantages(rollout, ctx)
+    rollout, stats, stage_state = ctx.stages.apply(rollout, stats, stage_state, params=params,
+                                                   rng=rng, iteration=iteration)
   total = time.perf_counter() - started
   score_s = parts.get("score", 0.0)
   metrics = stats.metrics()
   metrics.update(time_rollout_s=total, time_score_s=score_s, time_sample_s=total - score_s,
                  sampled_tokens=stats.sampled_tokens,
                  sampled_tokens_per_s=per_second(stats.sampled_tokens, total - score_s))
-  if ctx.samples_due(iteration):
-    metrics["samples"] = samples.train_samples(rollout, stats.rows, ctx.train_samples)
-  if ctx.token_subsample is not None:
-    rollout, subsample_metrics = ctx.token_subsample(
-        rollout, jax.random.fold_in(rng, TOKEN_SUBSAMPLE_STREAM))
-    metrics.update(subsample_metrics)
-  return rollout, metrics, state
+  return rollout, metrics, state, stage_state
 
 
 def train_on(train: TrainState, rollout: Rollout, batch_metrics: dict, ctx: LoopContext,
@@ -281,8 +261,8 @@ def train_on(train: TrainState, rollout: Rollout, batch_metrics: dict, ctx: Loop
   log-prob batch-size check's (`LoopContext.logprob_check`, before the step and outside
   its time: the step donates the parameters it starts from)."""
   checked = {}
-  if ctx.logprob_check_due(iteration):
-    checked = jax.device_get(ctx.logprob_check(train.policy_params(), rollout))
+  if ctx.logprob_check is not None and ctx.logprob_check.due(iteration):
+    checked = jax.device_get(ctx.logprob_check.check(train.policy_params(), rollout))
   started = time.perf_counter()
   new_train, metrics = ctx.train_step(train, rollout)
   metrics = dict(jax.device_get(metrics), **checked)
@@ -293,8 +273,8 @@ def train_on(train: TrainState, rollout: Rollout, batch_metrics: dict, ctx: Loop
 
 def grpo_iteration(state: LoopState, ctx: LoopContext,
                    producer: Producer) -> tuple[LoopState, dict]:
-  """Produces a scored batch with `producer` (its state: state.producer), computes its
-  advantages and takes one train step on it.
+  """Produces a scored batch with `producer` (its state: state.producer), passes it
+  through the batch stages (their state: state.stages) and takes one train step on it.
 
   With ctx.staleness = k > 0 the producer samples with the
   parameters of iteration max(t - k, 0) (state.history) and the tokens carry that version;
@@ -317,12 +297,12 @@ def grpo_iteration(state: LoopState, ctx: LoopContext,
   if ctx.publish is not None:
     params = ctx.publish(params)
   step = int(state.train.step)
-  rollout, batch_metrics, producer_state = produce_timed(
-      producer, ctx, state.producer, params, int(version), sample_rng, step,
+  rollout, batch_metrics, producer_state, stage_state = produce_timed(
+      producer, ctx, state.producer, state.stages, params, int(version), sample_rng, step,
       iteration=state.iteration + 1)
   train, metrics = train_on(state.train, rollout, batch_metrics, ctx, step,
                             iteration=state.iteration + 1)
   new_state = state.replace(train=train, rng=rng, history=history, producer=producer_state,
-                            iteration=state.iteration + 1)
+                            stages=stage_state, iteration=state.iteration + 1)
   metrics["time_step_s"] = time.perf_counter() - started
   return new_state, metrics

@@ -1,8 +1,8 @@
 """The reward stage: what the trainer is rewarded with, when it is not the task's exact score.
 
 A producer's batch arrives scored by the task (`Rollout.reward`, and each row's verdict in
-`BatchStats.rows`). `with_reward_stage(producer, stage)` wraps any producer so that its
-batches leave with the stage's rewards instead (config.reward, config.advantage):
+`BatchStats.rows`). The reward stage, the first of the batch stages (`reward_stage`,
+rl/stages.py), gives it the stage's rewards instead (config.reward, config.advantage):
 
 * **A noisy verifier** (`inject_noise`): a share `false_negative` of the correct
   completions fail (reward 0) and a share `false_positive` of the wrong ones pass
@@ -25,7 +25,8 @@ batches leave with the stage's rewards instead (config.reward, config.advantage)
   estimator (rl.objectives.advantages.PROCESS_ADVANTAGES).
 
 The stage runs after the producer, so a selection rule or learned pruning inside it would
-see the task's true rewards: rl.settings refuses those with an active reward stage. The
+see the task's true rewards: the run's check refuses those with an active reward stage
+(`declaration`). The
 task's own reward still decides `reward_mean` and `exact_match` (the truth the run is
 measured by); `trained_reward_mean` is what the trainer saw.
 """
@@ -46,7 +47,7 @@ import numpy as np
 from rl import scoring
 from rl import timing
 from rl import verdicts
-from rl.rollouts.producers import Producer
+from rl import stages
 from rl.rollouts.statistics import BatchStats
 from rl.settings.reward import RewardSettings
 from rl.tasks import math_answer
@@ -352,29 +353,24 @@ def make_stage(settings: RewardSettings, task, tokenizer, seed: int, process: bo
                      SecondOpinion(task) if settings.second_opinion else None)
 
 
-@flax.struct.dataclass
-class RewardedState:
-  """A wrapped producer's state: the inner producer's and the vote memory (None unless
+def declaration(settings: RewardSettings, process: bool) -> stages.Declaration:
+  """What the reward stage does to a batch: it rewrites the rewards (an active
+  config.reward), so a piece that read them while making the batch (a selection rule, a
+  pruning head) would have read another value; and with a process estimator it places the
+  task's step rewards, which needs rows scored for this batch, independent samples of their
+  prompt, and completions that are the policy's text alone."""
+  writes = ({"reward"} if settings.active else set()) | ({"step_rewards"} if process else set())
+  needs = ({stages.SCORED_THIS_STEP, stages.INDEPENDENT_ROWS, stages.POLICY_TEXT_ONLY}
+           if process else set())
+  return stages.Declaration(needs=frozenset(needs), writes=frozenset(writes))
+
+
+def reward_stage(stage: RewardStage) -> stages.Stage:
+  """`stage` as a batch stage (`rl.stages`; its state: the vote memory, None unless
   majority_vote)."""
-  inner: Any
-  votes: Optional[VoteMemory] = None
+  def apply(rollout, stats, memory, **extras):
+    del extras
+    return stage.apply(rollout, stats, memory)
 
-  def summary(self) -> dict:
-    return self.inner.summary()
-
-
-def with_reward_stage(producer: Producer, stage: RewardStage) -> Producer:
-  """`producer` whose batches leave through `stage` (`RewardStage.apply`)."""
-
-  def init(start: int) -> RewardedState:
-    return RewardedState(inner=producer.init(start), votes=stage.init_memory())
-
-  def produce(state: RewardedState, params, version, rng, trains_at=None):
-    rollout, stats, inner = producer.produce(state.inner, params, version, rng, trains_at)
-    rollout, stats, votes = stage.apply(rollout, stats, state.votes)
-    return rollout, stats, RewardedState(inner=inner, votes=votes)
-
-  def for_checkpoint(state: RewardedState) -> RewardedState:
-    return state.replace(inner=producer.for_checkpoint(state.inner))
-
-  return Producer(init, produce, for_checkpoint)
+  return stages.Stage(init=stage.init_memory, apply=apply, name="the reward stage",
+                      declares=declaration(stage.settings, stage.process))

@@ -127,3 +127,18 @@ def text_table(samples: Sequence[dict], prompt_width: int = 32,
   sizes = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
   line = lambda values: "  ".join(v.ljust(n) for v, n in zip(values, sizes)).rstrip()
   return "\n".join([line(columns), line("-" * n for n in sizes)] + [line(row) for row in cells])
+
+
+def train_samples_stage(count: int, every: int):
+  """The training samples as a batch stage (`rl.stages`; metrics only): every `every`
+  iterations the batch's statistics carry `samples`, `train_samples` of its first `count`
+  rows (a list of records, not a number: whoever logs the metrics takes it out)."""
+  from rl import stages  # pylint: disable=import-outside-toplevel  (JAX)
+
+  def apply(rollout, stats, state, *, iteration, **extras):
+    del extras
+    if count and every and iteration % every == 0:
+      stats = stats.with_counters(samples=train_samples(rollout, stats.rows, count))
+    return rollout, stats, state
+
+  return stages.Stage(init=lambda: None, apply=apply, name="training samples")

@@ -246,8 +246,8 @@ def make_train_step(model_config: ModelConfig, optimizer: optax.GradientTransfor
   def step(state: TrainState, batch: Rollout, teacher) -> tuple[TrainState, dict]:
     if batch.advantages is None:  # checked when traced: a batch without them has no leaf
       raise ValueError("The batch has no advantages (Rollout.advantages is None): the loop "
-                       "computes them on the final batch (rl.loop.with_advantages) before "
-                       "the train step.")
+                       "computes them on the final batch (rl.objectives.advantages."
+                       "advantage_stage) before the train step.")
     prox_version = state.step  # the version before this batch's first update
     if batch.prox_logp is None and objective.prox_estimate == "recompute":
       batch = _recompute_prox(objective, state.policy_params(), batch,

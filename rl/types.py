@@ -50,7 +50,7 @@ class Rollout:
   prompt id (rows of one group share a prompt); reward [B]; advantages [B, T] per-token
   advantage (a sequence's advantage broadcast over its completion, or per-node advantages
   for tree rollouts): None as a producer returns the batch, set once on the final batch
-  by the loop's advantage stage (`rl.loop.with_advantages`); prox_logp [B, T] optional log-probs under the parameters at the start
+  by the advantage stage (`rl.objectives.advantages.advantage_stage`); prox_logp [B, T] optional log-probs under the parameters at the start
   of this update (decoupled PPO); ref_logp [B, T] optional reference-policy log-probs (KL).
   tree: the tree structure of a tree batch (`TreeRows`), None otherwise. Each row of a
   tree batch (sampling/tree.py) is a root-to-leaf path whose prefix shared with its parent

@@ -23,6 +23,8 @@ from models import transformer
 from rl import loop
 from rl import policy
 from rl import rewards
+from rl import samples
+from rl import stages
 from rl import tasks
 from rl import train
 from rl import warm_start
@@ -237,21 +239,35 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None, teache
       keep_completions=drafts is not None and "history" in drafts.sources, turns=turns,
       generate_fn=samplers.make_sampler(model_config, sampling_config, mesh=mesh,
                                         drafts=drafts, turns=turns))
-  ctx = loop.LoopContext(
-      batch=batch, train_step=step,
-      batch_advantages=batch_advantages(config),
-      staleness=staleness_in_batches(config) if phase == RL else 0,
-      publish=publish,
-      train_samples=config.metrics.train_samples if phase == RL else 0,
-      train_samples_every=config.metrics.train_samples_every,
-      token_subsample=token_subsample(config, loss) if phase == RL else None,
-      sampler_record=sampler_topk.recorder(model_config, loss, rollout_settings(config))
-      if phase == RL else None,
-      logprob_check=train.make_batch_size_check(
-          model_config, config.rollout.temperature, logprob_chunk=config.rl.logprob_chunk,
-          replay=model_config.is_moe and config.moe.routing_replay) if phase == RL else None,
-      logprob_check_every=config.metrics.logprob_check_every)
+  if phase == WARM_START:
+    return loop.LoopContext(batch=batch, train_step=step, publish=publish), optimizer
+  logprob_check = loop.PeriodicCheck(train.make_batch_size_check(
+      model_config, config.rollout.temperature, logprob_chunk=config.rl.logprob_chunk,
+      replay=model_config.is_moe and config.moe.routing_replay),
+      config.metrics.logprob_check_every)
+  ctx = loop.LoopContext(batch=batch, train_step=step,
+                         stages=batch_stages(config, batch, model_config, loss),
+                         staleness=staleness_in_batches(config), publish=publish,
+                         logprob_check=logprob_check)
   return ctx, optimizer
+
+
+def batch_stages(config, batch: producers.BatchContext, model_config, loss) -> stages.Stage:
+  """The RL phase's batch stages, in order (rl/stages.py): the reward stage when
+  config.reward or a process estimator asks for one, the sampler's record when a correction
+  reads it, the advantages, the training samples, and NAT's token subsample when set."""
+  run = settings(config)
+  reward = rewards.make_stage(run.reward, batch.task, batch.tokenizer, config.seed,
+                              run.advantage.is_process)
+  parts = (None if reward is None else rewards.reward_stage(reward),
+           sampler_topk.record_stage(model_config, loss, rollout_settings(config)),
+           advantages.advantage_stage(batch_advantages(config)),
+           samples.train_samples_stage(config.metrics.train_samples,
+                                       config.metrics.train_samples_every),
+           None if loss.token_subsample == "none" else subsample_lib.TokenSubsample(
+               loss.token_subsample, loss.token_keep, loss.aggregation,
+               config.rl.num_minibatches).stage())
+  return stages.chain(*(part for part in parts if part is not None))
 
 
 def sampler_publish(config, model_config, phase: str, mesh=None):
@@ -271,14 +287,6 @@ def batch_advantages(config) -> advantages.BatchAdvantages:
                                        advantage.verifier_coef)
   rollout = rollout_settings(config)
   return rollout.kind_spec.batch_advantages(rollout, advantages.get_advantage_fn(advantage.name))
-
-
-def token_subsample(config, loss: losses.LossSettings) -> subsample_lib.TokenSubsample | None:
-  """NAT's stage (config.loss.token_subsample) over the objective's aggregation, or None."""
-  if loss.token_subsample == "none":
-    return None
-  return subsample_lib.TokenSubsample(loss.token_subsample, loss.token_keep, loss.aggregation,
-                                      config.rl.num_minibatches)
 
 
 def distill_settings(config, teacher) -> dict:
@@ -318,33 +326,30 @@ def new_train_state(config, model_config, params, optimizer, phase: str, mesh=No
 
 def make_rl_producer(config, ctx) -> producers.Producer:
   """The RL phase's batch producer (the one strategy-specific piece of the RL phase) for
-  the RL LoopContext `ctx`: config.rollout.kind's entry of rl.rollouts.kinds, its batches
-  leaving through the reward stage when config.reward or a process estimator asks for one
-  (rl.rewards)."""
+  the RL LoopContext `ctx`: config.rollout.kind's entry of rl.rollouts.kinds."""
   rollout = rollout_settings(config)
-  producer = rollout.kind_spec.make_producer(
+  return rollout.kind_spec.make_producer(
       rollout, ctx.batch, selection=selection.SelectionSettings.from_config(config.selection),
       max_staleness=config.rl.max_staleness)
-  run = settings(config)
-  stage = rewards.make_stage(run.reward, ctx.batch.task, ctx.batch.tokenizer, config.seed,
-                             run.advantage.is_process)
-  return producer if stage is None else rewards.with_reward_stage(producer, stage)
 
 
 def loop_state_like(config, model_config, params_like, phase: str, optimizer,
-                    producer: producers.Producer | None) -> loop.LoopState:
+                    producer: producers.Producer | None,
+                    batch_stages: stages.Stage | None = None) -> loop.LoopState:
   """The shapes of the LoopState a checkpoint of `phase` holds (unsharded): the phase's
   TrainState over parameters shaped like `params_like`, the staleness ring when
-  config.rl.staleness is set, and the producer state (the warm start's data cursor; the RL
-  `producer`'s state as `for_checkpoint` keeps it). Restoring with it reads every leaf."""
+  config.rl.staleness is set, the producer state (the warm start's data cursor; the RL
+  `producer`'s state as `for_checkpoint` keeps it) and the RL phase's `batch_stages`'
+  state. Restoring with it reads every leaf."""
   train_like = jax.eval_shape(
       lambda p: new_train_state(config, model_config, p, optimizer, phase), params_like)
   staleness = staleness_in_batches(config)
   history = (jax.eval_shape(lambda p: loop.init_history(p, staleness), train_like.params)
              if staleness else None)
   if phase == WARM_START:
-    producer_state = producers.CursorState(cursor=producers.cursor_array(0))
+    producer_state, stage_state = producers.CursorState(cursor=producers.cursor_array(0)), None
   else:
     producer_state = producer.for_checkpoint(producer.init(0))
+    stage_state = None if batch_stages is None else batch_stages.init()
   return loop.LoopState(train=train_like, rng=jax.eval_shape(lambda: jax.random.PRNGKey(0)),
-                        history=history, producer=producer_state)
+                        history=history, producer=producer_state, stages=stage_state)

@@ -79,7 +79,7 @@ def _fake_context(train_seconds, updates=1, skipped_on=()):
       batch=producers.BatchContext(task=None, tokenizer=None, model_config=None,
                                    sampling_config=None, prompt_len=3, prompts_per_step=1,
                                    group_size=4),
-      train_step=train_step, batch_advantages=lambda batch: batch.advantages)
+      train_step=train_step, stages=advantages.advantage_stage(lambda batch: batch.advantages))
 
 
 def _fake_state():
@@ -235,7 +235,7 @@ def _context(task, prompts=4, group=4, lr=1e-2, prompt_len=6):
                                    sampling_config=sampling_config, prompt_len=prompt_len,
                                    prompts_per_step=prompts, group_size=group),
       train_step=train.make_train_step(model_config, optimizer, GRPO),
-      batch_advantages=advantages.group_relative(advantages.grpo_advantages))
+      stages=advantages.advantage_stage(advantages.group_relative(advantages.grpo_advantages)))
   params = transformer.init_params(model_config, jax.random.PRNGKey(0))
   state = loop.LoopState(train=train.init_train_state(params, optimizer),
                          rng=jax.random.PRNGKey(1),

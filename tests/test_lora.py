@@ -151,7 +151,7 @@ def _grpo_rewards(base, lora, steps=25):
           task=DigitTask(), tokenizer=tokenizer, model_config=CONFIG,
           sampling_config=sampling_config, prompt_len=2, prompts_per_step=8, group_size=8),
       train_step=train.make_train_step(CONFIG, optimizer, GRPO),
-      batch_advantages=advantages.group_relative(advantages.grpo_advantages))
+      stages=advantages.advantage_stage(advantages.group_relative(advantages.grpo_advantages)))
   producer = producers.independent(ctx.batch)
   state = loop.LoopState(train=train.init_train_state(base, optimizer, lora=lora,
                                                       model_config=CONFIG,
@@ -366,7 +366,7 @@ def _restore_rl_state(config, policy, step):
   ctx, optimizer = wiring.make_context(config, policy.task, policy.tokenizer,
                                        policy.model_config, wiring.RL)
   like = wiring.loop_state_like(config, policy.model_config, policy.params_like, wiring.RL,
-                                optimizer, wiring.make_rl_producer(config, ctx))
+                                optimizer, wiring.make_rl_producer(config, ctx), ctx.stages)
   return checkpoint.restore(manager, step, like)[0]
 
 

@@ -47,10 +47,15 @@ def _final_meta(workdir):
 # LoRA: the kill falls in the RL phase, so the resume restores adapters, their optimiser
 # state and the frozen base (a checkpoint structure other than the warm start's). TTRL: the
 # reward stage's vote memory (every RL step revisits the pool's 4 prompts, so its flip
-# counts in the logs read what the checkpoint restored).
-@pytest.mark.parametrize("overrides", [{}, {"lora.rank": 2},
-                                       {"reward.kind": "majority_vote", "task.train_pool": 4}],
-                         ids=["full", "lora", "ttrl"])
+# counts in the logs read what the checkpoint restored). A chain of batch stages (rl/stages.py):
+# the vote, the sampler's record for score centering, the advantages, the training samples
+# and NAT's prefix cut, whose draws come from the restored key.
+@pytest.mark.parametrize("overrides", [
+    {}, {"lora.rank": 2}, {"reward.kind": "majority_vote", "task.train_pool": 4},
+    {"reward.kind": "majority_vote", "task.train_pool": 4,
+     "loss.corrections": ("score_centering",), "loss.token_subsample": "rpc",
+     "metrics.train_samples_every": 1}],
+    ids=["full", "lora", "ttrl", "stage-chain"])
 @pytest.mark.slow
 def test_killed_during_save_resumes_bit_for_bit(overrides, tmp_path):
   reference = _tiny_config(tmp_path / "reference", overrides)

@@ -44,8 +44,8 @@ def _first_batch(tmp_path, overrides):
   params = _decisive_router(params)
   ctx, _ = wiring.make_context(config, task, tokenizer, model_config, wiring.RL)
   producer = wiring.make_rl_producer(config, ctx)
-  rollout, _, _ = loop.produce_timed(producer, ctx, producer.init(0), params, 0,
-                                     jax.random.PRNGKey(1), 0, iteration=1)
+  rollout, _, _, _ = loop.produce_timed(producer, ctx, producer.init(0), None, params, 0,
+                                        jax.random.PRNGKey(1), 0, iteration=1)
   return rollout, params, model_config
 
 

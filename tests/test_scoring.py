@@ -325,7 +325,7 @@ def test_grpo_step_goes_on_when_a_completion_hangs_its_scorer(monkeypatch):
                                          stop_tokens=(tokenizer.eos_id,)),
           prompt_len=3, prompts_per_step=2, group_size=4),
       train_step=train.make_train_step(model_config, optimizer, GRPO),
-      batch_advantages=advantages.group_relative(advantages.grpo_advantages))
+      stages=advantages.advantage_stage(advantages.group_relative(advantages.grpo_advantages)))
   decode, sample_and_score = rollout_lib.decode_completions, rollout_lib.sample_and_score
   scored = []
 

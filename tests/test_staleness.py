@@ -60,7 +60,7 @@ def _context(staleness, loss_name="grpo", prox_estimate="recompute"):
               max_new_tokens=4, stop_tokens=(tokenizer.eos_id,), pad_id=tokenizer.pad_id),
           prompt_len=8, prompts_per_step=2, group_size=2),
       train_step=step,
-      batch_advantages=advantages.group_relative(advantages.grpo_advantages),
+      stages=advantages.advantage_stage(advantages.group_relative(advantages.grpo_advantages)),
       staleness=staleness)
   return ctx, optimizer
 

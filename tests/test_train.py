@@ -212,7 +212,7 @@ def test_a_batch_without_advantages_is_refused():
   step = train.make_train_step(CONFIG, optimizer, GRPO)
   state = train.init_train_state(transformer.init_params(CONFIG, jax.random.PRNGKey(0)),
                                  optimizer)
-  with pytest.raises(ValueError, match="no advantages.*rl.loop.with_advantages"):
+  with pytest.raises(ValueError, match="no advantages.*advantage_stage"):
     step(state, random_rollout().replace(advantages=None))
 
 
@@ -246,7 +246,7 @@ def test_short_grpo_run_improves_reward():
           task=DigitTask(), tokenizer=tokenizer, model_config=CONFIG,
           sampling_config=sampling_config, prompt_len=2, prompts_per_step=8, group_size=8),
       train_step=train.make_train_step(CONFIG, optimizer, GRPO),
-      batch_advantages=advantages.group_relative(advantages.grpo_advantages))
+      stages=advantages.advantage_stage(advantages.group_relative(advantages.grpo_advantages)))
   producer = producers.independent(ctx.batch)
   params = transformer.init_params(CONFIG, jax.random.PRNGKey(1))
   state = loop.LoopState(train=train.init_train_state(params, optimizer), rng=jax.random.PRNGKey(2),
@@ -347,7 +347,7 @@ def test_grpo_iteration_splits_its_time_and_counts_real_tokens(monkeypatch):
           task=DigitTask(), tokenizer=tokenizer, model_config=CONFIG,
           sampling_config=sampling_config, prompt_len=2, prompts_per_step=4, group_size=4),
       train_step=train.make_train_step(CONFIG, optimizer, GRPO, learning_rate=schedule),
-      batch_advantages=advantages.group_relative(advantages.grpo_advantages))
+      stages=advantages.advantage_stage(advantages.group_relative(advantages.grpo_advantages)))
   producer = producers.independent(ctx.batch)
   state = loop.LoopState(train=train.init_train_state(
       transformer.init_params(CONFIG, jax.random.PRNGKey(1)), optimizer), rng=jax.random.PRNGKey(2),
@@ -375,7 +375,7 @@ def test_sft_iteration_counts_the_answer_tokens_it_trains_on():
           prompt_len=2, prompts_per_step=8, group_size=1),
       train_step=train.make_train_step(CONFIG, optimizer, losses.LossSettings(
           name="sft", aggregation="token_mean", norm_len=1.0)),
-      batch_advantages=advantages.group_relative(advantages.grpo_advantages))
+      stages=advantages.advantage_stage(advantages.group_relative(advantages.grpo_advantages)))
   state = loop.LoopState(train=train.init_train_state(
       transformer.init_params(CONFIG, jax.random.PRNGKey(1)), optimizer), rng=jax.random.PRNGKey(2),
       producer=producers.CursorState(cursor=producers.cursor_array(0)))

@@ -16,6 +16,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from rl import stages
 from rl.registry import Registry
 from rl.types import Rollout
 
@@ -409,3 +410,16 @@ def process_relative(estimator: Callable[..., jax.Array], verifier_coef: float) 
     return estimator(steps.value, steps.mask, batch.reward, batch.group,
                      batch.completion_mask, verifier_coef=verifier_coef)
   return batch_advantages
+
+
+def advantage_stage(batch_advantages: BatchAdvantages) -> stages.Stage:
+  """The advantage stage (`rl.stages`): the batch with its per-token advantages, computed
+  once on the final batch by `batch_advantages` (whatever rounds, rejections or pool made
+  it). Step rewards (a process estimator's input) are consumed here: the batch goes on
+  without them."""
+  def apply(rollout, stats, state, **extras):
+    del extras
+    return rollout.replace(advantages=batch_advantages(rollout), step_rewards=None), stats, state
+
+  return stages.Stage(init=lambda: None, apply=apply, name="advantages",
+                      declares=stages.Declaration(writes=frozenset({"advantages"})))

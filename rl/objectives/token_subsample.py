@@ -46,8 +46,8 @@ Choices the paper's abstract leaves open, made here:
     (a dropped token cannot trigger it), a correction that computes its own advantages
     (VCPO's baseline discards the weights), and a KL penalty (not scaled by the advantage).
 
-The subsample is drawn on the host after the advantage stage (rl.loop.produce_timed) from
-the iteration's key, so a resumed run draws the same subsets.
+The subsample is a batch stage (`TokenSubsample.stage`, rl/stages.py) after the advantage
+stage, drawn on the host from the iteration's key, so a resumed run draws the same subsets.
 
 Composes with every rollout kind (independent, tree, partial and pruned batches are cut
 alike; tests/test_token_subsample.py runs it through the launcher on independent, tree and
@@ -66,9 +66,12 @@ import dataclasses
 import jax
 import numpy as np
 
+from rl import stages
 from rl.objectives.corrections import Scope, get_correction
 from rl.settings.loss import AGGREGATIONS, TOKEN_SUBSAMPLES as SCHEMES
 from rl.types import Rollout
+
+STREAM = 0x4E4154  # folded into an iteration's key for the subsample's draws
 
 # The widest part of the batch a term may read and stay unbiased under each scheme.
 PRESERVED_SCOPE = {"urs": Scope.TOKEN, "rpc": Scope.ROW_PREFIX}
@@ -223,6 +226,22 @@ class TokenSubsample:
     kept = draw_kept(mask, self.scheme, self.keep, uniforms)
     fraction = float(kept.sum()) / max(int(mask.sum()), 1)
     return self.restrict(batch, kept), {"token_subsample_kept_fraction": fraction}
+
+  def stage(self) -> stages.Stage:
+    """This subsample as a batch stage (`rl.stages`), drawn from the iteration's key with
+    `STREAM` folded in (a resumed run draws the same subsets); its kept share joins the
+    batch's counters."""
+    def apply(rollout, stats, state, *, rng, **extras):
+      del extras
+      rollout, metrics = self(rollout, jax.random.fold_in(rng, STREAM))
+      return rollout, stats.with_counters(**metrics), state
+
+    return stages.Stage(init=lambda: None, apply=apply, name=f"token subsample ({self.scheme})",
+                        declares=stages.Declaration(
+                            writes=frozenset({"completion_mask", "advantages", "prompt_mask"}),
+                            breaks=frozenset({stages.EVERY_COMPLETION_TOKEN})
+                            | ({stages.CONTEXT_IS_THE_PROMPT} if self.scheme == "urs"
+                               else frozenset())))
 
   def restrict(self, batch: Rollout, kept: np.ndarray) -> Rollout:
     """The batch with completion_mask the `kept` tokens [B, T] (a subset of its completion

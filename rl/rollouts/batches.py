@@ -1,5 +1,6 @@
 """From task examples to a scored `Rollout` batch: encode, sample groups, score. (Advantages
-are the loop's stage, computed once on the final batch: rl.loop.with_advantages.)"""
+are a batch stage, computed once on the final batch:
+rl.objectives.advantages.advantage_stage.)"""
 
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from models import transformer
 from models.config import ModelConfig
+from rl import stages
 from rl.types import Rollout, SamplerTopK
 from sampling import logits as logits_lib
 
@@ -55,17 +56,28 @@ def sampler_topk(params, tokens: jax.Array, token_mask: jax.Array, model_config:
   return topk_of_logits(logits, min(k, model_config.vocab_size), temperature, top_k, top_p)
 
 
-def recorder(model_config: ModelConfig, loss, rollout):
-  """`rl.loop.LoopContext.sampler_record` for a run: (sampler parameters, batch) -> the
-  batch with its record, when a correction of `loss` (a LossSettings) reads it, with
-  loss.sc_top_k tokens (0: the whole vocabulary) of the distribution `rollout` (the
-  RolloutSettings) samples; None when none reads it."""
+def record_stage(model_config: ModelConfig, loss, rollout) -> stages.Stage | None:
+  """The sampler's record as a batch stage (`rl.stages`), run with the parameters that
+  sampled the batch, when a correction of `loss` (a LossSettings) reads it: loss.sc_top_k
+  tokens (0: the whole vocabulary) of the distribution `rollout` (the RolloutSettings)
+  samples. None when no correction reads it. It needs every row to have been sampled by
+  those parameters (a partial pool's continued rows and AR3PO's reused responses were
+  not)."""
   if not loss.reads_sampler_topk:
     return None
-  return functools.partial(with_sampler_topk, model_config=model_config,
-                           k=loss.sc_top_k or model_config.vocab_size,
-                           temperature=rollout.temperature, top_k=rollout.top_k,
-                           top_p=rollout.top_p)
+  record = functools.partial(with_sampler_topk, model_config=model_config,
+                             k=loss.sc_top_k or model_config.vocab_size,
+                             temperature=rollout.temperature, top_k=rollout.top_k,
+                             top_p=rollout.top_p)
+
+  def apply(batch, stats, state, *, params, **extras):
+    del extras
+    return record(params, batch), stats, state
+
+  return stages.Stage(
+      init=lambda: None, apply=apply, name="the sampler's top-K record (score centering)",
+      declares=stages.Declaration(needs=frozenset({stages.SAMPLED_BY_PRODUCING_PARAMS}),
+                                  writes=frozenset({"behavior_topk"})))
 
 
 def with_sampler_topk(params, rollout: Rollout, model_config: ModelConfig, k: int,

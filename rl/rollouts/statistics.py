@@ -50,6 +50,10 @@ class BatchStats:
     (`generated_tokens`), else `decoded_tokens`."""
     return int(self.counters.get("generated_tokens", self.decoded_tokens))
 
+  def with_counters(self, **counters) -> "BatchStats":
+    """These statistics with `counters` added to (or replacing) the batch's counters."""
+    return dataclasses.replace(self, counters={**self.counters, **counters})
+
   def metrics(self) -> dict:
     """The record as the loop logs it (the counters alongside the fixed fields)."""
     fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
