@@ -159,7 +159,7 @@ def render(source: str | None = None) -> str:
          "`--config=path/to/file.py`.", "",
          "The launcher validates the whole config up front, before it loads a model or takes",
          "a step (`rl/wiring.py` `validate`, which runs `RunSettings.check` of",
-         "`rl/settings/run.py`): every size must be positive and every",
+         "`rl/settings/run.py` and `rl/composition.py`'s check): every size must be positive and every",
          "rate or bound in its range, and every name (task, model preset, objective,",
          "aggregation, corrections, proximal estimate, advantage estimator, tree policy and",
          "advantage, selection kind) must be one its registry knows; a bad value is a",
@@ -202,8 +202,9 @@ _COMPOSITION_COLUMNS = (
 
 def composition_table() -> list[str]:
   """The section saying which combinations of the RL phase's switches run, each cell
-  computed by the launcher's own check (`rl.wiring.check_composition`)."""
-  from rl import wiring  # pylint: disable=import-outside-toplevel  (imports JAX)
+  computed by the launcher's own check (`rl.composition.check_switches`)."""
+  from rl import composition  # pylint: disable=import-outside-toplevel  (imports JAX)
+  from rl import wiring  # pylint: disable=import-outside-toplevel
   from rl.rollouts import kinds  # pylint: disable=import-outside-toplevel
   from rl.rollouts import selection as selection_lib  # pylint: disable=import-outside-toplevel
   out = ["", "## Which switches compose", "",
@@ -225,7 +226,7 @@ def composition_table() -> list[str]:
           section, field = path.split(".")
           config[section][field] = value
         try:
-          wiring.check_composition(config)
+          composition.check_switches(wiring.settings(config))
           cells.append("runs")
         except ValueError as error:
           cells.append("refused: `" + str(error).split(" ")[0] + "`")

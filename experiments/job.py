@@ -316,7 +316,7 @@ class Job:
       self.state, _ = async_loop.run_async(
           self.state, ctx, self.producer, boundary - self.state.iteration,
           max_staleness=config.rl.max_staleness, publish=ctx.publish or (lambda p: p),
-          updates_per_batch=wiring.updates_per_batch(config),
+          updates_per_batch=wiring.settings(config).rl.updates_per_batch,
           on_step=lambda _, step_metrics: self.record_step(RL, step_metrics))
     else:
       self.state, step_metrics = loop.grpo_iteration(self.state, ctx, self.producer)

@@ -62,6 +62,14 @@ class LoraConfig:
   def scale(self) -> float:
     return self.alpha / self.rank
 
+  @classmethod
+  def from_settings(cls, settings) -> "LoraConfig | None":
+    """The LoRA of a run's config.lora (any object with rank, alpha and target_names, as
+    rl.settings' LoraSettings), or None when its rank is 0 (LoRA off)."""
+    if not settings.rank:
+      return None
+    return cls(rank=settings.rank, alpha=float(settings.alpha), targets=settings.target_names)
+
 
 def projection_shape(config: ModelConfig, target: str) -> tuple[int, int]:
   """(D_in, D_out) of one layer's projection `target`."""

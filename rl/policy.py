@@ -13,10 +13,26 @@ import jax
 
 from models import config as model_configs
 from models import lora as lora_lib
+from models import pretrained as pretrained_lib
 from models import tokenizer as tokenizers
 from models import transformer
 from rl import checkpoint
 from rl.settings.model import ModelSettings
+
+
+def with_room(model: ModelSettings, model_config: model_configs.ModelConfig,
+              seq_len: int) -> model_configs.ModelConfig:
+  """The model config as the run uses it: room for `seq_len` (prompt + completion), and
+  the run's rematerialisation policy and compute dtype."""
+  return model_config.replace(max_seq_len=max(model_config.max_seq_len, seq_len),
+                              remat=model.remat, compute_dtype=model.compute_dtype)
+
+
+def pretrained(model: ModelSettings, spec: str):
+  """(ModelConfig, params, tokenizer or None) of checkpoint `spec` in the run's dtype, chat
+  template and tokenizer (`models.pretrained.load_pretrained`)."""
+  return pretrained_lib.load_pretrained(spec, model.dtype, chat=model.chat_template,
+                                        tokenizer=model.tokenizer or None)
 
 
 def load_policy(model: ModelSettings, seq_len: int, rng: jax.Array):
@@ -24,14 +40,14 @@ def load_policy(model: ModelSettings, seq_len: int, rng: jax.Array):
   `model.tokenizer`, if set) when set, else a from-scratch `model.preset` with the
   character tokenizer; room for `seq_len` tokens."""
   if model.checkpoint:
-    model_config, params, tokenizer = model.pretrained(model.checkpoint)
+    model_config, params, tokenizer = pretrained(model, model.checkpoint)
     if tokenizer is None:
       raise ValueError(f"{model.checkpoint} has no tokenizer.json; pass "
                        "config.model.tokenizer=<path> (a tokenizer.json file or a Hugging "
                        "Face folder that holds one, e.g. the base model's).")
-    return tokenizer, model.with_room(model_config, seq_len), params
+    return tokenizer, with_room(model, model_config, seq_len), params
   tokenizer = tokenizers.CharTokenizer()
-  model_config = model.with_room(model_configs.get_preset(
+  model_config = with_room(model, model_configs.get_preset(
       model.preset, dtype=model.dtype, vocab_size=tokenizer.vocab_size), seq_len)
   return tokenizer, model_config, transformer.init_params(model_config, rng)
 
@@ -71,7 +87,7 @@ def load_teacher(spec: str, model: ModelSettings, tokenizer, seq_len: int, top_k
   if os.path.isdir(os.path.join(spec, "checkpoints")):
     teacher_tokenizer, teacher_config, params = run_policy(spec)
   else:
-    teacher_config, params, teacher_tokenizer = model.pretrained(spec)
+    teacher_config, params, teacher_tokenizer = pretrained(model, spec)
   if teacher_tokenizer is None or _vocabulary(teacher_tokenizer) != _vocabulary(tokenizer):
     raise ValueError(f"config.distill.teacher = {spec!r} has another tokenizer than the "
                      "student (its vocabulary or special tokens differ): distillation compares "

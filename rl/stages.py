@@ -99,6 +99,7 @@ SCORED_THIS_STEP = "every row was scored for this batch"
 INDEPENDENT_ROWS = "rows are independent samples of their prompt"
 POLICY_TEXT_ONLY = "completion tokens are the policy's alone (no environment text between them)"
 EVERY_COMPLETION_TOKEN = "every sampled completion token is trained"
+ROUTING_RECORDED = "every row carries the sampler's routing record (an MoE policy's experts)"
 CONTEXT_IS_THE_PROMPT = "a row's context before its completion is its prompt alone"
 
 

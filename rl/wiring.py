@@ -13,13 +13,16 @@ A run has two phases, `WARM_START` (supervised, on the task's reference answers)
 
 from __future__ import annotations
 
+import functools
 import json
 
 import jax
 import ml_collections
 
 from models import lora as lora_lib
+from models import quantize
 from models import transformer
+from rl import composition
 from rl import loop
 from rl import policy
 from rl import rewards
@@ -30,8 +33,11 @@ from rl import train
 from rl import warm_start
 from rl.environments import turns as turns_lib
 from rl.objectives import advantages
+from rl.objectives import composite
+from rl.objectives import distillation
 from rl.objectives import losses
 from rl.objectives import token_subsample as subsample_lib
+from rl.rollouts import kinds
 from rl.rollouts import producers
 from rl.rollouts import sampler_topk
 from rl.rollouts import samplers
@@ -39,7 +45,6 @@ from rl.rollouts import selection
 from rl.settings import run as run_lib
 from rl.settings.dataset import DatasetSettings
 from rl.settings.distill import DistillSettings
-from rl.settings.rollout import RolloutSettings
 from rl.settings.tools import ToolSettings
 from sampling import sampler as sampler_lib
 from sampling import speculative
@@ -54,24 +59,9 @@ def settings(config) -> run_lib.RunSettings:
   return run_lib.RunSettings.from_config(config)
 
 
-def rollout_settings(config) -> RolloutSettings:
-  """config.rollout, typed."""
-  return RolloutSettings.from_config(config.rollout)
-
-
-def updates_per_batch(config) -> int:
-  """Optimiser updates one RL batch takes: rl.num_minibatches * rl.ppo_epochs."""
-  return run_lib.RLSettings.from_config(config.rl).updates_per_batch
-
-
 def staleness_in_batches(config) -> int:
   """Simulated staleness in whole batches, as the loop applies it (`RLSettings`)."""
   return run_lib.RLSettings.from_config(config.rl).staleness_in_batches
-
-
-def check_composition(config) -> None:
-  """Refuses the switch combinations that do not compose (`run_lib.check_composition`)."""
-  run_lib.check_composition(settings(config))
 
 
 def tool_settings(config) -> ToolSettings:
@@ -85,27 +75,24 @@ def make_turns(config, tokenizer) -> turns_lib.Turns | None:
   return turns_lib.make_turns(tool_settings(config), tokenizer)
 
 
-def draft_config(config) -> speculative.DraftConfig | None:
-  """config.rollout.speculative as the sampler's DraftConfig; None when tokens = 0."""
-  rollout = rollout_settings(config)
-  return rollout.speculative.draft_config(rollout.group_size)
-
-
 def lora_config(config) -> lora_lib.LoraConfig | None:
   """The RL phase's LoRA settings (models/lora.py), or None when config.lora.rank = 0
-  (`LoraSettings.check` refuses a bad rank, alpha or target)."""
-  return run_lib.LoraSettings.from_config(config.lora).lora_config()
+  (`rl.composition.check` refuses a bad rank, alpha or target)."""
+  return lora_lib.LoraConfig.from_settings(run_lib.LoraSettings.from_config(config.lora))
 
 
 def validate(config: ml_collections.ConfigDict) -> None:
   """Raises ValueError naming the inconsistent fields and how to fix them. The launcher calls
   it before anything else, so a bad config fails before the first training step: the typed
-  settings' checks (`RunSettings.check`), the task's own settings (built here) and a warm
-  start's source."""
+  settings' checks (`RunSettings.check`), the names and combinations
+  (`rl.composition.check`), the task's own settings (built here) and a warm start's
+  source."""
   run = settings(config)
   run.check()
+  composition.check(run)
   task = build_task(config)  # a task's own settings (difficulty fields, prompt style) fail here
-  rewards.make_stage(run.reward, task, None, config.seed, run.advantage.is_process)
+  rewards.make_stage(run.reward, task, None, config.seed,
+                     advantages.is_process(run.advantage.name))
   if config.warm_start.init_from:
     warm_start.check_source(config.warm_start.init_from, config.warm_start.steps,
                             json.loads(config.to_json_best_effort()))
@@ -146,11 +133,6 @@ def build_mesh(config: ml_collections.ConfigDict) -> jax.sharding.Mesh | None:
   return mesh
 
 
-def model_settings(config) -> policy.ModelSettings:
-  """config.model, typed."""
-  return policy.ModelSettings.from_config(config.model)
-
-
 def model_source(config) -> str:
   """The policy's preset or checkpoint, as an error message names it."""
   return (f"config.model.preset = {config.model.preset!r} / checkpoint "
@@ -166,13 +148,13 @@ def load_policy(config, rng):
   """(tokenizer, model_config, initial params) of the run (`rl.policy.load_policy`):
   config.model's checkpoint, or its preset from scratch. experiments/eval.py resolves a
   run's policy here too."""
-  return policy.load_policy(model_settings(config), sequence_length(config), rng)
+  return policy.load_policy(settings(config).model, sequence_length(config), rng)
 
 
 def load_teacher(config, tokenizer):
   """(params, ModelConfig) of the frozen teacher config.distill.teacher names
   (`rl.policy.load_teacher`)."""
-  return policy.load_teacher(config.distill.teacher, model_settings(config), tokenizer,
+  return policy.load_teacher(config.distill.teacher, settings(config).model, tokenizer,
                              sequence_length(config), config.distill.top_k)
 
 
@@ -186,7 +168,8 @@ def rl_loss(config) -> losses.LossSettings:
   """config.loss as the GRPO train step reads it (`LossSettings.resolved`): the unset
   fields an objective may fix take the objective's values, else FIXABLE_DEFAULTS', and
   norm_len 0 becomes the generation budget (rollout.max_new_tokens)."""
-  return losses.LossSettings.from_config(config.loss).resolved(config.rollout.max_new_tokens)
+  return losses.resolve(losses.LossSettings.from_config(config.loss),
+                        config.rollout.max_new_tokens)
 
 
 def make_context(config, task, tokenizer, model_config, phase, mesh=None, teacher=None):
@@ -225,10 +208,13 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None, teache
                                learning_rate=train.learning_rate_schedule(**rate),
                                lora=phase_lora(config, phase),
                                logprob_chunk=config.rl.logprob_chunk,
-                               router=settings(config).moe.router_terms(
-                                   model_config, phase == RL, model_source(config)),
+                               router=composite.RouterTerms.from_settings(
+                                   settings(config).moe, model_config, phase == RL,
+                                   model_source(config)),
                                **(distill_settings(config, teacher) if phase == RL else {}))
-  drafts = draft_config(config) if phase == RL else None
+  drafts = (speculative.DraftConfig.from_settings(settings(config).rollout.speculative,
+                                                 config.rollout.group_size)
+            if phase == RL else None)
   turns = make_turns(config, tokenizer)
   publish = sampler_publish(config, model_config, phase, mesh)
   batch = producers.BatchContext(
@@ -258,9 +244,9 @@ def batch_stages(config, batch: producers.BatchContext, model_config, loss) -> s
   reads it, the advantages, the training samples, and NAT's token subsample when set."""
   run = settings(config)
   reward = rewards.make_stage(run.reward, batch.task, batch.tokenizer, config.seed,
-                              run.advantage.is_process)
+                              advantages.is_process(run.advantage.name))
   parts = (None if reward is None else rewards.reward_stage(reward),
-           sampler_topk.record_stage(model_config, loss, rollout_settings(config)),
+           sampler_topk.record_stage(model_config, loss, settings(config).rollout),
            advantages.advantage_stage(batch_advantages(config)),
            samples.train_samples_stage(config.metrics.train_samples,
                                        config.metrics.train_samples_every),
@@ -273,7 +259,8 @@ def batch_stages(config, batch: producers.BatchContext, model_config, loss) -> s
 def sampler_publish(config, model_config, phase: str, mesh=None):
   """`LoopContext.publish`: quantised in the RL phase with config.rollout.weights (one
   device), else resharded into the sampler's layout on a mesh, else None."""
-  quantizer = rollout_settings(config).quantizer() if phase == RL else None
+  weights = settings(config).rollout.weights if phase == RL else ""
+  quantizer = jax.jit(functools.partial(quantize.quantize_params, name=weights)) if weights else None
   return quantizer or (None if mesh is None else reshard.make_publish(mesh, jax.eval_shape(
       lambda: transformer.init_params(model_config, jax.random.PRNGKey(0)))))
 
@@ -282,11 +269,12 @@ def batch_advantages(config) -> advantages.BatchAdvantages:
   """The advantage stage: a process estimator over the batch's step rewards (PURE), else
   the rollout kind's stage over config.advantage.name's outcome estimator."""
   advantage = settings(config).advantage
-  if advantage.is_process:
+  if advantages.is_process(advantage.name):
     return advantages.process_relative(advantages.PROCESS_ADVANTAGES.get(advantage.name),
                                        advantage.verifier_coef)
-  rollout = rollout_settings(config)
-  return rollout.kind_spec.batch_advantages(rollout, advantages.get_advantage_fn(advantage.name))
+  rollout = settings(config).rollout
+  return kinds.kind_of(rollout).batch_advantages(rollout,
+                                                 advantages.get_advantage_fn(advantage.name))
 
 
 def distill_settings(config, teacher) -> dict:
@@ -295,7 +283,8 @@ def distill_settings(config, teacher) -> dict:
     return {}
   params, teacher_config = teacher
   settings = DistillSettings.from_config(config.distill)
-  return dict(distill=settings.distill(teacher_config), teacher_params=params)
+  return dict(distill=distillation.Distill.from_settings(settings, teacher_config),
+              teacher_params=params)
 
 
 def phase_lora(config, phase: str) -> lora_lib.LoraConfig | None:
@@ -327,8 +316,8 @@ def new_train_state(config, model_config, params, optimizer, phase: str, mesh=No
 def make_rl_producer(config, ctx) -> producers.Producer:
   """The RL phase's batch producer (the one strategy-specific piece of the RL phase) for
   the RL LoopContext `ctx`: config.rollout.kind's entry of rl.rollouts.kinds."""
-  rollout = rollout_settings(config)
-  return rollout.kind_spec.make_producer(
+  rollout = settings(config).rollout
+  return kinds.kind_of(rollout).make_producer(
       rollout, ctx.batch, selection=selection.SelectionSettings.from_config(config.selection),
       max_staleness=config.rl.max_staleness)
 

@@ -76,6 +76,16 @@ class DraftConfig:
   ngram: int = 3
   group_size: int = 1
 
+  @classmethod
+  def from_settings(cls, settings, group_size: int) -> "DraftConfig | None":
+    """The drafts of a run's config.rollout.speculative (any object with tokens, sources and
+    ngram, as rl.settings' SpeculativeSettings), or None when its tokens are 0 (plain
+    decoding); `group_size`: the run's rows per prompt."""
+    if not settings.tokens:
+      return None
+    return cls(tokens=settings.tokens, sources=tuple(settings.sources), ngram=settings.ngram,
+               group_size=group_size)
+
   def __post_init__(self):
     if self.tokens < 1:
       raise ValueError(f"DraftConfig.tokens must be >= 1, got {self.tokens}.")

@@ -43,6 +43,7 @@ import pytest
 
 from models import transformer
 from models.config import ModelConfig
+from rl import composition
 from rl import train
 from rl.objectives import advantages as advantage_estimators
 from rl.objectives import composite
@@ -110,23 +111,32 @@ class Combination:
     return (self.objective, self.chain, self.scheme)
 
 
+def launcher_accepts(settings: RunSettings) -> bool:
+  """Whether the launcher's check (`RunSettings.check`, then `rl.composition.check`)
+  accepts `settings`."""
+  try:
+    settings.check()
+    composition.check(settings)
+  except ValueError:
+    return False
+  return True
+
+
 def accepted(combinations) -> list[Combination]:
-  """The combinations `RunSettings.check` accepts (a loss the loss settings refuse is
+  """The combinations the launcher's check accepts (a loss the loss check refuses is
   refused whatever the other axes, so those are tried once)."""
   out, refused_losses = [], set()
   for c in combinations:
     loss = (c.objective, c.chain, c.scheme)
     if loss in refused_losses:
       continue
-    try:
-      c.run_settings().check()
-    except ValueError:
-      try:
-        LossSettings(name=c.objective, corrections=c.chain, token_subsample=c.scheme).check()
-      except ValueError:
-        refused_losses.add(loss)
+    if launcher_accepts(c.run_settings()):
+      out.append(c)
       continue
-    out.append(c)
+    try:
+      losses.check(LossSettings(name=c.objective, corrections=c.chain, token_subsample=c.scheme))
+    except ValueError:
+      refused_losses.add(loss)
   return out
 
 
@@ -234,7 +244,7 @@ _MODEL = ModelConfig(vocab_size=VOCAB, d_model=8, n_layers=1, n_heads=1, n_kv_he
 
 def step_objective(loss: LossSettings) -> composite.StepObjective:
   """The train step's objective for `loss`, resolved as rl.wiring resolves it."""
-  return composite.StepObjective(_MODEL, loss.resolved(max_new_tokens=SLOTS - PROMPT))
+  return composite.StepObjective(_MODEL, losses.resolve(loss, max_new_tokens=SLOTS - PROMPT))
 
 
 def loss_gradient(objective: composite.StepObjective, batch: Rollout, logp, head_logp):
@@ -458,8 +468,8 @@ def test_the_train_step_applies_the_checked_loss(objective, chain):
   expectation it subtracts."""
   params = transformer.init_params(_MODEL, jax.random.PRNGKey(0))
   batch, policy = _train_step_batch(params)
-  loss = LossSettings(name=objective, corrections=chain).resolved(
-      max_new_tokens=SLOTS - PROMPT)
+  loss = losses.resolve(LossSettings(name=objective, corrections=chain),
+                        max_new_tokens=SLOTS - PROMPT)
   step = train.make_train_step(_MODEL, optax.sgd(1.0), loss)
   state, _ = step(train.init_train_state(jax.tree.map(jnp.copy, params), optax.sgd(1.0)),
                  batch)  # the step donates the state

@@ -7,9 +7,10 @@ import os
 
 import pytest
 
-from rl import environments
 from rl import registry
 from rl import settings
+from rl import stages
+from rl.environments import base as environments
 from rl.objectives import advantages
 from rl.objectives import corrections
 from rl.objectives import losses
@@ -25,10 +26,10 @@ from sampling import speculative
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The settings base, the run's settings, and each extension point's base type with its
 # settings: the registry, objectives, corrections, advantage estimators, rollout kinds,
-# selection rules, environments, tasks and draft sources.
+# selection rules, environments, tasks, draft sources and batch stages.
 MODULES = (settings, run_settings, registry, losses, loss_settings, corrections, advantages,
            kinds, rollout_settings, selection, selection_settings, environments, task_base,
-           speculative)
+           speculative, stages)
 PAGES = ("docs/add_objective.md",)
 
 

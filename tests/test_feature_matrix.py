@@ -93,9 +93,12 @@ def _config(workdir, kind, selection, async_, staleness, data):
       "rl.staleness": staleness, "rollout.group_size": 4, "metrics.train_samples_every": 1,
       "mesh.data": data, "mesh.fsdp": 1 if data == 1 else -1})  # data=2 x fsdp=4: 8 devices
   c.task.difficulty = {"max_value": 100}
-  c.rollout.tree.update(init_chains=2, fork_points=1, branches=2, rounds=1)  # 4 leaves
-  c.rollout.pruning.update(candidates=6, prefix_tokens=1)  # 6 started, 4 kept after 1 token
-  c.selection.max_attempts = 30
+  if kind == "tree":
+    c.rollout.tree.update(init_chains=2, fork_points=1, branches=2, rounds=1)  # 4 leaves
+  if kind == "pruned":
+    c.rollout.pruning.update(candidates=6, prefix_tokens=1)  # 6 started, 4 kept after 1 token
+  if selection in ("dynamic", "greso"):  # the rules that refill their batch
+    c.selection.max_attempts = 30
   if selection == "greso":  # a pool of 2 prompts seen every round: position 0's all-zero
     # group makes it skipped with probability 0.99 each time it comes up again, at least
     # twice in the two steps (step 1 needs a second round for its second informative group)

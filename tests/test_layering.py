@@ -85,3 +85,82 @@ def test_the_wiring_and_the_train_step_stay_small():
                     if isinstance(node, ast.FunctionDef) and node.name == "make_train_step")
   assert wiring_lines <= 350
   assert train_step.end_lineno - train_step.lineno + 1 <= 80
+
+
+LIBRARY = ("models", "sampling", "rl", "sharding")
+
+
+def library_module(path: str) -> str:
+  """`rl/objectives/losses.py` -> 'rl.objectives.losses' (a package: its __init__'s name)."""
+  name = os.path.relpath(path, ROOT)[:-len(".py")].replace(os.sep, ".")
+  return name[:-len(".__init__")] if name.endswith(".__init__") else name
+
+
+def import_graph() -> dict[str, set[str]]:
+  """Library module -> the library modules it imports, at any level (inside functions
+  too): `from a import b` counts a.b when that is a module, else a."""
+  paths = [p for package in LIBRARY
+           for p in glob.glob(os.path.join(ROOT, package, "**", "*.py"), recursive=True)]
+  modules = {library_module(p): p for p in paths}
+  graph = {}
+  for name, path in modules.items():
+    edges = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+      if isinstance(node, ast.Import):
+        targets = [alias.name for alias in node.names]
+      elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+        targets = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in modules
+                   else node.module for alias in node.names]
+      else:
+        continue
+      edges.update(t for t in targets if t in modules and t != name)
+    graph[name] = edges
+  return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """The strongly connected components of more than one module (Tarjan)."""
+  index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+  def visit(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on_stack.add(v)
+    for w in sorted(graph.get(v, ())):
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on_stack:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      component = []
+      while True:
+        w = stack.pop()
+        on_stack.discard(w)
+        component.append(w)
+        if w == v:
+          break
+      if len(component) > 1:
+        found.append(sorted(component))
+
+  for v in sorted(graph):
+    if v not in index:
+      visit(v)
+  return found
+
+
+def test_the_settings_import_nothing_above_them():
+  """rl/settings/ (read by the launcher before anything is built) imports, at any level,
+  no library module outside rl/settings/ and rl/registry.py."""
+  above = {name: sorted(t for t in targets if not t.startswith("rl.settings")
+                        and t != "rl.registry")
+           for name, targets in import_graph().items() if name.startswith("rl.settings")}
+  assert {name: targets for name, targets in above.items() if targets} == {}
+
+
+def test_no_import_cycle_among_library_modules():
+  assert cycles(import_graph()) == []
+
+
+def test_the_cycle_check_finds_a_cycle():
+  assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

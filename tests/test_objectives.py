@@ -160,7 +160,7 @@ def _vcpo_advantages(logp, batch):
     ("gspo", "eps_low", 0.2 + 1e-3, "objective 'gspo' fixes eps_low")])
 def test_a_setting_the_objective_overrides_or_never_reads_is_refused(name, field, value, message):
   with pytest.raises(ValueError, match=message):
-    losses.LossSettings(name=name, **{field: value}).check()
+    losses.check(losses.LossSettings(name=name, **{field: value}))
 
 
 @pytest.mark.parametrize("settings", [
@@ -172,12 +172,12 @@ def test_a_setting_the_objective_overrides_or_never_reads_is_refused(name, field
     dict(name="vcpo", vcpo_is_cap=4.0, vcpo_rho_ref=0.5, vcpo_is_level="token"),
     dict(name="mu_grpo", mu_eps_low=0.3)])
 def test_settings_the_objective_reads_are_accepted(settings):
-  losses.LossSettings(**settings).check()
+  losses.check(losses.LossSettings(**settings))
 
 
 def test_sequence_level_objectives_refuse_the_veto():
   with pytest.raises(ValueError, match="sequence-level ratios"):
-    losses.LossSettings(name="vcpo", corrections=("mu_veto",)).check()
+    losses.check(losses.LossSettings(name="vcpo", corrections=("mu_veto",)))
 
 
 def test_decoupled_with_prox_equal_behav_is_ppo():
@@ -206,10 +206,10 @@ def test_decoupled_needs_prox_and_train_step_knows():
   logp, batch = make_batch()
   with pytest.raises(ValueError, match="prox_logp"):
     losses.get_loss("decoupled")(logp, batch, settings=cfg(name="decoupled"))
-  assert cfg(name="decoupled").needs_prox
-  assert cfg(name="dapo", corrections=("mis",)).needs_prox
-  assert not cfg(name="m2po").needs_prox
-  assert not cfg(name="grpo").needs_prox
+  assert losses.needs_prox(cfg(name="decoupled"))
+  assert losses.needs_prox(cfg(name="dapo", corrections=("mis",)))
+  assert not losses.needs_prox(cfg(name="m2po"))
+  assert not losses.needs_prox(cfg(name="grpo"))
 
 
 def test_m2po_has_no_clipping():
@@ -256,9 +256,9 @@ def test_unknown_names_raise():
 
 
 def test_objective_overrides_define_the_method():
-  dapo = cfg(name="dapo").resolved()
+  dapo = losses.resolve(cfg(name="dapo"))
   assert (dapo.eps_low, dapo.eps_high, dapo.aggregation) == (0.2, 0.28, "token_mean")
-  grpo = cfg(name="grpo").resolved()
+  grpo = losses.resolve(cfg(name="grpo"))
   assert (grpo.eps_low, grpo.eps_high, grpo.aggregation) == (0.2, 0.2, "seq_mean_token_mean")
   assert losses.LossSettings().m2_tau == 0.04
 
@@ -287,9 +287,9 @@ def test_built_in_objectives_are_typed_records():
       "decoupled", ("tis",), True)
   assert losses.get_loss("dapo").overrides == dict(eps_low=0.2, eps_high=0.28,
                                                    aggregation="token_mean")
-  assert cfg(name="decoupled").needs_prox and not cfg(name="grpo").needs_prox
+  assert losses.needs_prox(cfg(name="decoupled")) and not losses.needs_prox(cfg(name="grpo"))
   assert not isinstance(losses.get_loss("sft"), losses.Objective)  # a plain registered function
-  assert cfg(name="sft").chain == ()
+  assert losses.chain_of(cfg(name="sft")) == ()
 
 
 # --- Mu-GRPO: relaxed clipping and the negative-advantage veto -----------------------

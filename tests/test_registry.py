@@ -7,6 +7,7 @@ import json
 import pytest
 
 from experiments import train
+from rl import composition
 from rl import wiring
 from rl.objectives import advantages
 from rl.objectives import corrections
@@ -93,7 +94,7 @@ def test_a_rollout_kinds_declarations_decide_what_it_composes_with(tmp_path, toy
     wiring.validate(config)
   config = tiny_run_config(tmp_path, {"rollout.kind": toy_kind, "mesh.data": 2})
   with pytest.raises(ValueError, match="config.rollout.kind = 'toy' decodes on one device"):
-    wiring.check_composition(config)
+    composition.check_switches(wiring.settings(config))
   config = tiny_run_config(tmp_path, {"rollout.kind": toy_kind, "rollout.group_size": 1})
   with pytest.raises(ValueError, match="config.rollout.group_size = 1"):
     wiring.validate(config)

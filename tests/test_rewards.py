@@ -321,15 +321,22 @@ def test_the_stage_wraps_every_rollout_kind(tmp_path, kind):
      r"false_negative = 0.2 injects verifier errors"),
     ({"reward.kind": "majority_vote", "reward.second_opinion": True}, r"has no verifier"),
     ({"reward.false_negative": 0.2, "selection.kind": "dynamic"},
-     r"selection.kind = 'dynamic' chooses prompts from the task's own rewards"),
+     r"the reward stage \(config.reward\) changes the batch's reward after it is made, and "
+     r"config.selection.kind = 'dynamic' reads the reward while making it"),
     ({"advantage.name": "pure_min", "rollout.kind": "tree"},
-     r"rollout.kind = 'tree' has its own advantage stage"),
-    ({"advantage.name": "pure_min", "selection.kind": "ar3po"},
-     r"AR3PO's reused responses would get no step reward"),
+     r"config.advantage.name = 'pure_min' has no effect with config.rollout.kind = 'tree', "
+     r"whose advantages are config.rollout.tree.advantage's"),
+    ({"advantage.name": "pure_min", "selection.kind": "ar3po", "task.train_pool": 64},
+     r"needs that every row was scored for this batch, and config.selection.kind = 'ar3po' "
+     r"does not keep that"),
     ({"advantage.name": "pure_sum", "rollout.kind": "pruned", "rollout.group_size": 4,
-      "rollout.pruning.candidates": 8}, r"rollout.kind = 'pruned' is not one of them"),
+      "rollout.pruning.candidates": 8},
+     r"needs that rows are independent samples of their prompt, and config.rollout.kind = "
+     r"'pruned' does not keep that"),
     ({"reward.kind": "majority_vote", "rollout.kind": "pruned", "rollout.group_size": 4,
-      "rollout.pruning.candidates": 8}, r"trains its head on the task's own rewards"),
+      "rollout.pruning.candidates": 8},
+     r"changes the batch's reward after it is made, and config.rollout.kind = 'pruned' reads "
+     r"the reward while making it"),
     ({"advantage.name": "pure_mean"}, r"Unknown advantage estimator 'pure_mean'.*pure_min"),
     ({"advantage.verifier_coef": 0.5}, r"verifier_coef = 0.5 .* 'grpo' reads none"),
 ])

@@ -199,7 +199,8 @@ def test_the_launcher_trains_an_moe_policy_with_replay_on_and_off_under_stalenes
 @pytest.mark.parametrize("overrides,message", [
     ({"model.preset": "tiny2", "moe.routing_replay": True}, "is dense"),
     ({"moe.routing_replay": True, "rl.prefix_shared_forward": True}, "prefix_shared_forward"),
-    ({"moe.routing_replay": True, "selection.kind": "ar3po"}, "ar3po.reuse"),
+    ({"moe.routing_replay": True, "selection.kind": "ar3po", "task.train_pool": 64},
+     "config.moe.routing_replay needs that every row carries the sampler's routing record"),
     ({"lora.rank": 4}, "mixtures of experts"),
 ])
 def test_the_launcher_refuses_what_does_not_compose(tmp_path, overrides, message):

@@ -269,7 +269,9 @@ def test_score_centering_with_every_rollout_kind_it_composes_with(tmp_path, over
 @pytest.mark.parametrize("overrides,message", [
     ({"rollout.kind": "partial"}, "rollout.kind = 'partial'"),
     ({"rl.logprob_chunk": 4}, "logprob_chunk"),
-    ({"selection.kind": "ar3po"}, "ar3po.reuse"),
+    ({"selection.kind": "ar3po", "task.train_pool": 64},
+     "needs that every row was sampled by the parameters that produced the batch, and "
+     "config.selection.kind = 'ar3po' does not keep that"),
     ({"loss.corrections": ("mis", "score_centering")}, "'mis'"),
     ({"loss.sc_top_k": 8, "loss.corrections": ("tis",)}, "never reads sc_top_k"),
 ])

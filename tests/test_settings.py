@@ -12,6 +12,7 @@ import pytest
 from rl.settings import Settings, setting
 from rl.settings import model as model_settings
 from rl.settings import rollout as rollout_settings
+from rl.settings import run as run_settings
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,26 +36,34 @@ def test_choices_from_a_function_are_read_when_the_field_is_checked():
   assert len(calls) == 2
 
 
-def test_the_lazy_choices_are_the_libraries_own():
+def test_the_libraries_choices_are_checked_above_the_settings():
+  """config.model.remat and config.rollout.resume take the libraries' own names, checked by
+  rl.composition (the settings import nothing above them)."""
   from models import transformer  # pylint: disable=import-outside-toplevel
+  from rl import composition  # pylint: disable=import-outside-toplevel
   from sampling import partial  # pylint: disable=import-outside-toplevel
   for remat in transformer.REMAT_POLICIES:
-    model_settings.ModelSettings(remat=remat).check()
+    composition.check_names(run_settings.RunSettings(
+        model=model_settings.ModelSettings(remat=remat)))
   for resume in partial.RESUME_MODES:
-    rollout_settings.RolloutSettings(kind="partial", resume=resume).check()
+    composition.check_names(run_settings.RunSettings(
+        rollout=rollout_settings.RolloutSettings(kind="partial", resume=resume)))
   with pytest.raises(ValueError, match="config.model.remat = 'some'; use one of 'none', "
                      "'full', 'dots'"):
-    model_settings.ModelSettings(remat="some").check()
+    composition.check_names(run_settings.RunSettings(
+        model=model_settings.ModelSettings(remat="some")))
 
 
 @pytest.mark.parametrize("override,message", [
     ("--config.model.remat=some", "config.model.remat = 'some'; use one of"),
-    ("--config.rollout.resume=never", "config.rollout.resume = 'never'; use one of"),
+    ("--config.rollout.kind=partial --config.rollout.resume=never",
+     "config.rollout.resume = 'never'; use one of"),
 ])
 def test_the_launcher_refuses_a_value_outside_lazy_choices(tmp_path, override, message):
   workdir = tmp_path / "run"
   result = subprocess.run(
-      [sys.executable, "-m", "experiments.train", f"--config.workdir={workdir}", override],
+      [sys.executable, "-m", "experiments.train", f"--config.workdir={workdir}",
+       *override.split()],
       cwd=_REPO, capture_output=True, text=True, timeout=600,
       env=dict(os.environ, PYTHONPATH=_REPO, JAX_PLATFORMS="cpu"))
   assert result.returncode != 0

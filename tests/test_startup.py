@@ -33,13 +33,14 @@ def test_importing_the_launcher_loads_no_heavy_library():
 
 
 def test_the_settings_and_their_checks_load_no_heavy_library():
-  """The typed settings (rl/settings/) build the default config without JAX; checking a
-  section imports what its check needs (here the loss registry, which imports JAX)."""
+  """The typed settings (rl/settings/) build the default config and check it without JAX;
+  the names and combinations, which need the registries, are rl.composition's (JAX)."""
   sections = ("dataset", "distill", "loss", "model", "rollout", "selection", "tools")
   imports = "".join(f"import rl.settings.{name}\n" for name in sections)
   assert _loaded(imports + "from experiments.configs import default\n"
                  "default.get_config()") == []
-  assert "jax" in _loaded("from rl.settings import loss\nloss.LossSettings().check()")
+  assert _loaded("from rl.settings import run\nrun.RunSettings().check()") == []
+  assert "jax" in _loaded("import rl.composition")
 
 
 def test_tensorboard_writer_does_not_load_torch(tmp_path):

@@ -112,7 +112,7 @@ def test_nat_gradient_is_unbiased_and_zero_on_untrained_tokens(name, scheme):
   not kept get exactly zero gradient. Off-policy log-probs so that some tokens are clipped."""
   mask = _mask([3, 9, 16, 28], slots=34)
   batch = _batch(mask)
-  settings = losses.LossSettings(name=name).resolved(max_new_tokens=31)
+  settings = losses.resolve(losses.LossSettings(name=name), max_new_tokens=31)
   loss_fn = losses.get_loss(name)
   logp = batch.behavior_logp + 0.3 * jnp.asarray(np.random.default_rng(2).normal(size=mask.shape),
                                                  jnp.float32) * mask
@@ -208,9 +208,11 @@ def test_token_subsample_through_the_launcher_trains_on_fewer_tokens(tmp_path, k
     ({"loss.token_subsample": "urs", "loss.name": "gspo"},
      r"token_subsample = 'urs' with config.loss.name = 'gspo'"),
     ({"loss.token_subsample": "rpc", "distill.teacher": "somewhere", "distill.coef": 1.0},
-     r"token_subsample = 'rpc' with config.distill.teacher"),
+     r"config.distill.teacher needs that every sampled completion token is trained, and "
+     r"config.loss.token_subsample = 'rpc' does not keep that"),
     ({"loss.token_subsample": "urs", "rl.prefix_shared_forward": True},
-     r"token_subsample = 'urs' keeps the tokens it drops as context"),
+     r"config.rl.prefix_shared_forward needs that a row's context before its completion is its "
+     r"prompt alone, and config.loss.token_subsample = 'urs' does not keep that"),
 ])
 def test_token_subsample_refusals(tmp_path, overrides, message):
   with pytest.raises(ValueError, match=message):

@@ -405,9 +405,9 @@ _SETTINGS = ([dict(name=name) for name in losses.LOSSES.names()]
     str(v) if not isinstance(v, tuple) else "+".join(v) for v in s.values()))
 def test_environment_tokens_get_exactly_zero_gradient(setting):
   full, logps, absent, absent_logps, env, pick = _batch_with_environment_tokens()
-  config = losses.LossSettings(**{"norm_len": float(T), **setting}).resolved()
+  config = losses.resolve(losses.LossSettings(**{"norm_len": float(T), **setting}))
   loss_fn = losses.get_loss(setting["name"])
-  needs_prox, reads_head = config.needs_prox, config.reads_sampler_topk
+  needs_prox, reads_head = losses.needs_prox(config), losses.reads_sampler_topk(config)
 
   def value(lps, batch):
     lp, head = lps
@@ -547,7 +547,9 @@ def test_a_run_killed_mid_turn_resumes_to_identical_metrics(tmp_path):
     ({"rollout.kind": "tree"}, r"config.tools.name with config.rollout.kind='tree'"),
     ({"rollout.kind": "partial", "rollout.resume": "kept_kv"}, r"use config.rollout.resume='reprefill'|set config.rollout.resume='reprefill'"),
     ({"rollout.speculative.tokens": 4}, r"config.tools.name with config.rollout.speculative"),
-    ({"rl.prefix_shared_forward": True}, r"config.tools.name with config.rl.prefix_shared_forward"),
+    ({"rl.prefix_shared_forward": True},
+     r"config.rl.prefix_shared_forward needs that a row's context before its completion is its "
+     r"prompt alone, and config.tools.name = 'adder' does not keep that"),
     ({"mesh.data": 2}, r"config.tools.name runs turns on one device"),
     ({"tools.max_observation_tokens": 0}, r"config.tools.max_observation_tokens = 0 must be >= 1"),
 ])

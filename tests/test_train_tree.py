@@ -8,6 +8,7 @@ import pytest
 
 from experiments import train
 from rl import wiring
+from rl.rollouts import kinds
 from rl.settings import rollout as rollout_settings
 from sampling import tree
 from tests.launcher_config import tiny_run_config
@@ -33,9 +34,10 @@ def test_tree_run_end_to_end(tmp_path):
 
 def test_fork_policy_from_config(tmp_path):
   c = _config(tmp_path, policy="segments", segment_len=2, max_depth=2)
-  assert rollout_settings.TreeSettings.from_config(c.rollout.tree).fork_policy() == tree.FixedSegments(2, 2, 2, 2)
+  tree_settings = lambda: rollout_settings.TreeSettings.from_config(c.rollout.tree)
+  assert kinds.fork_policy(tree_settings()) == tree.FixedSegments(2, 2, 2, 2)
   c.rollout.tree.policy = "lookahead"
-  assert isinstance(rollout_settings.TreeSettings.from_config(c.rollout.tree).fork_policy(), tree.Lookahead)
+  assert isinstance(kinds.fork_policy(tree_settings()), tree.Lookahead)
   c.rollout.tree.policy = "beam"
   with pytest.raises(ValueError, match="config.rollout.tree.policy"):
     wiring.validate(c)

@@ -8,7 +8,7 @@ import fractions
 import re
 from typing import Optional
 
-from rl.environments import ENVIRONMENTS
+from rl.environments.base import ENVIRONMENTS
 
 
 # The adder's calls, at the very end of the row's text (anchored: the regular expressions

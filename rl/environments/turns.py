@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rl import scoring
-from rl.environments import make_environment
+from rl.environments.base import make_environment
 from rl.settings import Settings
 from rl.settings.tools import ToolSettings
 from sampling import partial

@@ -423,3 +423,8 @@ def advantage_stage(batch_advantages: BatchAdvantages) -> stages.Stage:
 
   return stages.Stage(init=lambda: None, apply=apply, name="advantages",
                       declares=stages.Declaration(writes=frozenset({"advantages"})))
+
+
+def is_process(name: str) -> bool:
+  """Whether config.advantage.name is a process estimator (it reads per-step rewards)."""
+  return name in PROCESS_ADVANTAGES.names()

@@ -270,6 +270,24 @@ class RouterTerms:
   load_balancing_coef: float = 0.0
   router_z_coef: float = 0.0
 
+  @classmethod
+  def from_settings(cls, moe, model_config: ModelConfig, rl_phase: bool,
+                    source: str) -> "RouterTerms | None":
+    """config.moe (`rl.settings.moe.MoeSettings`) as the RL train step reads it: None for a
+    dense policy, which refuses an active config.moe (`source` names the preset or
+    checkpoint), and for the warm start (teacher-forced rows: no routing record, and no
+    router losses in supervised training)."""
+    if not model_config.is_moe:
+      if moe.active:
+        raise ValueError(f"config.moe = {moe} needs a mixture-of-experts policy; {source} "
+                         "is dense (use preset 'tiny2_moe' or a Qwen3-MoE / Mixtral "
+                         "checkpoint).")
+      return None
+    if not rl_phase:
+      return None
+    return cls(routing_replay=moe.routing_replay, load_balancing_coef=moe.load_balancing_coef,
+               router_z_coef=moe.router_z_coef)
+
   def loss(self, stats: transformer.RouterStats) -> jax.Array:
     """The auxiliary losses' weighted sum."""
     return (self.load_balancing_coef * stats.load_balancing.mean()
@@ -333,7 +351,7 @@ class StepObjective:
   router: RouterTerms | None = None
 
   def __post_init__(self):
-    self.loss.check_runnable()
+    losses.check_runnable(self.loss)
     if self.router is not None and not self.model_config.is_moe:
       raise ValueError("RouterTerms (config.moe) need a mixture-of-experts policy; this "
                        "model's MLPs are dense (ModelConfig.num_experts = 0).")
@@ -350,7 +368,7 @@ class StepObjective:
   @property
   def reads_sampler_topk(self) -> bool:
     """Whether a correction reads the sampler's top-K record (`Rollout.behavior_topk`)."""
-    return self.loss.reads_sampler_topk
+    return losses.reads_sampler_topk(self.loss)
 
   @property
   def replay(self) -> bool:
@@ -360,7 +378,7 @@ class StepObjective:
   @functools.cached_property
   def settings(self) -> losses.LossSettings:
     """The loss settings the objective runs with (`LossSettings.resolved`)."""
-    return self.loss.resolved()
+    return losses.resolve(self.loss)
 
   @functools.cached_property
   def aggregation(self) -> str:
@@ -372,7 +390,7 @@ class StepObjective:
   def prox_estimate(self) -> str | None:
     """How proximal log-probs are supplied when the objective reads them ('recompute' or
     'loglinear'), else None."""
-    return self.loss.prox_estimate if self.loss.needs_prox else None
+    return self.loss.prox_estimate if losses.needs_prox(self.loss) else None
 
   def logprobs(self, policy, rollout: Rollout) -> jax.Array:
     """`policy_logprobs` of `rollout` with this objective's layout and temperature."""
@@ -461,7 +479,8 @@ class StepObjective:
     if micro.behavior_topk is None:
       raise ValueError("Score centering needs the sampler's top-K record "
                        "(Rollout.behavior_topk); the loop records it after sampling "
-                       "(rl.loop.LoopContext.sampler_record, wired by the launcher).")
+                       "(rl.rollouts.sampler_topk.record_stage, a batch stage the launcher "
+                       "wires).")
     return micro.behavior_topk.ids
 
   def _hidden(self, params, config: ModelConfig, rollout: Rollout) -> jax.Array:

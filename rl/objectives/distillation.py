@@ -67,6 +67,14 @@ class Distill:
   top_k: int
   teacher_config: ModelConfig
 
+  @classmethod
+  def from_settings(cls, settings, teacher_config: ModelConfig) -> "Distill":
+    """config.distill (`rl.settings.distill.DistillSettings`) with the loaded teacher's
+    model config."""
+    return cls(objective=settings.objective, coef=float(settings.coef),
+               with_reward=bool(settings.with_reward), top_k=int(settings.top_k),
+               teacher_config=teacher_config)
+
 
 def next_token_logprobs(logits: jax.Array) -> jax.Array:
   """log-softmax [B, T, V] aligned with the tokens: column t is the distribution that

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from rl.objectives import corrections as corr
 from rl.registry import Registry
+from rl.settings import Settings, as_tuple
 from rl.settings.loss import AGGREGATIONS, LossSettings
 from rl.types import Rollout
 
@@ -40,6 +41,117 @@ LOSSES: Registry[LossFn] = Registry(
 # `@register_loss(name)` adds an objective (config.loss.name); `get_loss(name)` finds it.
 register_loss = LOSSES.register
 get_loss = LOSSES.get
+
+
+# --- The run's LossSettings against the registered objectives and corrections ----------
+
+
+def chain_of(settings: LossSettings) -> tuple[str, ...]:
+  """The corrections applied: the objective's own, then config.loss.corrections."""
+  return tuple(getattr(get_loss(settings.name), "corrections", ())) + tuple(settings.corrections)
+
+
+def needs_prox(settings: LossSettings) -> bool:
+  """Whether the objective or one of its corrections reads proximal log-probs (the train
+  step then supplies them, config.loss.prox_estimate)."""
+  return bool(getattr(get_loss(settings.name), "uses_prox", False)) or any(
+      corr.get_correction(name).needs_prox for name in chain_of(settings))
+
+
+def reads_sampler_topk(settings: LossSettings) -> bool:
+  """Whether a correction of the chain reads the sampler's top-K record (score centering):
+  the launcher then records it with each batch."""
+  return any(corr.get_correction(name).reads_sampler_topk for name in chain_of(settings))
+
+
+def resolve(settings: LossSettings, max_new_tokens: int | None = None) -> LossSettings:
+  """What the objective `settings.name` runs with (`LossSettings.resolved` with the fields
+  the objective fixes; with `max_new_tokens`, norm_len 0 as the generation budget)."""
+  overrides = getattr(get_loss(settings.name), "overrides", None) or {}
+  return settings.resolved(max_new_tokens, overrides=overrides)
+
+
+def fields_read(settings: LossSettings) -> set[str]:
+  """The fields the objective reads, with its corrections: name, corrections, kl_coef
+  and aggregation, token_subsample (and token_keep when it is on), its surrogate's
+  (`Objective.reads`), its corrections', prox_estimate when it needs proximal log-probs,
+  sc_top_k when a correction reads the sampler's top-K record, norm_len with
+  seq_mean_token_sum_norm."""
+  read = {"name", "corrections", "kl_coef", "aggregation", "token_subsample",
+          *getattr(get_loss(settings.name), "reads", ())}
+  if settings.token_subsample != "none":
+    read.add("token_keep")
+  for name in chain_of(settings):
+    read.update(corr.get_correction(name).fields.values())
+  if needs_prox(settings):
+    read.add("prox_estimate")
+  if reads_sampler_topk(settings):
+    read.add("sc_top_k")
+  if resolve(settings).aggregation == "seq_mean_token_sum_norm":
+    read.add("norm_len")
+  return read
+
+
+def check(settings: LossSettings) -> None:
+  """Refuses, before any training, settings the objective cannot run with
+  (`check_runnable`) and a field that is set and that the objective overrides (DAPO fixes
+  eps_high = 0.28) or never reads (M2PO has no clip widths): a setting accepted and then
+  ignored would silently change what a run means. An objective registered as a plain
+  function (no `reads`) is not checked for unread fields.
+
+  >>> check(LossSettings(name="m2po", eps_high=0.3))
+  Traceback (most recent call last):
+  ...
+  ValueError: config.loss.eps_high = 0.3: objective 'm2po' (with corrections ('m2po',)) never reads eps_high, so this setting would be ignored. Leave config.loss.eps_high at its default, or choose an objective or correction that uses it.
+  """
+  check_runnable(settings)
+  loss_fn = get_loss(settings.name)
+  if not hasattr(loss_fn, "reads"):
+    return
+  overrides, read = loss_fn.overrides, fields_read(settings)
+  for field in settings.changed_fields():
+    value = getattr(settings, field)
+    if field in overrides and as_tuple(value) != as_tuple(overrides[field]):
+      raise ValueError(
+          f"config.loss.{field} = {value!r}: objective {settings.name!r} fixes {field} = "
+          f"{overrides[field]!r} (it defines the method), so this setting would be ignored. "
+          f"Leave config.loss.{field} unset, or use an objective that reads it "
+          "(e.g. 'grpo', whose clip widths and aggregation are the config's).")
+    if field not in overrides and field not in read:
+      raise ValueError(
+          f"config.loss.{field} = {value!r}: objective {settings.name!r} (with corrections "
+          f"{chain_of(settings)}) never reads {field}, so this setting would be ignored. "
+          f"Leave config.loss.{field} at its default, or choose an objective or correction "
+          "that uses it.")
+
+
+def check_runnable(settings: LossSettings) -> None:
+  """`check` without refusing unread settings: what the train step checks of the
+  resolved settings it is given (resolving sets fields the objective may not read)."""
+  Settings.check(settings)
+  loss_fn = get_loss(settings.name)
+  if isinstance(settings.corrections, str):
+    raise ValueError(f"config.loss.corrections = {settings.corrections!r} must be a tuple of "
+                     f"names, e.g. ({settings.corrections!r},); known: "
+                     f"{list(corr.CORRECTIONS.names())}.")
+  aggregation = resolve(settings).aggregation
+  if aggregation not in AGGREGATIONS:
+    raise ValueError(f"Unknown config.loss.aggregation {aggregation!r}; known: {AGGREGATIONS}.")
+  if settings.corrections and not hasattr(loss_fn, "corrections"):
+    raise ValueError(f"config.loss.corrections = {tuple(settings.corrections)} with "
+                     f"config.loss.name = {settings.name!r}, a loss function that applies no "
+                     "corrections (register it with make_objective to give it a chain, "
+                     "docs/add_objective.md); set config.loss.corrections=().")
+  chain = chain_of(settings)
+  corr.check_chain(chain, loss_fn if hasattr(loss_fn, "scope") else None)
+  from rl.objectives import token_subsample  # pylint: disable=import-outside-toplevel
+  token_subsample.check_composes(settings.token_subsample, loss_fn, chain, settings.kl_coef)
+  if (any(corr.get_correction(n).replaces_logp for n in chain)
+      and getattr(loss_fn, "scope", corr.Scope.TOKEN) != corr.Scope.TOKEN):
+    raise ValueError(f"config.loss.name = {settings.name!r} takes sequence-level ratios, which "
+                     f"would count the tokens a correction in {chain} drops (their "
+                     "logp replaced by the anchor) as on-policy; use a per-token objective "
+                     "(grpo, dapo, mu_grpo, ...) with that correction.")
 
 
 def aggregate(per_token: jax.Array, mask: jax.Array, mode: str, norm_len: float = 1.0) -> jax.Array:

@@ -79,6 +79,16 @@ _SCOPE_WORDS = {Scope.TOKEN: "its own token", Scope.ROW_PREFIX: "the earlier tok
                 Scope.ROW: "every token of its row", Scope.BATCH: "statistics of the whole batch"}
 
 
+def declaration(scheme: str) -> stages.Declaration:
+  """What the subsample does to a batch: it rewrites the masks and the advantages, trains a
+  subset of the completion tokens, and under urs makes the dropped tokens context after the
+  prompt."""
+  breaks = {stages.EVERY_COMPLETION_TOKEN} | (
+      {stages.CONTEXT_IS_THE_PROMPT} if scheme == "urs" else set())
+  return stages.Declaration(writes=frozenset({"completion_mask", "advantages", "prompt_mask"}),
+                            breaks=frozenset(breaks))
+
+
 def check_composes(scheme: str, objective, chain: tuple[str, ...], kl_coef: float = 0.0) -> None:
   """Raises ValueError, naming the piece and why, when token subsampling `scheme` would
   bias the loss of `objective` (a registered objective) with the corrections `chain`
@@ -237,11 +247,7 @@ class TokenSubsample:
       return rollout, stats.with_counters(**metrics), state
 
     return stages.Stage(init=lambda: None, apply=apply, name=f"token subsample ({self.scheme})",
-                        declares=stages.Declaration(
-                            writes=frozenset({"completion_mask", "advantages", "prompt_mask"}),
-                            breaks=frozenset({stages.EVERY_COMPLETION_TOKEN})
-                            | ({stages.CONTEXT_IS_THE_PROMPT} if self.scheme == "urs"
-                               else frozenset())))
+                        declares=declaration(self.scheme))
 
   def restrict(self, batch: Rollout, kept: np.ndarray) -> Rollout:
     """The batch with completion_mask the `kept` tokens [B, T] (a subset of its completion

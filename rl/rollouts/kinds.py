@@ -23,12 +23,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from rl import stages
 from rl.objectives import advantages
 from rl.registry import Registry
 from rl.rollouts import partial as partial_rollout
 from rl.rollouts import producers
 from rl.rollouts import pruning
-from rl.settings.rollout import RolloutSettings
+from rl.settings.rollout import RolloutSettings, TreeSettings
 from sampling import partial as partial_lib
 from sampling import tree as tree_lib
 
@@ -66,6 +67,10 @@ class RolloutKind:
       config.rollout.tree.advantage), so config.advantage.name is not read.
     bounds_staleness: the producer itself discards rows older than config.rl.max_staleness
       (a partial pool), so that bound is read without config.rl.async_.
+    declares: what its batches are and what it reads while making them
+      (`rl.stages.Declaration`: a partial pool's rows were sampled across parameter
+      versions; a tree's rows share prefixes; a pruning head reads rewards), checked
+      against the batch stages' and the train step's needs.
     check: `(rollout, tools) -> None`: raises ValueError for a bad setting of the kind's own
       fields (`tools`: whether an environment answers tool calls).
     any_selection: composes with every config.selection.kind (else only 'uniform': the kind
@@ -91,6 +96,7 @@ class RolloutKind:
   check: Callable[[RolloutSettings, bool], None] = lambda rollout, tools: None
   own_advantages: bool = False
   bounds_staleness: bool = False
+  declares: stages.Declaration = stages.Declaration()
   any_selection: bool = False
   mesh: bool = False
   identical_prompt_groups: bool = False
@@ -100,6 +106,26 @@ class RolloutKind:
 
 
 ROLLOUT_KINDS: Registry[RolloutKind] = Registry("rollout kind", "config.rollout.kind")
+
+
+def kind_of(rollout: RolloutSettings) -> RolloutKind:
+  """The registered rollout kind config.rollout.kind names."""
+  return ROLLOUT_KINDS.get(rollout.kind)
+
+
+def rows_per_prompt(rollout: RolloutSettings) -> int:
+  """Sequences per prompt in an RL batch: group_size, or the tree's leaf budget.
+
+  >>> rows_per_prompt(RolloutSettings(kind="tree"))  # 4 chains + 1 round x 2 forks x 2 branches
+  8
+  """
+  return kind_of(rollout).rows_per_prompt(rollout)
+
+
+def fork_policy(tree: TreeSettings) -> tree_lib.ForkPolicy:
+  """The fork policy config.rollout.tree.policy names (a sampling.tree.ForkPolicy), built
+  from config.rollout.tree."""
+  return FORK_POLICIES.get(tree.policy)(tree)
 
 
 def _group_size(rollout: RolloutSettings) -> int:
@@ -115,12 +141,20 @@ ROLLOUT_KINDS.register("independent", RolloutKind(
 
 ROLLOUT_KINDS.register("tree", RolloutKind(
     make_producer=lambda rollout, ctx, selection, max_staleness: producers.tree(
-        ctx, rollout.tree.fork_policy()),
-    rows_per_prompt=lambda rollout: rollout.tree.fork_policy().leaves,
+        ctx, fork_policy(rollout.tree)),
+    rows_per_prompt=lambda rollout: fork_policy(rollout.tree).leaves,
     batch_advantages=lambda rollout, estimator: advantages.per_tree(
         advantages.get_tree_advantage_fn(rollout.tree.advantage), rollout.prompt_len),
-    check=lambda rollout, tools: rollout.tree.check(), own_advantages=True,
-    group_relative=False))
+    check=lambda rollout, tools: _check_tree(rollout.tree), own_advantages=True,
+    group_relative=False,
+    declares=stages.Declaration(breaks=frozenset({stages.INDEPENDENT_ROWS}))))
+
+
+def _check_tree(tree: TreeSettings) -> None:
+  """Refuses a tree advantage estimator or fork policy no registry knows, or a fork policy
+  its settings cannot build."""
+  advantages.get_tree_advantage_fn(tree.advantage)
+  fork_policy(tree)
 
 
 def _check_partial(rollout: RolloutSettings, tools: bool) -> None:
@@ -142,7 +176,8 @@ def _partial_producer(rollout: RolloutSettings, ctx, selection, max_staleness):
 
 ROLLOUT_KINDS.register("partial", RolloutKind(
     make_producer=_partial_producer, rows_per_prompt=_group_size, check=_check_partial,
-    bounds_staleness=True, tools=True))
+    bounds_staleness=True, tools=True,
+    declares=stages.Declaration(breaks=frozenset({stages.SAMPLED_BY_PRODUCING_PARAMS}))))
 
 
 ROLLOUT_KINDS.register("pruned", RolloutKind(
@@ -151,4 +186,8 @@ ROLLOUT_KINDS.register("pruned", RolloutKind(
     rows_per_prompt=_group_size,
     check=lambda rollout, tools: pruning.check(rollout.pruning, rollout.group_size,
                                                rollout.max_new_tokens),
-    identical_prompt_groups=True))
+    identical_prompt_groups=True,
+    # Its head learns from the task's rewards of the rows it kept, chosen by predicted
+    # success (not independent samples).
+    declares=stages.Declaration(reads_inside=frozenset({"reward"}),
+                                breaks=frozenset({stages.INDEPENDENT_ROWS}))))

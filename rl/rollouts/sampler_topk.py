@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from models import transformer
 from models.config import ModelConfig
 from rl import stages
+from rl.objectives import losses
 from rl.types import Rollout, SamplerTopK
 from sampling import logits as logits_lib
 
@@ -63,7 +64,7 @@ def record_stage(model_config: ModelConfig, loss, rollout) -> stages.Stage | Non
   samples. None when no correction reads it. It needs every row to have been sampled by
   those parameters (a partial pool's continued rows and AR3PO's reused responses were
   not)."""
-  if not loss.reads_sampler_topk:
+  if not losses.reads_sampler_topk(loss):
     return None
   record = functools.partial(with_sampler_topk, model_config=model_config,
                              k=loss.sc_top_k or model_config.vocab_size,

@@ -72,6 +72,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from rl import stages
 from rl.registry import Registry
 from rl.rollouts import statistics
 from rl.settings.selection import SelectionSettings
@@ -172,6 +173,11 @@ class SelectionRule:
     equal_groups: every group has exactly group_size rows (False: adaptive allocation
       sizes them per prompt).
     stores_responses: keeps a `ResponseMemory` in its state (AR3PO's reuse).
+    declares: `(settings) -> rl.stages.Declaration`: what its batches are and what it
+      reads while making them (a rule that chooses prompts by their rewards reads them;
+      AR3PO's reused responses were sampled by earlier parameters, scored at an earlier
+      step and keep no routing record), checked against the stages' and the train step's
+      needs.
 
   >>> greso = SELECTION_RULES.get("greso")
   >>> greso.refills(SelectionSettings(kind="greso")), SELECTION_RULES.get("uniform").refills(
@@ -191,6 +197,8 @@ class SelectionRule:
   chooses: bool = True
   equal_groups: bool = True
   stores_responses: Callable[[SelectionSettings], bool] = lambda settings: False
+  declares: Callable[[SelectionSettings], stages.Declaration] = (
+      lambda settings: stages.Declaration())
 
 
 def init_state(pool_size: int, settings: SelectionSettings,
@@ -201,7 +209,7 @@ def init_state(pool_size: int, settings: SelectionSettings,
   if pool_size <= 0:
     return None
   memory = None
-  if settings.rule.stores_responses(settings):
+  if rule_of(settings).stores_responses(settings):
     if sequence_length <= 0:
       raise ValueError(f"config.selection.kind={settings.kind!r} stores responses: "
                        "init_state needs their sequence_length (prompt_len + max_new_tokens).")
@@ -218,7 +226,7 @@ def check(settings: SelectionSettings, *, prompts_per_step: int, group_size: int
           pool_size: int) -> None:
   """Raises ValueError naming the inconsistent `config.selection` field and the fix."""
   settings.check()
-  rule = settings.rule
+  rule = rule_of(settings)
   if pool_size < 0:
     raise ValueError(f"config.task.train_pool = {pool_size} must be >= 0 (0 = unbounded).")
   if rule.needs_pool and pool_size <= 0:
@@ -278,7 +286,7 @@ def choose_prompts(state: Optional[SelectionState], cursor: int, n: int, rng: ja
   GRESO it is the next n positions. Candidates are scanned in cursor order; each is kept
   with `keep_probability` (one uniform draw from `rng` per candidate, in order).
   """
-  if not settings.rule.skips_prompts:
+  if not rule_of(settings).skips_prompts:
     return train_position(np.arange(cursor, cursor + n), pool_size), cursor + n, 0, state
   draws = np.random.default_rng(np.asarray(jax.random.key_data(rng)).tolist())
   skip_run = np.array(state.skip_run)
@@ -306,7 +314,7 @@ def observe(state: Optional[SelectionState], positions: np.ndarray, group_reward
   that class at `greso.target_zero_variance` (down when above it, up when below), within
   [min_keep_prob, 1]. A rule that keeps no history (uniform) records nothing.
   """
-  if state is None or not settings.rule.keeps_history:
+  if state is None or not rule_of(settings).keeps_history:
     return state
   g, decay = settings.greso, settings.adaptive.history_decay
   run, easy = np.array(state.uninformative_run), np.array(state.uninformative_easy)
@@ -430,7 +438,7 @@ def collect(state: Optional[SelectionState], cursor: int, rng: jax.Array, sample
   """Rolls out and assembles one GRPO batch of `prompts_per_step * group_size` rows with
   the rule settings.kind names (`SELECTION_RULES`). Metrics count everything decoded, kept
   or not."""
-  return settings.rule.collect(
+  return rule_of(settings).collect(
       state, cursor, rng, sample, settings=settings, prompts_per_step=prompts_per_step,
       group_size=group_size, pool_size=pool_size)
 
@@ -444,7 +452,7 @@ def _collect_rounds(state, cursor, rng, sample, *, settings, prompts_per_step, g
   (so 'uniform' reproduces plain GRPO exactly); round k > 0 uses fold_in(rng, k) and GRESO's
   skip draws of round k use fold_in(fold_in(rng, _SKIP_STREAM), k).
   """
-  refill = settings.rule.refills(settings)
+  refill = rule_of(settings).refills(settings)
   rounds, kept = [], []  # kept: (round index, group index) of informative groups
   skipped = rows = tokens = decode_steps = 0
   skip_rng = jax.random.fold_in(rng, _SKIP_STREAM)
@@ -749,17 +757,41 @@ def _check_pods(settings: SelectionSettings, prompts_per_step: int, group_size: 
 
 
 SELECTION_RULES: Registry[SelectionRule] = Registry("selection kind", "config.selection.kind")
+def _reads_rewards(settings: SelectionSettings) -> stages.Declaration:
+  """A rule that chooses prompts or rows by the task's rewards reads them while the batch is
+  made."""
+  del settings
+  return stages.Declaration(reads_inside=frozenset({"reward"}))
+
+
+def _ar3po_declares(settings: SelectionSettings) -> stages.Declaration:
+  """AR3PO reads rewards while it stages its rollouts; its reused responses (ar3po.reuse)
+  were sampled by earlier parameters, scored at an earlier step, and keep no routing
+  record."""
+  reused = (frozenset({stages.SAMPLED_BY_PRODUCING_PARAMS, stages.SCORED_THIS_STEP,
+                       stages.ROUTING_RECORDED}) if settings.ar3po.reuse else frozenset())
+  return stages.Declaration(reads_inside=frozenset({"reward"}), breaks=reused)
+
+
 SELECTION_RULES.register("uniform", SelectionRule(_collect_rounds, keeps_history=False,
                                                   chooses=False))
 SELECTION_RULES.register("dynamic", SelectionRule(_collect_rounds,
-                                                  refills=lambda settings: True))
+                                                  refills=lambda settings: True,
+                                                  declares=_reads_rewards))
 SELECTION_RULES.register("greso", SelectionRule(
     _collect_rounds, skips_prompts=True, needs_pool=True,
-    refills=lambda settings: settings.greso.refill))
+    refills=lambda settings: settings.greso.refill, declares=_reads_rewards))
 SELECTION_RULES.register("adaptive", SelectionRule(_collect_adaptive, check=_check_adaptive,
-                                                   equal_groups=False))
+                                                   equal_groups=False,
+                                                   declares=_reads_rewards))
 SELECTION_RULES.register("pods", SelectionRule(_collect_pods, keeps_history=False,
-                                               check=_check_pods))
+                                               check=_check_pods, declares=_reads_rewards))
 SELECTION_RULES.register("ar3po", SelectionRule(
     _collect_ar3po, keeps_history=False, needs_pool=True, check=_check_ar3po,
-    equal_groups=False, stores_responses=lambda settings: settings.ar3po.reuse))
+    equal_groups=False, stores_responses=lambda settings: settings.ar3po.reuse,
+    declares=_ar3po_declares))
+
+
+def rule_of(settings: SelectionSettings) -> SelectionRule:
+  """The registered rule config.selection.kind names."""
+  return SELECTION_RULES.get(settings.kind)

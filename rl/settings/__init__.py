@@ -10,9 +10,10 @@ new setting is one field, in one place.
 
 The run's sections are this package's modules: `model`, `rollout` (with its tree and
 speculative subsections), `loss`, `distill`, `selection`, `tools` and `dataset` (the dataset
-task's config.task fields). They import no JAX and no task (a check that needs a registry
-imports it when it runs), so the launcher, which loads the default config while defining its
---config flag, answers --help and refuses a bad flag in about a second. A settings class
+task's config.task fields). They import nothing above rl/settings/ (what needs a registry,
+the names and how the sections compose, is `rl.composition.check`), so the launcher, which
+loads the default config while defining its --config flag, answers --help and refuses a bad
+flag in about a second. A settings class
 for an extension of your own (docs/add_objective.md) lives wherever its code does:
 
 >>> import dataclasses

@@ -31,7 +31,6 @@ class DistillSettings(Settings):
 
   def check(self) -> None:
     super().check()
-    _distillation().DISTILL_OBJECTIVES.get(self.objective)
     if bool(self.teacher) != (self.coef > 0):
       raise ValueError(
           f"config.distill.teacher = {self.teacher!r} with config.distill.coef = {self.coef}: "
@@ -40,17 +39,3 @@ class DistillSettings(Settings):
       raise ValueError("config.distill.with_reward = False drops the policy objective: it "
                        "needs a teacher (config.distill.teacher and coef > 0), or nothing "
                        "trains.")
-
-  def distill(self, teacher_config):
-    """What the train step needs (rl/objectives/distillation.py `Distill`), with the loaded
-    teacher's model config."""
-    return _distillation().Distill(objective=self.objective, coef=float(self.coef),
-                   with_reward=bool(self.with_reward), top_k=int(self.top_k),
-                   teacher_config=teacher_config)
-
-
-def _distillation():
-  """rl/objectives/distillation.py, imported when a check needs its registry (this module
-  stays free of JAX)."""
-  from rl.objectives import distillation  # pylint: disable=import-outside-toplevel
-  return distillation

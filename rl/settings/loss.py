@@ -1,7 +1,8 @@
 """config.loss: the objective, its corrections and every setting they read.
 
-The objectives themselves are in rl/objectives/losses.py; this module imports no JAX, so the
-default config and the launcher's `--help` stay light.
+The objectives themselves are in rl/objectives/losses.py, which also checks these settings
+against them (`rl.objectives.losses.check`); this module imports nothing above
+rl/settings/, so the default config and the launcher's `--help` stay light.
 """
 
 from __future__ import annotations
@@ -39,20 +40,19 @@ class LossSettings(Settings):
   """config.loss: the objective, its corrections and every setting they read.
 
   A correction factory's defaults (rl.objectives.corrections) are these fields' (a test
-  checks). `check()` refuses, before any training, an unknown objective, aggregation or
-  correction, a correction chain that cannot work, and a field that is set and that the
-  objective would override (DAPO fixes eps_high = 0.28) or never read (M2PO has no clip
-  widths): a setting accepted and then ignored would silently change what a run means. A
-  field of OBJECTIVE_FIXABLE counts as set when it is not None, any other when it differs
-  from its default. `resolved()` is what the objective runs with.
+  checks). `rl.objectives.losses.check` refuses, before any training, an unknown objective,
+  aggregation or correction, a correction chain that cannot work, and a field that is set
+  and that the objective would override (DAPO fixes eps_high = 0.28) or never read (M2PO
+  has no clip widths): a setting accepted and then ignored would silently change what a
+  run means. A field of OBJECTIVE_FIXABLE counts as set when it is not None, any other
+  when it differs from its default (`changed_fields`). `resolved(overrides=...)` is what
+  the objective runs with.
 
-  >>> dapo = LossSettings(name="dapo").resolved()
+  >>> dapo = LossSettings(name="dapo").resolved(overrides=dict(eps_high=0.28))
   >>> dapo.eps_low, dapo.eps_high, dapo.aggregation
-  (0.2, 0.28, 'token_mean')
-  >>> LossSettings(name="m2po", eps_high=0.3).check()
-  Traceback (most recent call last):
-  ...
-  ValueError: config.loss.eps_high = 0.3: objective 'm2po' (with corrections ('m2po',)) never reads eps_high, so this setting would be ignored. Leave config.loss.eps_high at its default, or choose an objective or correction that uses it.
+  (0.2, 0.28, 'seq_mean_token_mean')
+  >>> LossSettings(name="m2po", eps_high=0.3).changed_fields()
+  ['name', 'eps_high']
   """
   SECTION = "loss"
   name: str = setting("grpo", "the objective: a name in rl/objectives/losses.py's LOSSES "
@@ -117,121 +117,23 @@ class LossSettings(Settings):
   token_keep: float = setting(0.5, "NAT: the expected fraction of completion tokens trained "
                               "(the paper's headline: 0.5)", low=0, low_open=True, high=1.0)
 
-  def resolved(self, max_new_tokens: int | None = None,
-               overrides: Mapping[str, object] | None = None) -> "LossSettings":
-    """What the objective runs with: the fields it fixes (`overrides`, default the
-    objective `name`'s), the other unset fields at FIXABLE_DEFAULTS, and with
-    `max_new_tokens` norm_len 0 as the generation budget (`resolve_norm_len`)."""
-    if overrides is None:
-      overrides = getattr(_objective(self.name), "overrides", None) or {}
+  def resolved(self, max_new_tokens: int | None = None, *,
+               overrides: Mapping[str, object]) -> "LossSettings":
+    """What the objective runs with: the fields it fixes (`overrides`: the objective's,
+    `rl.objectives.losses.resolve` passes them), the other unset fields at
+    FIXABLE_DEFAULTS, and with `max_new_tokens` norm_len 0 as the generation budget
+    (`resolve_norm_len`)."""
     values = {f: v for f, v in FIXABLE_DEFAULTS.items() if getattr(self, f) is None}
     values.update(overrides, corrections=tuple(self.corrections))
     if max_new_tokens is not None:
       values["norm_len"] = resolve_norm_len(self.norm_len, max_new_tokens)
     return dataclasses.replace(self, **values)
 
-  @property
-  def chain(self) -> tuple[str, ...]:
-    """The corrections applied: the objective's own, then `corrections`."""
-    return tuple(getattr(_objective(self.name), "corrections", ())) + tuple(self.corrections)
-
-  @property
-  def needs_prox(self) -> bool:
-    """Whether the objective or one of its corrections reads proximal log-probs."""
-    return bool(getattr(_objective(self.name), "uses_prox", False)) or any(
-        _corrections().get_correction(n).needs_prox for n in self.chain)
-
-  @property
-  def reads_sampler_topk(self) -> bool:
-    """Whether a correction of the chain reads the sampler's top-K record (score
-    centering): the launcher then records it with each batch."""
-    return any(_corrections().get_correction(n).reads_sampler_topk for n in self.chain)
-
-  def fields_read(self) -> set[str]:
-    """The fields the objective reads, with its corrections: name, corrections, kl_coef
-    and aggregation, token_subsample (and token_keep when it is on), its surrogate's
-    (`Objective.reads`), its corrections', prox_estimate when it needs proximal log-probs,
-    sc_top_k when a correction reads the sampler's top-K record, norm_len with
-    seq_mean_token_sum_norm."""
-    read = {"name", "corrections", "kl_coef", "aggregation", "token_subsample",
-            *getattr(_objective(self.name), "reads", ())}
-    if self.token_subsample != "none":
-      read.add("token_keep")
-    for name in self.chain:
-      read.update(_corrections().get_correction(name).fields.values())
-    if self.needs_prox:
-      read.add("prox_estimate")
-    if self.reads_sampler_topk:
-      read.add("sc_top_k")
-    if self.resolved().aggregation == "seq_mean_token_sum_norm":
-      read.add("norm_len")
-    return read
-
-  def check(self) -> None:
-    self.check_runnable()
-    self._check_read()
-
-  def check_runnable(self) -> None:
-    """`check` without refusing unread settings: what the train step checks of the
-    resolved settings it is given (resolving sets fields the objective may not read)."""
-    super().check()
-    loss_fn = _objective(self.name)
-    if isinstance(self.corrections, str):
-      raise ValueError(f"config.loss.corrections = {self.corrections!r} must be a tuple of "
-                       f"names, e.g. ({self.corrections!r},); known: "
-                       f"{list(_corrections().CORRECTIONS.names())}.")
-    aggregation = self.resolved().aggregation
-    if aggregation not in AGGREGATIONS:
-      raise ValueError(f"Unknown config.loss.aggregation {aggregation!r}; known: {AGGREGATIONS}.")
-    corrections = _corrections()
-    if self.corrections and not hasattr(loss_fn, "corrections"):
-      raise ValueError(f"config.loss.corrections = {tuple(self.corrections)} with "
-                       f"config.loss.name = {self.name!r}, a loss function that applies no "
-                       "corrections (register it with make_objective to give it a chain, "
-                       "docs/add_objective.md); set config.loss.corrections=().")
-    corrections.check_chain(self.chain, loss_fn if hasattr(loss_fn, "scope") else None)
-    from rl.objectives import token_subsample  # pylint: disable=import-outside-toplevel
-    token_subsample.check_composes(self.token_subsample, loss_fn, self.chain, self.kl_coef)
-    if (any(corrections.get_correction(n).replaces_logp for n in self.chain)
-        and getattr(loss_fn, "scope", corrections.Scope.TOKEN) != corrections.Scope.TOKEN):
-      raise ValueError(f"config.loss.name = {self.name!r} takes sequence-level ratios, which "
-                       f"would count the tokens a correction in {self.chain} drops (their "
-                       "logp replaced by the anchor) as on-policy; use a per-token objective "
-                       "(grpo, dapo, mu_grpo, ...) with that correction.")
-
-  def _check_read(self) -> None:
-    """Refuses a set field the objective overrides or never reads (class docstring); an
-    objective registered as a plain function (no `reads`) is not checked."""
-    loss_fn = _objective(self.name)
-    if not hasattr(loss_fn, "reads"):
-      return
-    overrides, read, defaults = loss_fn.overrides, self.fields_read(), self.defaults()
-    for field in defaults:
-      value = getattr(self, field)
-      if value is None or (field not in OBJECTIVE_FIXABLE and _same(value, defaults[field])):
-        continue
-      if field in overrides and not _same(value, overrides[field]):
-        raise ValueError(
-            f"config.loss.{field} = {value!r}: objective {self.name!r} fixes {field} = "
-            f"{overrides[field]!r} (it defines the method), so this setting would be ignored. "
-            f"Leave config.loss.{field} unset, or use an objective that reads it "
-            "(e.g. 'grpo', whose clip widths and aggregation are the config's).")
-      if field not in overrides and field not in read:
-        raise ValueError(
-            f"config.loss.{field} = {value!r}: objective {self.name!r} (with corrections "
-            f"{self.chain}) never reads {field}, so this setting would be ignored. Leave "
-            f"config.loss.{field} at its default, or choose an objective or correction "
-            "that uses it.")
-
-
-def _objective(name: str):
-  """The registered objective `name` (rl/objectives/losses.py LOSSES; imported here, when a
-  check needs it, so that this module stays free of JAX)."""
-  from rl.objectives import losses  # pylint: disable=import-outside-toplevel
-  return losses.get_loss(name)
-
-
-def _corrections():
-  """rl/objectives/corrections.py, imported when a check needs it (see `_objective`)."""
-  from rl.objectives import corrections  # pylint: disable=import-outside-toplevel
-  return corrections
+  def changed_fields(self) -> list[str]:
+    """The fields set by the config: an objective-fixable field when not None, any other
+    when it differs from its default (`rl.objectives.losses.check` refuses one that the
+    objective overrides or never reads)."""
+    defaults = self.defaults()
+    return [field for field in defaults
+            if getattr(self, field) is not None
+            and (field in OBJECTIVE_FIXABLE or not _same(getattr(self, field), defaults[field]))]

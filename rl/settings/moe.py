@@ -1,7 +1,8 @@
 """config.moe: what a mixture-of-experts policy adds to the GRPO objective.
 
 The model side is models/moe.py and models/transformer.py; the objective side is
-rl/objectives/composite.py `RouterTerms`. This module imports no JAX.
+rl/objectives/composite.py `RouterTerms.from_settings`. This module imports nothing above
+rl/settings/.
 """
 
 from __future__ import annotations
@@ -37,21 +38,3 @@ class MoeSettings(Settings):
   def active(self) -> bool:
     """Whether any field differs from its default (a dense policy refuses that)."""
     return self != MoeSettings()
-
-  def router_terms(self, model_config, rl_phase: bool, source: str):
-    """config.moe as the RL train step reads it (`rl.objectives.composite.RouterTerms`):
-    None for a dense policy, which refuses an active config.moe (`source` names the
-    preset or checkpoint), and for the warm start (teacher-forced rows: no routing record,
-    and no router losses in supervised training)."""
-    if not model_config.is_moe:
-      if self.active:
-        raise ValueError(f"config.moe = {self} needs a mixture-of-experts policy; {source} "
-                         "is dense (use preset 'tiny2_moe' or a Qwen3-MoE / Mixtral "
-                         "checkpoint).")
-      return None
-    if not rl_phase:
-      return None
-    from rl.objectives import composite  # pylint: disable=import-outside-toplevel
-    return composite.RouterTerms(routing_replay=self.routing_replay,
-                                 load_balancing_coef=self.load_balancing_coef,
-                                 router_z_coef=self.router_z_coef)

@@ -1,32 +1,17 @@
-"""config.rollout: how the RL phase samples its batches, with its tree and speculative
-subsections.
+"""config.rollout: how the RL phase samples its batches, with its tree, pruning and
+speculative subsections.
 
 The rollout kinds, fork policies and samplers these settings name are in
-rl/rollouts/kinds.py and sampling/; this module imports no JAX (it imports them where a
-method needs them), so the default config and the launcher's `--help` stay light.
+rl/rollouts/kinds.py and sampling/, which build them from these settings; this module
+imports nothing above rl/settings/, so the default config and the launcher's `--help` stay
+light.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from rl.settings import Settings, nested, setting, used_when
-
-if TYPE_CHECKING:
-  from rl.rollouts.kinds import RolloutKind
-
-
-def _weight_formats() -> tuple[str, ...]:
-  """'' and models/quantize.py FORMATS, read when config.rollout.weights is checked."""
-  from models import quantize  # pylint: disable=import-outside-toplevel
-  return ("",) + tuple(quantize.FORMATS)
-
-
-def _resume_modes() -> tuple[str, ...]:
-  """sampling/partial.py RESUME_MODES, read when config.rollout.resume is checked."""
-  from sampling import partial  # pylint: disable=import-outside-toplevel
-  return partial.RESUME_MODES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,18 +44,6 @@ class TreeSettings(Settings):
   prune_similarity: float = setting(1.0, "lookahead: prune when this fraction matches parent",
                                     low=0, high=1.0, used_when=used_when("policy", "lookahead"))
 
-  def fork_policy(self):
-    """The fork policy `policy` names (a sampling.tree.ForkPolicy), built from these
-    settings."""
-    from rl.rollouts import kinds  # pylint: disable=import-outside-toplevel
-    return kinds.FORK_POLICIES.get(self.policy)(self)
-
-  def check(self) -> None:
-    super().check()
-    from rl.objectives import advantages  # pylint: disable=import-outside-toplevel
-    advantages.get_tree_advantage_fn(self.advantage)
-    self.fork_policy()
-
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeSettings(Settings):
@@ -85,14 +58,6 @@ class SpeculativeSettings(Settings):
       "an earlier-listed source's match wins", used_when=used_when("tokens"))
   ngram: int = setting(3, "longest suffix matched (shorter ones tried after)", low=1,
                        used_when=used_when("tokens"))
-
-  def draft_config(self, group_size: int):
-    """The sampler's sampling.speculative.DraftConfig (None when tokens = 0)."""
-    if not self.tokens:
-      return None
-    from sampling import speculative  # pylint: disable=import-outside-toplevel
-    return speculative.DraftConfig(tokens=self.tokens, sources=tuple(self.sources),
-                                   ngram=self.ngram, group_size=group_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,12 +85,14 @@ class PruningSettings(Settings):
 
 @dataclasses.dataclass(frozen=True)
 class RolloutSettings(Settings):
-  """config.rollout: how the RL phase samples its batches.
+  """config.rollout: how the RL phase samples its batches (rl/rollouts/kinds.py builds the
+  kind it names; `rl.composition.check` checks the names and what they compose with).
 
-  >>> RolloutSettings(kind="tree").rows_per_prompt  # 4 chains + 1 round x 2 forks x 2 branches
-  8
-  >>> RolloutSettings(kind="tree").kind_spec.tools
-  False
+  >>> RolloutSettings(kind="tree", tree=TreeSettings(rounds=2)).check()
+  >>> RolloutSettings(tree=TreeSettings(rounds=2)).check()
+  Traceback (most recent call last):
+  ...
+  ValueError: config.rollout.tree.rounds = 2 has no effect with config.rollout.kind = 'independent': it is read only when config.rollout.kind = 'tree'. Set that, or leave config.rollout.tree.rounds at its default 1.
   """
   SECTION = "rollout"
   prompt_len: int = setting(16, "prompt slots (BOS + prompt, left-padded)", low=1)
@@ -150,7 +117,7 @@ class RolloutSettings(Settings):
   num_slots: int = setting(0, "partial: pool rows (0 = 2 * prompts_per_step * group_size)",
                            low=0, used_when=used_when("kind", "partial"))
   resume: str = setting("kept_kv", "partial: kept_kv (cheap) | reprefill (exact pi_new)",
-                        choices=_resume_modes, used_when=used_when("kind", "partial"))
+                        used_when=used_when("kind", "partial"))
   decode_window: int = setting(0, "partial: most decode steps per round (0 = max_new_tokens)",
                                low=0, used_when=used_when("kind", "partial"))
   train_length_buckets: tuple[int, ...] = setting(
@@ -159,27 +126,4 @@ class RolloutSettings(Settings):
   speculative: SpeculativeSettings = nested(SpeculativeSettings, "speculative decoding")
   weights: str = setting("", "the sampler's weight format, weight-only (models/quantize.py): "
                          "'' (the trainer's) | bfloat16 | int8 | fp8 | int4 (per-channel "
-                         "scales; activations and KV cache stay in model.compute_dtype)",
-                         choices=_weight_formats)
-
-  def quantizer(self):
-    """trainer parameters -> the sampler's in format `weights`
-    (`models.quantize.quantize_params`, jitted; the loop runs it once per publish), or None
-    for the trainer's own weights."""
-    if not self.weights:
-      return None
-    import functools  # pylint: disable=import-outside-toplevel
-    import jax  # pylint: disable=import-outside-toplevel
-    from models import quantize  # pylint: disable=import-outside-toplevel
-    return jax.jit(functools.partial(quantize.quantize_params, name=self.weights))
-
-  @property
-  def kind_spec(self) -> "RolloutKind":
-    """The registered rollout kind `kind` names."""
-    from rl.rollouts import kinds  # pylint: disable=import-outside-toplevel
-    return kinds.ROLLOUT_KINDS.get(self.kind)
-
-  @property
-  def rows_per_prompt(self) -> int:
-    """Sequences per prompt in an RL batch: group_size, or the tree's leaf budget."""
-    return self.kind_spec.rows_per_prompt(self)
+                         "scales; activations and KV cache stay in model.compute_dtype)")

@@ -1,19 +1,15 @@
 """config.selection: which prompts a GRPO step rolls out (uniform, DAPO dynamic sampling,
 GRESO's skip rule, adaptive allocation, PODS, AR3PO), with the rules' subsections.
 
-The rules are in rl/rollouts/selection.py; this module imports no JAX, so the default config
-and the launcher's `--help` stay light.
+The rules are in rl/rollouts/selection.py; this module imports nothing above rl/settings/,
+so the default config and the launcher's `--help` stay light.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 from rl.settings import Settings, nested, setting, used_when
-
-if TYPE_CHECKING:
-  from rl.rollouts.selection import SelectionRule
 
 SCORES = ("variance", "beta")  # adaptive allocation's per-prompt scores
 
@@ -74,25 +70,22 @@ class Ar3poSettings(Settings):
 
 @dataclasses.dataclass(frozen=True)
 class SelectionSettings(Settings):
-  """config.selection: which prompts a GRPO step rolls out, and how often.
+  """config.selection: which prompts a GRPO step rolls out, and how often (the rules are
+  rl/rollouts/selection.py's SELECTION_RULES; `rl.composition.check` checks the name and
+  the rule's own constraints).
 
-  >>> greso = SelectionSettings(kind="greso")
-  >>> greso.rule.skips_prompts, greso.rule.needs_pool, greso.rule.refills(greso)
-  (True, True, True)
-  >>> from rl.rollouts import selection
-  >>> selection.check(greso, prompts_per_step=4, group_size=4, pool_size=0)
+  >>> SelectionSettings(kind="pods", pods=PodsSettings(rollouts=16)).check()
+  >>> SelectionSettings(pods=PodsSettings(rollouts=16)).check()
   Traceback (most recent call last):
   ...
-  ValueError: config.selection.kind='greso' needs recurring prompts: set config.task.train_pool > 0 (the size of the finite prompt pool).
+  ValueError: config.selection.pods.rollouts = 16 has no effect with config.selection.kind = 'uniform': it is read only when config.selection.kind = 'pods'. Set that, or leave config.selection.pods.rollouts at its default 0.
   """
   SECTION = "selection"
   kind: str = setting("uniform", "uniform | dynamic (DAPO) | greso | adaptive | pods | "
                       "ar3po (SELECTION_RULES)")
-  max_attempts: int = setting(
-      8, "dynamic / greso: rollout rounds to fill a batch, then error", low=1,
-      used_when=used_when("kind", predicate=lambda s: s.rule.refills(s),
-                          condition="config.selection.kind refills its batch (dynamic, or "
-                          "greso with greso.refill)"))
+  # Read only by a rule that refills its batch: rl.composition refuses it changed otherwise.
+  max_attempts: int = setting(8, "dynamic / greso: rollout rounds to fill a batch, then error",
+                              low=1)
   greso: GresoSettings = nested(GresoSettings, "GRESO's skip rule",
                                 used_when=used_when("kind", "greso"))
   adaptive: AdaptiveSettings = nested(AdaptiveSettings, "adaptive allocation",
@@ -101,9 +94,3 @@ class SelectionSettings(Settings):
                               used_when=used_when("kind", "pods"))
   ar3po: Ar3poSettings = nested(Ar3poSettings, "AR3PO adaptive rollout and response reuse",
                                 used_when=used_when("kind", "ar3po"))
-
-  @property
-  def rule(self) -> "SelectionRule":
-    """The registered rule `kind` names."""
-    from rl.rollouts import selection  # pylint: disable=import-outside-toplevel
-    return selection.SELECTION_RULES.get(self.kind)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from rl.environments import ENVIRONMENTS
 from rl.settings import Settings, setting, used_when
 
 
@@ -31,8 +30,3 @@ class ToolSettings(Settings):
   timeout_s: float = setting(0.0, "time limit of one environment step in the scoring worker "
                              "(0 = the environment's own, 1 s for built-ins)", low=0,
                              used_when=used_when("name"))
-
-  def check(self) -> None:
-    super().check()
-    if self.name:
-      ENVIRONMENTS.get(self.name)
