@@ -67,12 +67,13 @@ class PartialConfig:
     num_slots: rows R in the pool (APRIL over-provisioning: more than the G * groups a batch
       needs); a multiple of group_size.
     group_size: completions G per prompt; a group is trained only when all G are complete.
-    resume: 'reprefill' or 'kept_kv' (module docstring: cost vs exactness trade-off).
+    resume: 'reprefill' or 'kept_kv' (module docstring: cost vs exactness trade-off); no
+      default: a run's config.rollout.resume is the one.
     decode_window: most decode steps per round, D (0: max_new_tokens).
   """
   num_slots: int
   group_size: int
-  resume: str = "reprefill"
+  resume: str
   decode_window: int = 0
 
   def __post_init__(self):

@@ -63,15 +63,17 @@ class DraftConfig:
     ngram: the longest suffix matched; shorter ones (down to 1 token) are tried when it
       finds nothing.
     group_size: rows per prompt, in contiguous blocks (the 'group' source's siblings).
+  No default for `tokens`: a run's config.rollout.speculative (whose tokens = 0 means
+  plain decoding) is the one set of defaults (`from_settings`).
 
   >>> DraftConfig(tokens=4, sources=("prompt_lookup", "history")).sources
   ('prompt_lookup', 'history')
-  >>> DraftConfig(sources=("oracle",))
+  >>> DraftConfig(tokens=4, sources=("oracle",))
   Traceback (most recent call last):
   ...
   ValueError: DraftConfig.sources = ('oracle',): use one or more of ('prompt_lookup', 'group', 'history').
   """
-  tokens: int = 4
+  tokens: int
   sources: tuple[str, ...] = ("prompt_lookup",)
   ngram: int = 3
   group_size: int = 1

@@ -256,7 +256,7 @@ def test_async_with_zero_staleness_reproduces_the_sync_loop_exactly(kind):
     producer = producers.independent(ctx.batch)
   else:
     producer = partial_rollout.producer(ctx.batch, partial_rollout.for_task(
-        ctx.batch, PartialConfig(num_slots=32, group_size=4), max_staleness=0))
+        ctx.batch, PartialConfig(num_slots=32, group_size=4, resume="reprefill"), max_staleness=0))
   start = start.replace(producer=producer.init(0))
   sync_state, sync_metrics = _copy(start), []
   for _ in range(3):

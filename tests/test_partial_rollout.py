@@ -141,7 +141,7 @@ def test_a_pool_of_another_shape_does_not_restore(tmp_path):
   manager = checkpoint.make_manager(str(tmp_path))
   checkpoint.save(manager, 0, small.for_checkpoint(small.init()), {})
   other = partial_rollout.PartialRollouts(
-      PartialConfig(num_slots=8, group_size=2), MODEL, SAMPLING, PROMPT, target_groups=2,
+      PartialConfig(num_slots=8, group_size=2, resume="reprefill"), MODEL, SAMPLING, PROMPT, target_groups=2,
       prompt_fn=_prompt_fn)
   with pytest.raises(ValueError, match="No checkpoint .* restores"):
     checkpoint.restore_latest(manager, other.for_checkpoint(other.init()))

@@ -100,7 +100,7 @@ def test_segment_two_differs_between_parameter_versions():
 @pytest.mark.slow
 def test_round_stops_at_target_groups_and_rows_keep_their_budget():
   params = _params(0)
-  config = partial.PartialConfig(num_slots=16, group_size=4)
+  config = partial.PartialConfig(num_slots=16, group_size=4, resume="reprefill")
   pool = partial.init_pool(config, MODEL, SAMPLING, PROMPT, jax.random.PRNGKey(2))
   tokens, mask = _prompts(4, seed=3)
   pool = partial.fill(pool, jnp.ones(4, bool), jnp.asarray(tokens), jnp.asarray(mask),
@@ -124,7 +124,7 @@ def test_round_stops_at_target_groups_and_rows_keep_their_budget():
 
 def test_partial_config_rejects_bad_shapes():
   with pytest.raises(ValueError, match="multiple of group_size"):
-    partial.PartialConfig(num_slots=10, group_size=4)
+    partial.PartialConfig(num_slots=10, group_size=4, resume="reprefill")
   with pytest.raises(ValueError, match="resume"):
     partial.PartialConfig(num_slots=8, group_size=4, resume="kv")
 

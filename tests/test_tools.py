@@ -584,7 +584,7 @@ def test_calculator_round_trip_with_the_smollm2_chat_tokenizer():
   assert len(prompt) > len(tokenizer.encode("Natalia sold 48 clips. How many is half?")) + 8
   written = tokenizer.encode("Half of 48 is <<48/2=")
   assert written[-1] in ids  # the row would pause here
-  config = partial.PartialConfig(num_slots=1, group_size=1)
+  config = partial.PartialConfig(num_slots=1, group_size=1, resume="reprefill")
   smol = get_preset("tiny2", vocab_size=tokenizer.vocab_size, max_seq_len=256)
   sampling = SamplingConfig(max_new_tokens=32, temperature=1.0, stop_tokens=(tokenizer.eos_id,),
                             pad_id=tokenizer.pad_id or 0)
