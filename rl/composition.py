@@ -21,6 +21,7 @@ pieces declare of themselves, not from their names:
 
 from __future__ import annotations
 
+import rl.extensions  # registers the batch stages of rl/extensions/  # pylint: disable=unused-import
 from models import config as model_configs
 from models import quantize
 from models import transformer
@@ -127,6 +128,8 @@ def pieces(settings: RunSettings) -> list[tuple[str, stages.Declaration]]:
   if s.loss.token_subsample != "none":
     out.append((f"config.loss.token_subsample = {s.loss.token_subsample!r}",
                 token_subsample.declaration(s.loss.token_subsample)))
+  for name, spec in stages.STAGES.items():  # the registered stages of rl/extensions/
+    out.append((f"the batch stage config.stages.{name}", spec.declares(s.stages[name])))
   if s.rl.prefix_shared_forward:
     out.append(("config.rl.prefix_shared_forward", stages.Declaration(
         needs=frozenset({stages.CONTEXT_IS_THE_PROMPT}))))

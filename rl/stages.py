@@ -56,12 +56,16 @@ declarations.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, NamedTuple, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional, Protocol
 
-import jax
+from rl.registry import Registry
+from rl.settings import stages as stage_settings
 
-from rl.rollouts.statistics import BatchStats
-from rl.types import Rollout
+if TYPE_CHECKING:  # this module loads no JAX: the default config imports the extensions
+  import jax
+
+  from rl.rollouts.statistics import BatchStats
+  from rl.types import Rollout
 
 
 class ApplyFn(Protocol):
@@ -142,3 +146,49 @@ def chain(*stages: Stage) -> Stage:
       writes=frozenset().union(*(s.declares.writes for s in stages)),
       reads_inside=frozenset().union(*(s.declares.reads_inside for s in stages)))
   return Stage(init, apply, declares, " -> ".join(s.name for s in stages) or "no stage")
+
+
+# --- Batch stages a module adds --------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class StageSpec:
+  """A batch stage a module registers (`register_stage`).
+
+  settings: its settings class (an `rl.settings.Settings` with SECTION "stages.<name>"),
+    read from config.stages.<name>.
+  build: `(settings, context) -> Stage | None`: the stage for the run (None: off at these
+    settings); `context` is the RL phase's `rl.rollouts.producers.BatchContext`.
+  declares: `(settings) -> Declaration`: what the stage does to the batch at these
+    settings, for the run's check (before anything is built).
+  before_advantages: whether it runs before the advantage stage (a stage that changes
+    rewards or rows) or after the built-in stages (one that reads advantages).
+  """
+  settings: type
+  build: Callable[[Any, Any], Optional[Stage]]
+  declares: Callable[[Any], Declaration] = lambda settings: Declaration()
+  before_advantages: bool = True
+
+
+STAGES: Registry[StageSpec] = Registry(
+    "batch stage", "config.stages", "rl.stages.register_stage adds one: docs/concepts.md")
+
+
+def register_stage(name: str, spec: StageSpec) -> StageSpec:
+  """Adds a batch stage: its settings become config.stages.<name> (the default config holds
+  them, the launcher checks them and its declarations), and the wiring builds it into
+  every RL run's chain. The module that calls this goes in rl/extensions/, whose modules
+  are all imported by the launcher and the default config.
+
+  Args:
+    name: the stage's name (its config section, config.stages.<name>).
+    spec: its `StageSpec`.
+
+  Returns:
+    `spec`.
+  """
+  if spec.settings.SECTION != f"stages.{name}":
+    raise ValueError(f"Batch stage {name!r}: its settings' SECTION must be 'stages.{name}', "
+                     f"not {spec.settings.SECTION!r}.")
+  stage_settings.STAGE_SETTINGS.register(name, spec.settings)
+  return STAGES.register(name, spec)

@@ -22,6 +22,7 @@ import ml_collections
 from models import lora as lora_lib
 from models import quantize
 from models import transformer
+import rl.extensions  # registers the batch stages of rl/extensions/  # pylint: disable=unused-import
 from rl import composition
 from rl import loop
 from rl import policy
@@ -241,18 +242,22 @@ def make_context(config, task, tokenizer, model_config, phase, mesh=None, teache
 def batch_stages(config, batch: producers.BatchContext, model_config, loss) -> stages.Stage:
   """The RL phase's batch stages, in order (rl/stages.py): the reward stage when
   config.reward or a process estimator asks for one, the sampler's record when a correction
-  reads it, the advantages, the training samples, and NAT's token subsample when set."""
+  reads it, the registered stages of rl/extensions/ that run before the advantages, the
+  advantages, the training samples, NAT's token subsample when set, and the registered
+  stages that run after."""
   run = settings(config)
   reward = rewards.make_stage(run.reward, batch.task, batch.tokenizer, config.seed,
                               advantages.is_process(run.advantage.name))
+  added = lambda before: [spec.build(run.stages[name], batch) for name, spec
+                          in stages.STAGES.items() if spec.before_advantages == before]
   parts = (None if reward is None else rewards.reward_stage(reward),
            sampler_topk.record_stage(model_config, loss, settings(config).rollout),
-           advantages.advantage_stage(batch_advantages(config)),
+           *added(True), advantages.advantage_stage(batch_advantages(config)),
            samples.train_samples_stage(config.metrics.train_samples,
                                        config.metrics.train_samples_every),
            None if loss.token_subsample == "none" else subsample_lib.TokenSubsample(
                loss.token_subsample, loss.token_keep, loss.aggregation,
-               config.rl.num_minibatches).stage())
+               config.rl.num_minibatches).stage(), *added(False))
   return stages.chain(*(part for part in parts if part is not None))
 
 

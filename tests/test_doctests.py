@@ -20,6 +20,7 @@ from rl.settings import loss as loss_settings
 from rl.settings import rollout as rollout_settings
 from rl.settings import run as run_settings
 from rl.settings import selection as selection_settings
+from rl.settings import stages as stage_settings
 from rl.tasks import base as task_base
 from sampling import speculative
 
@@ -29,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # selection rules, environments, tasks, draft sources and batch stages.
 MODULES = (settings, run_settings, registry, losses, loss_settings, corrections, advantages,
            kinds, rollout_settings, selection, selection_settings, environments, task_base,
-           speculative, stages)
+           speculative, stages, stage_settings)
 PAGES = ("docs/add_objective.md",)
 
 

@@ -23,7 +23,10 @@ from rl.settings import reward
 from rl.settings import rollout
 from rl.settings import run
 from rl.settings import selection
+from rl.settings import stages
 from rl.settings import tools
+
+import rl.extensions  # registers the batch stages of rl/extensions/ (config.stages)  # pylint: disable=unused-import,wrong-import-order
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -116,6 +119,10 @@ def get_config() -> ml_collections.ConfigDict:
   # one device, unsharded. The product must equal the number of devices; one axis may be -1
   # (the devices the others leave).
   c.mesh = run.MeshSettings.config_section()
+
+  # Batch stages added by the modules of rl/extensions/ (rl/settings/stages.py): one section
+  # per stage, config.stages.<name>, from the settings class the module registers.
+  c.stages = stages.config_section()
 
   # Multi-process start (sharding/multihost.py). Empty coordinator = read
   # JAX_COORDINATOR_ADDRESS; unset there too = a single-process run. 'auto' = let JAX detect

@@ -32,6 +32,8 @@ of the turn loop (`rl.environments.turns`: budgets, answering paused rows); the 
 that pauses rows at a call is `sampling.partial`'s.
 """
 
-from rl.environments.base import (ENVIRONMENTS, Environment, make_environment,  # noqa: F401
+from rl.environments.base import (ENVIRONMENTS, Environment, make_environment,
                                   split_demonstration)
 from rl.environments import builtins  # registers the built-ins  # pylint: disable=unused-import
+
+__all__ = ["ENVIRONMENTS", "Environment", "make_environment", "split_demonstration"]

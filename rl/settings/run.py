@@ -21,6 +21,7 @@ from rl.settings.model import ModelSettings
 from rl.settings.moe import MoeSettings
 from rl.settings.reward import RewardSettings
 from rl.settings.rollout import RolloutSettings
+from rl.settings import stages as stage_settings
 from rl.settings.selection import SelectionSettings
 from rl.settings.tools import ToolSettings
 
@@ -219,6 +220,9 @@ class RunSettings(Settings):
   metrics: MetricsSettings = nested(MetricsSettings, "metrics and samples")
   checkpoint: CheckpointSettings = nested(CheckpointSettings, "checkpoints")
   mesh: MeshSettings = nested(MeshSettings, "the device mesh")
+  # config.stages: each registered batch stage's settings, by name (rl/settings/stages.py).
+  stages: Mapping[str, Settings] = dataclasses.field(
+      default_factory=lambda: stage_settings.read({}))
 
   @classmethod
   def from_config(cls, node: Mapping[str, Any], **extra: Any) -> "RunSettings":
@@ -227,10 +231,13 @@ class RunSettings(Settings):
     task = node["task"]
     return super().from_config(node, dataset=DatasetSettings.from_config(task),
                                task=TaskSettings.from_config(task, difficulty=dict(
-                                   task.get("difficulty") or {})), **extra)
+                                   task.get("difficulty") or {})),
+                               stages=stage_settings.read(node.get("stages")), **extra)
 
   def check(self) -> None:
     """Raises ValueError naming the first field out of its range or choices, or set while
     it is not read, section by section. What needs the registries (names) and how the
     sections compose is `rl.composition.check`, which the launcher runs after this."""
     super().check()
+    for stage in self.stages.values():
+      stage.check()
