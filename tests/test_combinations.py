@@ -311,33 +311,40 @@ def _entries(objective: composite.StepObjective, scheme: str):
       yield index, probability, batch, arrays["logp"], arrays["head_logp"]
 
 
-def expected_loss_gradients(objective: composite.StepObjective, scheme: str) -> dict:
-  """{variant index: (dL/dlogp, dL/dhead_logp)}: `loss_gradient` on each variant, in
-  expectation over the token subsample `scheme` draws (exact), in one vectorised call."""
-  entries = list(_entries(objective, scheme))
+def expected_loss_gradients(objective_name: str, chain: tuple[str, ...],
+                            schemes: tuple[str, ...]) -> dict:
+  """{(scheme, variant index): (dL/dlogp, dL/dhead_logp)}: `loss_gradient` on each
+  variant, in expectation over what each token-subsampling scheme draws (exact), all in
+  one vectorised call (the loss is the same function whatever the scheme: only its batches
+  differ)."""
+  objectives = {scheme: step_objective(LossSettings(name=objective_name, corrections=chain,
+                                                    token_subsample=scheme))
+                for scheme in schemes}
+  entries = [(scheme, *entry) for scheme in schemes
+             for entry in _entries(objectives[scheme], scheme)]
   stack = lambda *xs: jnp.asarray(np.stack(xs))
-  batches = jax.tree.map(stack, *[e[2] for e in entries])
-  grads = jax.vmap(functools.partial(loss_gradient, objective))(
-      batches, stack(*[e[3] for e in entries]), stack(*[e[4] for e in entries]))
+  batches = jax.tree.map(stack, *[e[3] for e in entries])
+  grads = jax.vmap(functools.partial(loss_gradient, objectives[schemes[0]]))(
+      batches, stack(*[e[4] for e in entries]), stack(*[e[5] for e in entries]))
   out = {}
-  for index in sorted({e[0] for e in entries}):
-    weights = np.array([e[1] if e[0] == index else 0.0 for e in entries])
-    out[index] = tuple(np.tensordot(weights, np.asarray(g, np.float64), axes=1)
-                       for g in grads)
+  for key in dict.fromkeys((e[0], e[1]) for e in entries):
+    weights = np.array([e[2] if (e[0], e[1]) == key else 0.0 for e in entries])
+    out[key] = tuple(np.tensordot(weights, np.asarray(g, np.float64), axes=1) for g in grads)
   return out
 
 
-def check_loss(objective_name: str, chain: tuple[str, ...], scheme: str) -> list[str]:
-  """The failures of one loss (empty: it computes its documented estimator on every
-  variant of the problem: a first and a later update, per-row and per-token advantages)."""
-  loss = LossSettings(name=objective_name, corrections=chain, token_subsample=scheme)
-  objective = step_objective(loss)
+def check_losses(objective_name: str, chain: tuple[str, ...],
+                 schemes: tuple[str, ...]) -> list[str]:
+  """The failures of the losses of `objective_name` with `chain` under each scheme (empty:
+  each computes its documented estimator on every variant of the problem: a first and a
+  later update, per-row and per-token advantages)."""
   full_chain = tuple(getattr(losses.get_loss(objective_name), "corrections", ())) + chain
+  settings = step_objective(LossSettings(name=objective_name, corrections=chain)).settings
   failures = []
-  for index, got in expected_loss_gradients(objective, scheme).items():
+  for (scheme, index), got in expected_loss_gradients(objective_name, chain, schemes).items():
     later, per_token = VARIANTS[index]
     try:
-      want = reference.estimator(objective_name, full_chain, objective.settings,
+      want = reference.estimator(objective_name, full_chain, settings,
                                  reference_problem(problem_arrays(later), per_token))
     except KeyError as missing:
       return [f"{missing.args[0]} has no documented estimator in "
@@ -360,7 +367,11 @@ def check_combinations(combinations) -> tuple[int, int, list[str]]:
   """(accepted combinations, distinct losses checked, failures)."""
   accepted_ones = accepted(combinations)
   cases = sorted({c.loss for c in accepted_ones}, key=repr)
-  failures = [f for case in cases for f in check_loss(*case)]
+  schemes = {}  # (objective, chain) -> its accepted schemes: one vectorised check each
+  for objective_name, chain, scheme in cases:
+    schemes.setdefault((objective_name, chain), []).append(scheme)
+  failures = [f for (objective_name, chain), group in schemes.items()
+              for f in check_losses(objective_name, chain, tuple(group))]
   return len(accepted_ones), len(cases), failures
 
 
