@@ -132,7 +132,7 @@ def testbed_part(workdir: str, repeats: int) -> list[dict]:
   from rl.rollouts import batches  # pylint: disable=import-outside-toplevel
   tokenizer, model_config, params = policy.run_policy(workdir)
   with open(os.path.join(workdir, "config.json")) as f:
-    run = ml_collections.ConfigDict(json.load(f))
+    run = wiring.settings(ml_collections.ConfigDict(json.load(f)))
   task = wiring.build_task(run)
   examples = task.examples("train", run.rollout.prompts_per_step, 10_000)
   tokens, mask = batches.encode_prompts(tokenizer, [e.prompt for e in examples],

@@ -64,6 +64,7 @@ from rl import evaluation
 from rl import samples as samples_lib
 from rl import wiring
 from rl.rollouts import selection as selection_lib
+from rl.settings import run as run_lib
 from rl.tasks import Task
 from sampling.sampler import SamplingConfig
 
@@ -102,21 +103,23 @@ class NoCheckpointsError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-  """What a run's config fixes about its policy: task, tokenizer, model shapes, and the
-  parameters' shapes and dtypes (`params_like`, the template checkpoints restore into)."""
+  """What a run's config fixes about its policy: its typed settings (`run`, read once),
+  task, tokenizer, model shapes, and the parameters' shapes and dtypes (`params_like`, the
+  template checkpoints restore into)."""
+  run: run_lib.RunSettings
   task: Task
   tokenizer: CharTokenizer | HFTokenizer
   model_config: ModelConfig
   params_like: Any
 
 
-def build_policy(config: ml_collections.ConfigDict) -> Policy:
-  """The task and policy of a run, resolved by the launcher's own `load_policy` (preset or
-  pretrained checkpoint, tokenizer, chat template); the initial weights give only shapes."""
-  tokenizer, model_config, params = wiring.load_policy(config, jax.random.PRNGKey(0))
-  task = wiring.build_task(config)
-  return Policy(task=task, tokenizer=tokenizer, model_config=model_config,
-                params_like=jax.eval_shape(lambda: params))
+def build_policy(run: run_lib.RunSettings) -> Policy:
+  """The task and policy of the run with settings `run` (`rl.wiring.settings` of its config),
+  resolved by the launcher's own `load_policy` (preset or pretrained checkpoint, tokenizer,
+  chat template); the initial weights give only shapes."""
+  tokenizer, model_config, params = wiring.load_policy(run, jax.random.PRNGKey(0))
+  return Policy(run=run, task=wiring.build_task(run), tokenizer=tokenizer,
+                model_config=model_config, params_like=jax.eval_shape(lambda: params))
 
 
 def checkpoint_steps(config: ml_collections.ConfigDict, which: str = "latest") -> list[int]:
@@ -152,44 +155,45 @@ def load_params(config: ml_collections.ConfigDict, policy: Policy, step: int):
   """
   manager = checkpoint.make_manager(os.path.join(config.workdir, "checkpoints"))
   phase = checkpoint.read_meta(manager, step)["phase"]
-  ctx, optimizer = wiring.make_context(config, policy.task, policy.tokenizer,
+  ctx, optimizer = wiring.make_context(policy.run, policy.task, policy.tokenizer,
                                        policy.model_config, phase)
-  producer = wiring.make_rl_producer(config, ctx) if phase == wiring.RL else None
-  like = wiring.loop_state_like(config, policy.model_config, policy.params_like, phase,
+  producer = wiring.make_rl_producer(policy.run, ctx) if phase == wiring.RL else None
+  like = wiring.loop_state_like(policy.run, policy.model_config, policy.params_like, phase,
                                 optimizer, producer, ctx.stages)
   state, _ = checkpoint.restore(manager, step, like)
   return state.train.policy_params()
 
 
-def initial_params(config: ml_collections.ConfigDict):
-  """The policy parameters before any training: those experiments/job.py starts from (the
-  preset initialised from the first half of PRNGKey(config.seed), or the checkpoint's)."""
-  init_rng, _ = jax.random.split(jax.random.PRNGKey(config.seed))
-  return wiring.load_policy(config, init_rng)[2]
+def initial_params(run: run_lib.RunSettings):
+  """The policy parameters before any training of the run with settings `run`: those
+  experiments/job.py starts from (the preset initialised from the first half of
+  PRNGKey(config.seed), or the checkpoint's)."""
+  init_rng, _ = jax.random.split(jax.random.PRNGKey(run.seed))
+  return wiring.load_policy(run, init_rng)[2]
 
 
-def adapter_params(config: ml_collections.ConfigDict, policy: Policy, folder: str):
-  """The config's initial policy with the PEFT LoRA adapters in `folder` merged in."""
+def adapter_params(policy: Policy, folder: str):
+  """The run's initial policy with the PEFT LoRA adapters in `folder` merged in."""
   adapters, lora = peft_adapter.load(folder, policy.model_config)
-  return lora_lib.merge(initial_params(config), adapters, lora.scale)
+  return lora_lib.merge(initial_params(policy.run), adapters, lora.scale)
 
 
-def evaluation_settings(config: ml_collections.ConfigDict, policy: Policy,
-                        progress: bool = True) -> dict:
+def evaluation_settings(policy: Policy, progress: bool = True) -> dict:
   """The keyword arguments rl.evaluation's evaluators take for the run's held-out split."""
+  run = policy.run
   return dict(task=policy.task, tokenizer=policy.tokenizer,
-              prompt_len=config.rollout.prompt_len, model_config=policy.model_config,
-              batch_size=config.eval.batch_size, progress=progress,
-              turns=wiring.make_turns(config, policy.tokenizer))
+              prompt_len=run.rollout.prompt_len, model_config=policy.model_config,
+              batch_size=run.eval.batch_size, progress=progress,
+              turns=wiring.make_turns(run, policy.tokenizer))
 
 
-def greedy_accuracy(config: ml_collections.ConfigDict, policy: Policy, params,
-                    progress: bool = True) -> evaluation.EvalResult:
+def greedy_accuracy(policy: Policy, params, progress: bool = True) -> evaluation.EvalResult:
   """The launcher's held-out evaluation of `params`: greedy exact match on all eval_size
   problems."""
-  return evaluation.evaluate(params, policy.task.examples("eval", config.task.eval_size),
-                             max_new_tokens=config.rollout.max_new_tokens,
-                             **evaluation_settings(config, policy, progress))
+  run = policy.run
+  return evaluation.evaluate(params, policy.task.examples("eval", run.task.eval_size),
+                             max_new_tokens=run.rollout.max_new_tokens,
+                             **evaluation_settings(policy, progress))
 
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, policy: Policy, step: int | str, *,
@@ -202,17 +206,18 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, policy: Policy, step:
   (`rl.samples.eval_samples`), and the held-out examples scored."""
   params = load_params(config, policy, step) if params is None else params
   examples = policy.task.examples("eval", num_examples)
-  common = evaluation_settings(config, policy, progress)
-  greedy = evaluation.evaluate(params, examples, max_new_tokens=config.rollout.max_new_tokens,
+  common = evaluation_settings(policy, progress)
+  rollout = policy.run.rollout
+  greedy = evaluation.evaluate(params, examples, max_new_tokens=rollout.max_new_tokens,
                                samples=samples, **common)
   sampling_config = SamplingConfig(
-      max_new_tokens=config.rollout.max_new_tokens, temperature=temperature,
-      top_k=config.rollout.top_k, top_p=config.rollout.top_p,
+      max_new_tokens=rollout.max_new_tokens, temperature=temperature,
+      top_k=rollout.top_k, top_p=rollout.top_p,
       stop_tokens=(policy.tokenizer.eos_id,), pad_id=policy.tokenizer.pad_id)
   sampled = evaluation.evaluate_sampled(params, examples, sampling_config=sampling_config,
                                         num_samples=num_samples, ks=ks,
                                         rng=jax.random.PRNGKey(seed), **common)
-  row = {"step": step, "task": config.task.name, "examples": num_examples,
+  row = {"step": step, "task": policy.run.task.name, "examples": num_examples,
          "greedy_accuracy": greedy.accuracy, "greedy_length": greedy.mean_length,
          "num_samples": num_samples, "temperature": temperature,
          **{f"pass@{k}": v for k, v in sampled.pass_at_k.items()},
@@ -229,25 +234,23 @@ def problems_sha256(examples: Sequence) -> str:
   return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def trained_prompts(config: ml_collections.ConfigDict, seed: int) -> set[str]:
-  """The prompts the run of `config` with seed `seed` trains on: its task's train split
-  from where the warm start leaves the data cursor (warm_start.steps x batch_size) for
+def trained_prompts(run: run_lib.RunSettings, seed: int) -> set[str]:
+  """The prompts the run with settings `run` and seed `seed` trains on: its task's train
+  split from where the warm start leaves the data cursor (warm_start.steps x batch_size) for
   rl.steps x prompts_per_step prompts, cycling over task.train_pool when it is finite.
   Other selection rules draw more prompts than they train: refused."""
-  if config.selection.kind != "uniform":
+  if run.selection.kind != "uniform":
     raise ValueError(f"--trained_seeds reads the prompts of uniform selection; "
-                     f"config.selection.kind = {config.selection.kind!r} draws others.")
-  run = ml_collections.ConfigDict(config.to_dict())
-  run.seed = seed
-  task = wiring.build_task(run)
-  start = config.warm_start.steps * config.warm_start.batch_size
-  count = config.rl.steps * config.rollout.prompts_per_step
-  pool = config.task.train_pool
+                     f"config.selection.kind = {run.selection.kind!r} draws others.")
+  task = wiring.build_task(dataclasses.replace(run, seed=seed))
+  start = run.warm_start.steps * run.warm_start.batch_size
+  count = run.rl.steps * run.rollout.prompts_per_step
+  pool = run.task.train_pool
   return {task.examples("train", 1, selection_lib.train_position(start + i, pool))[0].prompt
           for i in range(count)}
 
 
-def provenance_record(config: ml_collections.ConfigDict, examples: Sequence, sampling_seed: int,
+def provenance_record(run: run_lib.RunSettings, examples: Sequence, sampling_seed: int,
                       trained_seeds: Sequence[int]) -> dict:
   """What an evaluation's result must say of itself: the source commit it ran
   (`provenance.commit_label`), the problems' seed (config.seed) and hash, the sampling
@@ -256,9 +259,9 @@ def provenance_record(config: ml_collections.ConfigDict, examples: Sequence, sam
   prompts = {e.prompt for e in examples}
   overlap = None
   if trained_seeds:
-    overlap = {str(s): len(prompts & trained_prompts(config, int(s))) for s in trained_seeds}
+    overlap = {str(s): len(prompts & trained_prompts(run, int(s))) for s in trained_seeds}
   return {"commit": provenance.commit_label(provenance.source_state(os.getcwd())),
-          "problem_seed": int(config.seed), "problems": len(examples),
+          "problem_seed": int(run.seed), "problems": len(examples),
           "problems_sha256": problems_sha256(examples), "sampling_seed": int(sampling_seed),
           "overlap_with_training": overlap}
 
@@ -291,22 +294,23 @@ def _prepare(config: ml_collections.ConfigDict, steps: str, temperature: float |
              num_examples: int | None, adapter: str | None):
   """What `run` evaluates, checked before any decoding: (policy, the steps, the parameters
   given directly or None, the sampling temperature, the number of problems)."""
-  temperature = config.rollout.temperature if temperature is None else temperature
+  run = wiring.settings(config)
+  temperature = run.rollout.temperature if temperature is None else temperature
   if temperature <= 0:
     raise ValueError(f"--temperature={temperature}: pass@k needs sampling (> 0); the greedy "
                      "accuracy is reported anyway.")
-  num_examples = config.task.eval_size if num_examples is None else num_examples
-  if not 1 <= num_examples <= config.task.eval_size:
+  num_examples = run.task.eval_size if num_examples is None else num_examples
+  if not 1 <= num_examples <= run.task.eval_size:
     raise ValueError(f"--num_examples={num_examples} must be in [1, config.task.eval_size="
-                     f"{config.task.eval_size}].")
+                     f"{run.task.eval_size}].")
   if adapter is not None and steps not in ("latest", INITIAL):
     raise ValueError(f"--adapter evaluates one adapter folder; drop --steps={steps}.")
   initial = steps == INITIAL
   chosen = (["adapter"] if adapter is not None else [0] if initial
             else checkpoint_steps(config, steps))  # before loading any weights
-  policy = build_policy(config)
-  params = (adapter_params(config, policy, adapter) if adapter is not None
-            else initial_params(config) if initial else None)
+  policy = build_policy(run)
+  params = (adapter_params(policy, adapter) if adapter is not None
+            else initial_params(policy.run) if initial else None)
   return policy, chosen, params, temperature, num_examples
 
 
@@ -335,8 +339,8 @@ def run(config: ml_collections.ConfigDict, *, steps: str = "latest", num_samples
     row, samples, examples = evaluate_checkpoint(
         config, policy, step, num_samples=num_samples, ks=ks, temperature=temperature,
         num_examples=num_examples, seed=seed, progress=progress, params=params,
-        samples=max(show, config.metrics.eval_samples))
-    row["provenance"] = provenance_record(config, examples, seed, trained_seeds)
+        samples=max(show, policy.run.metrics.eval_samples))
+    row["provenance"] = provenance_record(policy.run, examples, seed, trained_seeds)
     rows.append(row)
     with open(os.path.join(out, f"samples_{step}.jsonl"), "w") as f:
       f.write(samples_lib.jsonl(step, samples))

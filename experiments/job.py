@@ -1,10 +1,11 @@
 """One launcher job (`python -m experiments.train`): the supervised warm start, then RL,
 with held-out evaluations, checkpoints, metrics and the run's records.
 
-`Job(config)` builds the run's objects (rl.wiring), `restore_or_start` resumes from the
+`Job(config, run)` builds the run's objects (rl.wiring) from its typed settings `run`, `restore_or_start` resumes from the
 newest checkpoint (or starts RL from a shared warm start), `run_phase` steps a phase to its
 end, evaluating and checkpointing on schedule, and `finish` writes summary.json and
-plot.png. experiments/train.py validates the config and runs these in order.
+plot.png. experiments/train.py validates the config (`rl.wiring.validate`, which returns `run`) and runs
+these in order.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from rl import evaluation
 from rl import loop
 from rl import train
 from rl import wiring
+from rl.settings import run as run_lib
 from rl import async_loop
 from rl.rollouts import producers
 from sharding import multihost
@@ -40,30 +42,32 @@ class Job:
   records (`meta`), with the steps of `run` as methods. `done` counts the steps of both
   phases taken so far (the checkpoint step)."""
 
-  def __init__(self, config: ml_collections.ConfigDict):
-    self.config = config
+  def __init__(self, config: ml_collections.ConfigDict, run: run_lib.RunSettings):
+    """`config`: the launcher's config (workdir, resume and distributed are the launcher's
+    own fields; the whole is recorded in config.json); `run`: its typed settings, as
+    `rl.wiring.validate` returned them, which everything the run builds reads."""
+    self.config, self.run = config, run
     self.started = time.time()
     d = config.distributed
     multihost.initialize(d.coordinator_address or None, d.num_processes or None,
                          None if d.process_id < 0 else d.process_id)
-    self.mesh = wiring.build_mesh(config)
+    self.mesh = wiring.build_mesh(run)
     self.primary = multihost.is_primary()
     os.makedirs(config.workdir, exist_ok=True)
     self.manager = checkpoint.make_manager(os.path.join(config.workdir, "checkpoints"),
-                                           config.checkpoint.max_to_keep,
+                                           run.checkpoint.max_to_keep,
                                            remove_unfinished=True)
     self.config_json = config.to_json_best_effort(indent=2, sort_keys=True)
     self.record_launch()
-    init_rng, loop_rng = jax.random.split(jax.random.PRNGKey(config.seed))
-    self.tokenizer, self.model_config, params = wiring.load_policy(config, init_rng)
-    if wiring.lora_config(config) is not None:  # before the warm start, not after it
-      lora_lib.check_rank(self.model_config, wiring.lora_config(config))
-    self.task = wiring.build_task(config)
-    self.eval_examples = self.task.examples("eval", config.task.eval_size)
+    init_rng, loop_rng = jax.random.split(jax.random.PRNGKey(run.seed))
+    self.tokenizer, self.model_config, params = wiring.load_policy(run, init_rng)
+    if wiring.lora_config(run) is not None:  # before the warm start, not after it
+      lora_lib.check_rank(self.model_config, wiring.lora_config(run))
+    self.task = wiring.build_task(run)
+    self.eval_examples = self.task.examples("eval", run.task.eval_size)
     # A distillation teacher is loaded (and its tokenizer and context checked) before step 1.
-    teacher = (wiring.load_teacher(config, self.tokenizer)
-               if config.distill.teacher else None)
-    self.contexts = {phase: wiring.make_context(config, self.task, self.tokenizer,
+    teacher = wiring.load_teacher(run, self.tokenizer) if run.distill.teacher else None
+    self.contexts = {phase: wiring.make_context(run, self.task, self.tokenizer,
                                                 self.model_config, phase, self.mesh, teacher)
                      for phase in (WARM_START, RL)}
     if self.mesh is not None:  # a global array, so every process checkpoints the same key
@@ -76,11 +80,11 @@ class Job:
     self.log = metrics.MetricsLog(
         os.path.join(config.workdir, "metrics.jsonl"),
         writers=metrics.make_writers(
-            config.workdir, tensorboard=config.metrics.tensorboard,
-            wandb_project=config.metrics.wandb_project,
+            config.workdir, tensorboard=run.metrics.tensorboard,
+            wandb_project=run.metrics.wandb_project,
             config=json.loads(self.config_json)) if self.primary else [])
-    self.producer = wiring.make_rl_producer(config, self.contexts[RL][0])
-    self.phase_steps = {WARM_START: config.warm_start.steps, RL: config.rl.steps}
+    self.producer = wiring.make_rl_producer(run, self.contexts[RL][0])
+    self.phase_steps = {WARM_START: run.warm_start.steps, RL: run.rl.steps}
     self.done = 0
     self.bar = None
 
@@ -109,15 +113,15 @@ class Job:
 
   def new_train_state(self, params, phase: str):
     """The fresh TrainState of `phase` over `params` (`rl.wiring.new_train_state`)."""
-    return wiring.new_train_state(self.config, self.model_config, params, self.contexts[phase][1],
-                           phase, self.mesh)
+    return wiring.new_train_state(self.run, self.model_config, params, self.contexts[phase][1],
+                                  phase, self.mesh)
 
   def state_like(self, meta: dict) -> loop.LoopState:
     """The shapes of the LoopState a checkpoint with `meta` holds (`rl.wiring.loop_state_like`:
     its phase's TrainState, under LoRA adapters over a frozen base in the RL phase, and its
     producer state), placed as this run keeps it."""
     phase = meta["phase"]
-    like = wiring.loop_state_like(self.config, self.model_config, self.state.train.params,
+    like = wiring.loop_state_like(self.run, self.model_config, self.state.train.params,
                                   phase, self.contexts[phase][1],
                                   self.producer if phase == RL else None,
                                   self.contexts[RL][0].stages)
@@ -130,14 +134,14 @@ class Job:
     replicated = jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
     train_like = jax.tree.map(placed, like.train, train.train_state_shardings(
         self.model_config, self.contexts[phase][1], self.mesh,
-        lora=wiring.phase_lora(self.config, phase)))
+        lora=wiring.phase_lora(self.run, phase)))
     history = (None if like.history is None
                else jax.tree.map(lambda x: placed(x, replicated), like.history))
     return like.replace(train=train_like, history=history, rng=self.state.rng)
 
   def history(self, params):
     """Simulated staleness's parameter history (None without staleness)."""
-    staleness = wiring.staleness_in_batches(self.config)
+    staleness = self.run.rl.staleness_in_batches
     return loop.init_history(params, staleness) if staleness else None
 
   def restore_warm_start(self, source: str) -> tuple[int, loop.LoopState, dict]:
@@ -195,7 +199,7 @@ class Job:
       self.refuse_older_checkpoints()
     restored = (checkpoint.restore_latest(self.manager, self.state_like)
                 if self.config.resume.enabled else None)
-    source = self.config.warm_start.init_from
+    source = self.run.warm_start.init_from
     from_source = restored is None and bool(source)
     if from_source:
       restored = self.restore_warm_start(source)
@@ -273,14 +277,14 @@ class Job:
     samples/eval_<step>.jsonl) and kept in meta; with an environment (config.tools), once
     with it and once without it."""
     eval_started = time.perf_counter()
-    config = self.config
+    settings = self.run
     turns = self.contexts[RL][0].batch.turns
     run = lambda turns, samples: evaluation.evaluate(
         self.state.train.policy_params(), self.eval_examples, task=self.task,
-        tokenizer=self.tokenizer, prompt_len=config.rollout.prompt_len,
-        max_new_tokens=config.rollout.max_new_tokens, model_config=self.model_config,
-        batch_size=config.eval.batch_size, mesh=self.mesh, turns=turns, samples=samples)
-    result = run(turns, config.metrics.eval_samples)
+        tokenizer=self.tokenizer, prompt_len=settings.rollout.prompt_len,
+        max_new_tokens=settings.rollout.max_new_tokens, model_config=self.model_config,
+        batch_size=settings.eval.batch_size, mesh=self.mesh, turns=turns, samples=samples)
+    result = run(turns, settings.metrics.eval_samples)
     record = run_records.eval_record(result, self.done, self.meta["phase"], label,
                                      self.meta["tokens"]["sampled"])
     if turns is not None:
@@ -302,21 +306,21 @@ class Job:
   def advance(self, phase: str) -> None:
     """One step of `phase` (for async RL: every step up to the next evaluation, checkpoint
     or the end; nothing is in flight after it)."""
-    config, ctx = self.config, self.contexts[phase][0]
+    settings, ctx = self.run, self.contexts[phase][0]
     if phase == WARM_START:
       step_started = time.perf_counter()
       self.state, step_metrics = loop.sft_iteration(self.state, ctx,
-                                                    config.warm_start.length_window)
+                                                    settings.warm_start.length_window)
       self.meta["time_s"]["warm_start"] += time.perf_counter() - step_started
       self.record_step(phase, step_metrics)
-    elif config.rl.async_:
+    elif settings.rl.async_:
       boundary = min(self.phase_steps[phase],
                      *((self.state.iteration // every + 1) * every
-                       for every in (config.eval.every, config.checkpoint.every)))
+                       for every in (settings.eval.every, settings.checkpoint.every)))
       self.state, _ = async_loop.run_async(
           self.state, ctx, self.producer, boundary - self.state.iteration,
-          max_staleness=config.rl.max_staleness, publish=ctx.publish or (lambda p: p),
-          updates_per_batch=wiring.settings(config).rl.updates_per_batch,
+          max_staleness=settings.rl.max_staleness, publish=ctx.publish or (lambda p: p),
+          updates_per_batch=settings.rl.updates_per_batch,
           on_step=lambda _, step_metrics: self.record_step(RL, step_metrics))
     else:
       self.state, step_metrics = loop.grpo_iteration(self.state, ctx, self.producer)
@@ -332,9 +336,9 @@ class Job:
       if phase == RL:
         self.meta["time_rl_s"] += time.perf_counter() - started
       iteration = self.state.iteration
-      if phase == RL and iteration % self.config.eval.every == 0:
+      if phase == RL and iteration % self.run.eval.every == 0:
         self.evaluate("eval")
-      if iteration % self.config.checkpoint.every == 0 and iteration < self.phase_steps[phase]:
+      if iteration % self.run.checkpoint.every == 0 and iteration < self.phase_steps[phase]:
         self.save()  # the phase's last step is saved below
     if phase == WARM_START:
       self.evaluate("warm_start_end")
@@ -351,7 +355,7 @@ class Job:
     summary.json and plot.png; returns the summary."""
     self.bar.close()
     last = self.meta["evals"][-1]
-    if self.config.rl.steps and (last["step"] != self.done or last["event"] != "eval"):
+    if self.run.rl.steps and (last["step"] != self.done or last["event"] != "eval"):
       self.evaluate("eval")
     if self.manager.latest_step() != self.done:
       self.save()
@@ -368,13 +372,13 @@ class Job:
     """Under LoRA, once the RL phase has run: the trained adapters as a PEFT folder,
     <workdir>/adapter (models/peft_adapter.py; megabytes, where a checkpoint holds the
     frozen base too), loadable by PEFT and by `python -m experiments.eval --adapter=`."""
-    lora = wiring.lora_config(self.config)
+    lora = wiring.lora_config(self.run)
     if lora is None or self.meta["phase"] != RL:
       return
     adapters = multihost.fetch(self.state.train.params)  # every process takes part
     if self.primary:
       peft_adapter.save(os.path.join(self.config.workdir, ADAPTER_DIR), adapters,
-                        self.model_config, lora, base_model=self.config.model.checkpoint)
+                        self.model_config, lora, base_model=self.run.model.checkpoint)
 
   def summary(self) -> dict:
     """Held-out accuracies (warm start and final, with standard errors and by size; with an

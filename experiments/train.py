@@ -43,10 +43,10 @@ from experiments import metrics
 CONFIG = config_flag.run_config()
 
 
-def check_metrics(config: ml_collections.ConfigDict) -> None:
-  """Raises ValueError when config.metrics asks for W&B and wandb is not installed (W&B is
-  optional: Arbor does not depend on it)."""
-  if config.metrics.wandb_project:
+def check_metrics(settings) -> None:
+  """Raises ValueError when config.metrics (`settings`, typed: MetricsSettings) asks for W&B
+  and wandb is not installed (W&B is optional: Arbor does not depend on it)."""
+  if settings.wandb_project:
     try:
       metrics.import_wandb()
     except ImportError as error:
@@ -64,9 +64,9 @@ def run(config: ml_collections.ConfigDict) -> dict:
   from rl import wiring  # pylint: disable=import-outside-toplevel
 
   try:
-    wiring.validate(config)
-    check_metrics(config)
-    job = job_lib.Job(config)
+    run_settings = wiring.validate(config)
+    check_metrics(run_settings.metrics)
+    job = job_lib.Job(config, run_settings)
     job.restore_or_start()
   except ValueError as error:
     raise config_flag.InputError(str(error)) from error

@@ -41,6 +41,7 @@ Writes --out (JSON). Runs TRL only outside CI (`experiments.peers.peers_enabled`
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -154,17 +155,16 @@ def first_moment(opt_state):
   raise ValueError("The optimiser state holds no Adam first moment (mu).")
 
 
-def arbor_steps(config, tokenizer, model_config, host_params, batches, aggregation: str):
-  """Arbor's train step of the run's config with `aggregation`, once on each of `batches`
+def arbor_steps(run, tokenizer, model_config, host_params, batches, aggregation: str):
+  """Arbor's train step of the run's settings with `aggregation`, once on each of `batches`
   from the same initial state: [(trained params after, AdamW's first moment, metrics)]."""
-  with config.unlocked():
-    config.loss.aggregation = aggregation
-  ctx, optimizer = wiring.make_context(config, wiring.build_task(config), tokenizer,
-                                       model_config, wiring.RL)
+  run = dataclasses.replace(run, loss=dataclasses.replace(run.loss, aggregation=aggregation))
+  ctx, optimizer = wiring.make_context(run, wiring.build_task(run), tokenizer, model_config,
+                                       wiring.RL)
   results = []
   for batch in batches:
     params = jax.tree.map(lambda x: jnp.array(x, copy=True), host_params)  # the step donates
-    state = wiring.new_train_state(config, model_config, params, optimizer, wiring.RL)
+    state = wiring.new_train_state(run, model_config, params, optimizer, wiring.RL)
     state, metrics = ctx.train_step(state, batch)
     results.append((jax.device_get(state.params), jax.device_get(first_moment(state.opt_state)),
                     {k: float(v) for k, v in jax.device_get(metrics).items()}))
@@ -178,47 +178,48 @@ def main(argv):
                      "when CI is set; unset CI to run it.")
   config = CONFIG.value
   source = provenance.source_state(os.getcwd())
-  if config.loss.name != "grpo" or config.loss.kl_coef:
+  with config.unlocked():
+    config.rollout.prompts_per_step = _PROMPTS.value
+    config.rollout.max_new_tokens = min(_MAX_NEW.value, config.rollout.max_new_tokens)
+  run = wiring.settings(config)
+  if run.loss.name != "grpo" or run.loss.kl_coef:
     raise ValueError("The TRL parity compares the clipped GRPO objective without KL: "
-                     f"config.loss.name = {config.loss.name!r}, kl_coef = {config.loss.kl_coef}.")
+                     f"config.loss.name = {run.loss.name!r}, kl_coef = {run.loss.kl_coef}.")
   unknown = sorted(set(_AGGREGATIONS.value) - set(TRL_LOSS_TYPE))
   if unknown:
     raise ValueError(f"--aggregations {unknown}: TRL has a matching loss_type for "
                      f"{sorted(TRL_LOSS_TYPE)} only.")
-  with config.unlocked():
-    config.rollout.prompts_per_step = _PROMPTS.value
-    config.rollout.max_new_tokens = min(_MAX_NEW.value, config.rollout.max_new_tokens)
-  init_rng, _ = jax.random.split(jax.random.PRNGKey(config.seed))
-  tokenizer, model_config, params = wiring.load_policy(config, init_rng)
+  init_rng, _ = jax.random.split(jax.random.PRNGKey(run.seed))
+  tokenizer, model_config, params = wiring.load_policy(run, init_rng)
   host_params = jax.device_get(params)
-  task = wiring.build_task(config)
-  ctx, _ = wiring.make_context(config, task, tokenizer, model_config, wiring.RL)
-  producer = wiring.make_rl_producer(config, ctx)
-  batch, _, _ = producer.produce(producer.init(0), params, 0, jax.random.PRNGKey(config.seed), 0)
-  g = config.rollout.group_size
+  task = wiring.build_task(run)
+  ctx, _ = wiring.make_context(run, task, tokenizer, model_config, wiring.RL)
+  producer = wiring.make_rl_producer(run, ctx)
+  batch, _, _ = producer.produce(producer.init(0), params, 0, jax.random.PRNGKey(run.seed), 0)
+  g = run.rollout.group_size
   batch = batch.replace(reward=jnp.asarray(fixed_rewards(_PROMPTS.value, g)))
-  own = wiring.batch_advantages(config)(batch)
-  logp = composite.policy_logprobs(params, batch, model_config, config.rollout.temperature)
+  own = wiring.batch_advantages(run)(batch)
+  logp = composite.policy_logprobs(params, batch, model_config, run.rollout.temperature)
   mask = np.asarray(batch.completion_mask)
   prompt_ids, completion_ids = row_ids(batch)
 
-  lora = wiring.lora_config(config)
-  state = wiring.new_train_state(config, model_config, params,
-                                 train.make_optimizer(config.rl.learning_rate), wiring.RL)
+  lora = wiring.lora_config(run)
+  state = wiring.new_train_state(run, model_config, params,
+                                 train.make_optimizer(run.rl.learning_rate), wiring.RL)
   before = trained_tensors(jax.device_get(state.params), model_config, lora)
   workdir = tempfile.mkdtemp(prefix="arbor_trl_parity_")
   init_path = os.path.join(workdir, "lora_init.npz")
   if lora is not None:
     np.savez(init_path, **before)
-  folder = peers.export_weights(peers.weights_folder(_PEER_WEIGHTS.value, config.model.checkpoint),
-                                host_params, model_config, tokenizer, config.model.checkpoint)
-  settings = dict(temperature=config.rollout.temperature,
-                  epsilon_low=float(wiring.rl_loss(config).eps_low),
-                  epsilon_high=float(wiring.rl_loss(config).eps_high),
-                  learning_rate=config.rl.learning_rate, adam_beta1=0.9, adam_beta2=0.999,
-                  adam_epsilon=1e-8, weight_decay=config.rl.weight_decay,
-                  max_grad_norm=config.rl.max_grad_norm)
-  result = {"config": config.model.checkpoint, "rows": len(prompt_ids), "group_size": g,
+  folder = peers.export_weights(peers.weights_folder(_PEER_WEIGHTS.value, run.model.checkpoint),
+                                host_params, model_config, tokenizer, run.model.checkpoint)
+  settings = dict(temperature=run.rollout.temperature,
+                  epsilon_low=float(wiring.rl_loss(run).eps_low),
+                  epsilon_high=float(wiring.rl_loss(run).eps_high),
+                  learning_rate=run.rl.learning_rate, adam_beta1=0.9, adam_beta2=0.999,
+                  adam_epsilon=1e-8, weight_decay=run.rl.weight_decay,
+                  max_grad_norm=run.rl.max_grad_norm)
+  result = {"config": run.model.checkpoint, "rows": len(prompt_ids), "group_size": g,
             "rewards": np.asarray(batch.reward).tolist(),
             "completion_lengths": [len(c) for c in completion_ids],
             "prompt_lengths": sorted({len(p) for p in prompt_ids}), "settings": settings,
@@ -241,7 +242,7 @@ def main(argv):
     trl_adv = np.asarray(trl_out["advantages"], np.float32)
     trl_batch = batch.replace(advantages=jnp.asarray(trl_adv)[:, None] * batch.completion_mask)
     (after, arbor_m, metrics), (_, _, own_metrics) = arbor_steps(
-        config, tokenizer, model_config, host_params,
+        run, tokenizer, model_config, host_params,
         [trl_batch, batch.replace(advantages=own)], aggregation)
     trl_logps = [np.asarray(row, np.float64)[np.asarray(m, bool)]
                  for row, m in zip(trl_out["logps"], trl_out["completion_mask"])]
@@ -267,7 +268,7 @@ def main(argv):
         "update": update_difference(
             before, trained_tensors(after, model_config, lora), trl_after,
             trained_tensors(arbor_m, model_config, lora), trl_m,
-            config.rl.learning_rate, settings["adam_epsilon"]),
+            run.rl.learning_rate, settings["adam_epsilon"]),
         "arbor_own": {"loss": own_metrics["loss"], "grad_norm": own_metrics["grad_norm"]},
         "trl_trained_tensors": trl_out["trained_tensors"], "trl_trainable": trl_out["trainable"],
         "versions": {k: trl_out[k] for k in ("torch", "transformers", "trl")}}

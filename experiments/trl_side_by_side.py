@@ -54,10 +54,10 @@ _MATH_ANSWER = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fi
                             "rl", "tasks", "math_answer.py")
 
 
-def check_comparable(config) -> None:
+def check_comparable(run) -> None:
   """Refuses a config TRL's run cannot mirror: another objective, KL, no LoRA, a task not
   scored by math_answer, or an aggregation without a TRL loss_type."""
-  loss = wiring.rl_loss(config)
+  loss = wiring.rl_loss(run)
   problems = []
   if loss.name != "grpo" or loss.kl_coef:
     problems.append(f"config.loss.name = {loss.name!r}, kl_coef = {loss.kl_coef} (needs "
@@ -65,25 +65,25 @@ def check_comparable(config) -> None:
   if loss.aggregation not in TRL_LOSS_TYPE:
     problems.append(f"config.loss.aggregation = {loss.aggregation!r} (TRL matches "
                     f"{sorted(TRL_LOSS_TYPE)})")
-  if config.rl.num_minibatches != 1 or config.rl.ppo_epochs != 1:
-    problems.append(f"config.rl.num_minibatches = {config.rl.num_minibatches}, ppo_epochs = "
-                    f"{config.rl.ppo_epochs} (the side by side takes one update per batch)")
-  if not config.lora.rank:
+  if run.rl.num_minibatches != 1 or run.rl.ppo_epochs != 1:
+    problems.append(f"config.rl.num_minibatches = {run.rl.num_minibatches}, ppo_epochs = "
+                    f"{run.rl.ppo_epochs} (the side by side takes one update per batch)")
+  if not run.lora.rank:
     problems.append("config.lora.rank = 0 (the side by side trains LoRA adapters)")
-  if config.task.prompt_style != "reasoned" and config.task.name not in ("gsm_symbolic",
+  if run.task.prompt_style != "reasoned" and run.task.name not in ("gsm_symbolic",
                                                                          "dataset"):
-    problems.append(f"task {config.task.name!r} in style {config.task.prompt_style!r} is not "
+    problems.append(f"task {run.task.name!r} in style {run.task.prompt_style!r} is not "
                     "scored by rl/tasks/math_answer.py")
   if problems:
     raise ValueError("TRL cannot run this config as Arbor does: " + "; ".join(problems) + ".")
 
 
-def training_prompts(config, task, tokenizer) -> tuple[list[str], list[list[int]], list[str]]:
+def training_prompts(run, task, tokenizer) -> tuple[list[str], list[list[int]], list[str]]:
   """The run's training prompts in order, as (text after the chat template, Arbor's ids,
   reference answers)."""
   if tokenizer.add_bos:
     raise ValueError("The tokenizer adds BOS to prompts, which TRL's text prompts would not.")
-  count = config.rl.steps * config.rollout.prompts_per_step
+  count = run.rl.steps * run.rollout.prompts_per_step
   examples = task.examples("train", count)
   texts = [tokenizer.apply_chat_template([{"role": "user", "content": e.prompt}])
            if tokenizer.chat else e.prompt for e in examples]
@@ -91,16 +91,16 @@ def training_prompts(config, task, tokenizer) -> tuple[list[str], list[list[int]
           [str(e.entry["answer"]) for e in examples])
 
 
-def evaluate_adapters(config, folder: str) -> list[dict]:
+def evaluate_adapters(run, folder: str) -> list[dict]:
   """Arbor's held-out greedy accuracy of the base (step 0) and of every TRL checkpoint."""
-  policy = eval_launcher.build_policy(config)
-  result = eval_launcher.greedy_accuracy(config, policy, eval_launcher.initial_params(config))
+  policy = eval_launcher.build_policy(run)
+  result = eval_launcher.greedy_accuracy(policy, eval_launcher.initial_params(run))
   curve = [{"step": 0, "accuracy": result.accuracy, "stderr": result.accuracy_stderr}]
   found = sorted(glob.glob(os.path.join(folder, "checkpoint-*")),
                  key=lambda p: int(re.search(r"(\d+)$", p).group(1)))
   for path in found:
-    params = eval_launcher.adapter_params(config, policy, path)
-    result = eval_launcher.greedy_accuracy(config, policy, params)
+    params = eval_launcher.adapter_params(policy, path)
+    result = eval_launcher.greedy_accuracy(policy, params)
     curve.append({"step": int(re.search(r"(\d+)$", path).group(1)),
                   "accuracy": result.accuracy, "stderr": result.accuracy_stderr})
     print(f"TRL step {curve[-1]['step']}: held-out accuracy {result.accuracy:.3f}", flush=True)
@@ -112,29 +112,29 @@ def main(argv):
   if not peers.peers_enabled(["torch"]):
     raise SystemExit("The side by side runs TRL in the torch peer's virtualenv, which is off "
                      "when CI is set; unset CI to run it.")
-  config = CONFIG.value
-  check_comparable(config)
+  run = wiring.settings(CONFIG.value)
+  check_comparable(run)
   source = provenance.source_state(os.getcwd())
-  out = _OUT.value or f"docs/results/b9/trl_s{config.seed}.json"
-  init_rng, _ = jax.random.split(jax.random.PRNGKey(config.seed))
-  tokenizer, model_config, params = wiring.load_policy(config, init_rng)
-  task = wiring.build_task(config)
-  texts, ids, answers = training_prompts(config, task, tokenizer)
-  folder = peers.export_weights(peers.weights_folder(_PEER_WEIGHTS.value, config.model.checkpoint),
+  out = _OUT.value or f"docs/results/b9/trl_s{run.seed}.json"
+  init_rng, _ = jax.random.split(jax.random.PRNGKey(run.seed))
+  tokenizer, model_config, params = wiring.load_policy(run, init_rng)
+  task = wiring.build_task(run)
+  texts, ids, answers = training_prompts(run, task, tokenizer)
+  folder = peers.export_weights(peers.weights_folder(_PEER_WEIGHTS.value, run.model.checkpoint),
                                 jax.device_get(params), model_config, tokenizer,
-                                config.model.checkpoint)
+                                run.model.checkpoint)
   del params
-  loss = wiring.rl_loss(config)
-  lora = wiring.lora_config(config)
-  trl_dir = os.path.join(_TRL_DIR.value, f"s{config.seed}")
+  loss = wiring.rl_loss(run)
+  lora = wiring.lora_config(run)
+  trl_dir = os.path.join(_TRL_DIR.value, f"s{run.seed}")
   settings = dict(
-      steps=config.rl.steps, prompts_per_step=config.rollout.prompts_per_step,
-      microbatches=config.rl.num_microbatches,
-      group_size=config.rollout.group_size, max_new_tokens=config.rollout.max_new_tokens,
-      temperature=config.rollout.temperature, loss_type=TRL_LOSS_TYPE[loss.aggregation],
+      steps=run.rl.steps, prompts_per_step=run.rollout.prompts_per_step,
+      microbatches=run.rl.num_microbatches,
+      group_size=run.rollout.group_size, max_new_tokens=run.rollout.max_new_tokens,
+      temperature=run.rollout.temperature, loss_type=TRL_LOSS_TYPE[loss.aggregation],
       epsilon_low=float(loss.eps_low), epsilon_high=float(loss.eps_high),
-      learning_rate=config.rl.learning_rate, weight_decay=config.rl.weight_decay,
-      max_grad_norm=config.rl.max_grad_norm, save_every=config.eval.every, seed=config.seed,
+      learning_rate=run.rl.learning_rate, weight_decay=run.rl.weight_decay,
+      max_grad_norm=run.rl.max_grad_norm, save_every=run.eval.every, seed=run.seed,
       lora_rank=lora.rank, lora_alpha=lora.alpha,
       lora_modules=sorted(peft_adapter.module_name(t).split(".")[1] for t in lora.targets))
   spec = dict(weights=folder, prompts=texts, prompt_ids=ids, answers=answers, out=trl_dir,
@@ -143,10 +143,10 @@ def main(argv):
   trl = peers.run_peer("torch", spec, _PEER_ENVS.value, timeout_s=12 * 3600,
                        script="trl_run_peer")
   load_after = load()
-  curve = evaluate_adapters(config, trl_dir)
+  curve = evaluate_adapters(run, trl_dir)
   steps = [s["step_s"] for s in trl["steps"]]
   generate = [s["generate_s"] for s in trl["steps"]]
-  result = {"seed": config.seed, "settings": settings, "curve": curve,
+  result = {"seed": run.seed, "settings": settings, "curve": curve,
             "step_s": steps, "step_s_median": float(np.median(steps)),
             "generate_s_median": float(np.median(generate)),
             "logs": trl["logs"], "resumed": trl["resumed"],

@@ -365,7 +365,7 @@ def test_the_default_config_switched_to_the_dataset_names_the_fix(tmp_path):
     wiring.validate(c)
   c.task.prompt_style = "full"
   wiring.validate(c)
-  assert wiring.build_task(c).examples("eval", 500)[0].entry["answer"].isdigit()
+  assert wiring.build_task(wiring.settings(c)).examples("eval", 500)[0].entry["answer"].isdigit()
 
 
 @pytest.mark.parametrize("flags,message", [
@@ -439,8 +439,8 @@ def test_the_qwen_recipe_validates_and_reads_gsm8k_files(tmp_path, qwen2_folder)
   c.model.checkpoint = str(qwen2_folder)
   c.task.path, c.task.eval_path, c.task.eval_size = train, test, 4
   c.workdir = str(tmp_path / "run")
-  wiring.validate(c)
-  task = wiring.build_task(c)
+  run = wiring.validate(c)
+  task = wiring.build_task(run)
   held = task.examples("eval", 4)
   assert [e.entry["answer"] for e in held] == [str(2 * i + 3) for i in range(50, 54)]
   example = task.examples("train", 1)[0]
@@ -450,7 +450,7 @@ def test_the_qwen_recipe_validates_and_reads_gsm8k_files(tmp_path, qwen2_folder)
       f"{question}\nPlease reason step by step, and put your final answer within "
       "\\boxed{}.<|im_end|>\n<|im_start|>assistant\n")
   assert task.reward(f"... so he has \\boxed{{{example.entry['answer']}}}", example) == 1.0
-  tokenizer, model_config, _ = wiring.load_policy(c, None)
+  tokenizer, model_config, _ = wiring.load_policy(run, None)
   assert model_config.qkv_bias and not tokenizer.chat  # Qwen2, the template in the prompt
   # The tiny tokenizer spells the ChatML markers out in bytes, and still fits prompt_len.
   assert len(tokenizer.encode(example.prompt, add_bos=True)) <= c.rollout.prompt_len

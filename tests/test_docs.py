@@ -195,7 +195,7 @@ def test_write_an_environment_recipe(recipe_folder):
     runpy.run_path(str(files["check_my_environments.py"]))  # its asserts are the check
     config = load_config_file(files["subtractor_config.py"])
     wiring.validate(config)
-    turns = wiring.make_turns(config, CharTokenizer())
+    turns = wiring.make_turns(wiring.settings(config), CharTokenizer())
     assert turns.environment.name == "subtractor" and turns.config.max_turns == 9
   finally:
     environments.ENVIRONMENTS.unregister("subtractor")

@@ -12,6 +12,7 @@ import pytest
 
 from experiments import eval as eval_launcher
 from experiments import train as train_launcher
+from rl import wiring
 from tests.launcher_config import tiny_run_config
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -112,10 +113,10 @@ def test_initial_evaluates_the_untrained_policy_without_a_checkpoint(tmp_path):
   assert rows[0]["greedy_accuracy"] == 0.0 and rows[0]["pass@4"] == 0.0
   assert rows[0]["mixed"] == 0.0
   # The same weights the launcher builds: another seed gives other greedy completions.
-  other = eval_launcher.initial_params(tiny_config(tmp_path, {"seed": 1}))
-  same = eval_launcher.initial_params(config)
+  other = eval_launcher.initial_params(wiring.settings(tiny_config(tmp_path, {"seed": 1})))
+  same = eval_launcher.initial_params(wiring.settings(config))
   assert not (other["embed"] == same["embed"]).all()
-  assert (eval_launcher.initial_params(config)["embed"] == same["embed"]).all()
+  assert (eval_launcher.initial_params(wiring.settings(config))["embed"] == same["embed"]).all()
 
 
 def test_mixed_share_counts_groups_neither_all_right_nor_all_wrong():
@@ -137,14 +138,15 @@ def test_trained_prompts_are_the_prompts_the_launcher_trained_on(tmp_path):
   seen = set()
   for path in (tmp_path / "samples").glob("train_*.jsonl"):
     seen |= {json.loads(line)["prompt"] for line in path.read_text().splitlines()}
-  trained = eval_launcher.trained_prompts(config, config.seed)
+  run = wiring.settings(config)
+  trained = eval_launcher.trained_prompts(run, config.seed)
   assert trained == seen and len(trained) == config.rl.steps * config.rollout.prompts_per_step
-  task = eval_launcher.build_policy(config).task
+  task = eval_launcher.build_policy(run).task
   start = config.warm_start.steps * config.warm_start.batch_size
   on_train = task.examples("train", 6, start - 2)  # 2 warm-start prompts, then 4 trained
-  record = eval_launcher.provenance_record(config, on_train, 0, [config.seed])
+  record = eval_launcher.provenance_record(run, on_train, 0, [config.seed])
   assert record["overlap_with_training"] == {str(config.seed): 4}
-  held_out = eval_launcher.provenance_record(config, task.examples("eval", 16), 0,
+  held_out = eval_launcher.provenance_record(run, task.examples("eval", 16), 0,
                                              [config.seed])
   assert held_out["overlap_with_training"] == {str(config.seed): 0}
   assert held_out["problems_sha256"] != record["problems_sha256"]

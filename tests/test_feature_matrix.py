@@ -260,8 +260,9 @@ def test_model_side_switches_compose_through_the_launcher(tmp_path):
   state = tree["train"]
   assert int(state["step"]) == 2 * config.rl.steps  # two optimiser updates per RL step
   adapters = sum(np.asarray(x).size for x in jax.tree.leaves(state["params"]))
-  assert adapters == lora_lib.adapter_count(wiring.load_policy(config, jax.random.PRNGKey(0))[1],
-                                            wiring.lora_config(config))
+  run = wiring.settings(config)
+  assert adapters == lora_lib.adapter_count(wiring.load_policy(run, jax.random.PRNGKey(0))[1],
+                                            wiring.lora_config(run))
   assert all(np.asarray(x).dtype == np.float32
              for x in jax.tree.leaves((state["params"], state["frozen"])))
 

@@ -243,8 +243,9 @@ def test_rl_warmup_steps_reach_the_rl_optimizer():
   config.rl.learning_rate, config.rl.warmup_steps, config.rl.max_grad_norm = 1e-2, 4, 0.0
   tokenizer = CharTokenizer()
   task = make_task(config.task.name, eval_size=4, **config.task.difficulty)
-  _, model_config, _ = wiring.load_policy(config, jax.random.PRNGKey(0))
-  _, optimizer = wiring.make_context(config, task, tokenizer, model_config, wiring.RL)
+  run = wiring.settings(config)
+  _, model_config, _ = wiring.load_policy(run, jax.random.PRNGKey(0))
+  _, optimizer = wiring.make_context(run, task, tokenizer, model_config, wiring.RL)
   params = {"w": jnp.zeros(3)}
   state = optimizer.init(params)
   sizes = []

@@ -332,11 +332,12 @@ def test_launcher_refuses_a_rank_above_a_projection_before_the_warm_start(tmp_pa
 
 def test_lora_config_reads_targets_in_canonical_order(tmp_path):
   config = tiny_run_config(tmp_path, {"lora.rank": 2, "lora.targets": ("down", "q")})
-  assert wiring.lora_config(config) == lora_lib.LoraConfig(2, 16.0, ("q", "down"))
+  assert wiring.lora_config(wiring.settings(config)) == lora_lib.LoraConfig(2, 16.0,
+                                                                          ("q", "down"))
   comma = tiny_run_config(tmp_path, {"lora.rank": 2, "lora.targets": ("v,q", " up")})
-  assert wiring.lora_config(comma).targets == ("q", "v", "up")  # --config.lora.targets=v,q
-  assert wiring.lora_config(tiny_run_config(tmp_path)) is None
-  assert wiring.phase_lora(config, wiring.WARM_START) is None
+  assert wiring.lora_config(wiring.settings(comma)).targets == ("q", "v", "up")  # --config.lora.targets=v,q
+  assert wiring.lora_config(wiring.settings(tiny_run_config(tmp_path))) is None
+  assert wiring.phase_lora(wiring.settings(config), wiring.WARM_START) is None
 
 
 
@@ -363,10 +364,10 @@ def _launcher_config(workdir):
 def _restore_rl_state(config, policy, step):
   """The LoopState of RL checkpoint `step` (adapters, their AdamW state, frozen base)."""
   manager = checkpoint.make_manager(os.path.join(config.workdir, "checkpoints"))
-  ctx, optimizer = wiring.make_context(config, policy.task, policy.tokenizer,
+  ctx, optimizer = wiring.make_context(policy.run, policy.task, policy.tokenizer,
                                        policy.model_config, wiring.RL)
-  like = wiring.loop_state_like(config, policy.model_config, policy.params_like, wiring.RL,
-                                optimizer, wiring.make_rl_producer(config, ctx), ctx.stages)
+  like = wiring.loop_state_like(policy.run, policy.model_config, policy.params_like, wiring.RL,
+                                optimizer, wiring.make_rl_producer(policy.run, ctx), ctx.stages)
   return checkpoint.restore(manager, step, like)[0]
 
 
@@ -383,12 +384,12 @@ def test_launcher_lora_run_trains_adapters_only_and_eval_merges_them(tmp_path):
   summary = json.loads((tmp_path / "summary.json").read_text())
 
   config = _launcher_config(tmp_path)
-  policy = eval_launcher.build_policy(config)
+  policy = eval_launcher.build_policy(wiring.settings(config))
   base = eval_launcher.load_params(config, policy, 4)  # the hand-over: B = 0, merged = base
   final = _restore_rl_state(config, policy, 7).train
   for got, want in zip(jax.tree.leaves(final.frozen), jax.tree.leaves(base)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # the base is frozen
-  count = lora_lib.adapter_count(policy.model_config, wiring.lora_config(config))
+  count = lora_lib.adapter_count(policy.model_config, wiring.lora_config(policy.run))
   assert sum(x.size for x in jax.tree.leaves(final.params)) == count
   assert sum(x.size for x in jax.tree.leaves(final.opt_state) if x.ndim > 0) == 2 * count
   # eval's merged policy of the last checkpoint is trained and reproduces the run's final

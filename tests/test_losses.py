@@ -130,6 +130,6 @@ def test_config_loss_fields_have_one_default():
   assert all(config.loss[k] is None for k in loss_settings.OBJECTIVE_FIXABLE)
   resolved = losses.resolve(losses.LossSettings.from_config(config.loss))
   assert {k: getattr(resolved, k) for k in loss_settings.FIXABLE_DEFAULTS} == loss_settings.FIXABLE_DEFAULTS
-  assert wiring.rl_loss(config).norm_len == config.rollout.max_new_tokens
+  assert wiring.rl_loss(wiring.settings(config)).norm_len == config.rollout.max_new_tokens
   config.loss.norm_len = 24.0
-  assert wiring.rl_loss(config).norm_len == 24.0
+  assert wiring.rl_loss(wiring.settings(config)).norm_len == 24.0

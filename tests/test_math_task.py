@@ -244,6 +244,20 @@ def test_a_math_verify_timeout_counts_as_a_reward_timeout():
   assert scores.timeouts == 1 and scores.errors == 0
 
 
+def test_the_first_answer_of_a_process_is_not_charged_for_math_verify_start_up():
+  # The first parse in a process builds math-verify's LaTeX grammar (0.2 s of CPU, then
+  # 0.2 ms a call): in a fresh process with the bound cut to 50 ms, the first answer
+  # (a tuple with a fraction and pi, against the same gold) and the first second opinion
+  # still score within it, because the start-up runs untimed before the bound.
+  check = ("from rl.tasks import math_answer as m\n"
+           "m.VERIFY_TIMEOUT_S = 0.05\n"
+           "gold = '(3, \\\\frac{\\\\pi}{2})'\n"
+           "assert m.matches_reference(m.Answer(text=gold, source='boxed'), gold)\n"
+           "assert m.verified_anywhere('so the answer is $\\\\frac{3}{4}$', '0.75')\n")
+  subprocess.run([sys.executable, "-c", check], check=True, timeout=120,
+                 cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def _spin_until(end: float) -> None:
   """Busy CPU until time.monotonic() reaches `end` (what a slow parse looks like)."""
   while time.monotonic() < end:
@@ -315,7 +329,7 @@ def test_format_reward_through_the_launcher_config():
   assert config.task.difficulty.format_reward == 0.0  # off by default
   wiring.validate(config)
   config.task.difficulty.format_reward = 0.25
-  task = wiring.build_task(config)
+  task = wiring.build_task(wiring.settings(config))
   example = task.examples("eval", 1)[0]
   assert task.reward("\\boxed{-1}", example) == 0.25
   config.task.difficulty.format_reward = 1.0

@@ -93,9 +93,9 @@ def test_launcher_names_the_missing_tokenizer_and_the_fix(tmp_path):
   c = _pretrained_run_config(tmp_path, bare)
   with pytest.raises(ValueError, match=re.escape(f"{bare} has no tokenizer.json; pass "
                                                  "config.model.tokenizer=<path>")):
-    wiring.load_policy(c, jax.random.PRNGKey(0))
+    wiring.load_policy(wiring.settings(c), jax.random.PRNGKey(0))
   c.model.tokenizer = str(folder)
-  tokenizer, model_config, _ = wiring.load_policy(c, jax.random.PRNGKey(0))
+  tokenizer, model_config, _ = wiring.load_policy(wiring.settings(c), jax.random.PRNGKey(0))
   assert tokenizer.chat and tokenizer.vocab_size == model_config.vocab_size
 
 
@@ -125,7 +125,8 @@ def test_launcher_trains_a_pretrained_checkpoint_and_eval_restores_it(tmp_path):
   c = _pretrained_run_config(tmp_path, folder)
   summary = launcher.run(c)
   assert summary["steps"] == 2
-  tokenizer, model_config, params = wiring.load_policy(c, jax.random.PRNGKey(0))
+  tokenizer, model_config, params = wiring.load_policy(wiring.settings(c),
+                                                       jax.random.PRNGKey(0))
   assert model_config.vocab_size == tokenizer.vocab_size and tokenizer.chat
   loaded = hf_checkpoint.load_hf(str(folder))[1]
   np.testing.assert_array_equal(np.asarray(params["embed"]), np.asarray(loaded["embed"]))
@@ -140,7 +141,7 @@ def test_launcher_trains_a_pretrained_checkpoint_and_eval_restores_it(tmp_path):
   for row in rows:
     assert row["greedy_accuracy"] == evals[row["step"]]["eval_accuracy"]
     assert row["greedy_length"] == pytest.approx(evals[row["step"]]["eval_length"])
-  policy = eval_launcher.build_policy(c)
+  policy = eval_launcher.build_policy(wiring.settings(c))
   assert policy.tokenizer.chat and policy.model_config == model_config
   trained = eval_launcher.load_params(c, policy, 2)
   assert not np.array_equal(np.asarray(trained["embed"]), np.asarray(loaded["embed"]))

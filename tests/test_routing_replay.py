@@ -38,12 +38,12 @@ def _decisive_router(params, scale=40.0):
 
 def _first_batch(tmp_path, overrides):
   config = tiny_running_sum_config(tmp_path, {"model.preset": "tiny2_moe", **overrides})
-  wiring.validate(config)
-  task = wiring.build_task(config)
-  tokenizer, model_config, params = wiring.load_policy(config, jax.random.PRNGKey(0))
+  run = wiring.validate(config)
+  task = wiring.build_task(run)
+  tokenizer, model_config, params = wiring.load_policy(run, jax.random.PRNGKey(0))
   params = _decisive_router(params)
-  ctx, _ = wiring.make_context(config, task, tokenizer, model_config, wiring.RL)
-  producer = wiring.make_rl_producer(config, ctx)
+  ctx, _ = wiring.make_context(run, task, tokenizer, model_config, wiring.RL)
+  producer = wiring.make_rl_producer(run, ctx)
   rollout, _, _, _ = loop.produce_timed(producer, ctx, producer.init(0), None, params, 0,
                                         jax.random.PRNGKey(1), 0, iteration=1)
   return rollout, params, model_config
@@ -109,7 +109,7 @@ def test_the_train_step_replays_the_record_and_only_with_replay_on(tmp_path):
   np.testing.assert_array_equal(logp(False), plain)  # replay off ignores it
   # And the metrics see it: every token-layer of `other` differs from the trainer's choice.
   objective = composite.StepObjective(
-      model_config, wiring.rl_loss(tiny_running_sum_config(tmp_path)),
+      model_config, wiring.rl_loss(wiring.settings(tiny_running_sum_config(tmp_path))),
       router=composite.RouterTerms(routing_replay=True))
   _, metrics = objective(params, batch, jnp.int32(0), jnp.int32(0))
   metrics = composite.with_mismatch_kl(metrics)
@@ -151,15 +151,15 @@ def test_routing_metrics_equal_hand_computations():
 
 @pytest.mark.slow
 def test_auxiliary_losses_enter_the_objective_with_their_coefficients(tmp_path):
-  config = tiny_running_sum_config(tmp_path, {"model.preset": "tiny2_moe"})
-  _, model_config, params = wiring.load_policy(config, jax.random.PRNGKey(0))
+  run = wiring.settings(tiny_running_sum_config(tmp_path, {"model.preset": "tiny2_moe"}))
+  _, model_config, params = wiring.load_policy(run, jax.random.PRNGKey(0))
   tokens = jax.random.randint(jax.random.PRNGKey(0), (2, 10), 0, model_config.vocab_size)
   mask = jnp.ones((2, 10), bool)
   batch = Rollout(tokens=tokens, prompt_mask=mask.at[:, 4:].set(False),
                   completion_mask=mask.at[:, :4].set(False), behavior_logp=jnp.zeros((2, 10)),
                   version=jnp.zeros((2, 10), jnp.int32), group=jnp.zeros(2, jnp.int32),
                   reward=jnp.zeros(2), advantages=jnp.ones((2, 10)))
-  loss = wiring.rl_loss(config)
+  loss = wiring.rl_loss(run)
 
   def total(router):
     objective = composite.StepObjective(model_config, loss, router=router)

@@ -205,7 +205,7 @@ def test_smollm2_configs_evaluation_counts_every_category_and_keeps_fixed_sample
   """Held-out problem i gets a reply of category i % 5: the evaluation counts each category
   over all problems, and its samples are the spread problems with their verdicts."""
   config = config_module.get_config()
-  task = wiring.build_task(config)
+  task = wiring.build_task(wiring.settings(config))
   examples = task.examples("eval", 10)
   kinds = [CORRECT, NO_ANSWER, MALFORMED, WRONG, TRUNCATED]
   replies = {}

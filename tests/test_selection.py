@@ -517,9 +517,10 @@ def _tiny_loop(kind, pool, **overrides):
     node[leaf] = value
   tokenizer = CharTokenizer()
   task = tasks.make_task("chain_sum", seed=0, eval_size=10, **config.task.difficulty)
-  _, model_config, _ = wiring.load_policy(config, jax.random.PRNGKey(0))
-  ctx, optimizer = wiring.make_context(config, task, tokenizer, model_config, wiring.RL)
-  producer = wiring.make_rl_producer(config, ctx)
+  run = wiring.settings(config)
+  _, model_config, _ = wiring.load_policy(run, jax.random.PRNGKey(0))
+  ctx, optimizer = wiring.make_context(run, task, tokenizer, model_config, wiring.RL)
+  producer = wiring.make_rl_producer(run, ctx)
   params = transformer.init_params(model_config, jax.random.PRNGKey(0))
   state = loop.LoopState(train=train.init_train_state(params, optimizer), rng=jax.random.PRNGKey(1),
                          producer=producer.init(0))

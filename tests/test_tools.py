@@ -568,7 +568,7 @@ def test_gsm_symbolic_on_smollm2_with_the_calculator_validates():
   config = smollm2_gsm.get_config()
   config.tools.name = "calculator"
   wiring.validate(config)
-  assert wiring.tool_settings(config).max_turns == 16
+  assert wiring.settings(config).tools.max_turns == 16
 
 
 @pytest.mark.slow

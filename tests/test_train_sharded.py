@@ -58,7 +58,7 @@ def test_mesh_config_errors_name_the_fix(tmp_path):
   config = _config(str(tmp_path), 2, 2, 2)
   config.eval.batch_size = 6
   with pytest.raises(ValueError, match="config.eval.batch_size = 6 .* multiple of mesh.data"):
-    wiring.build_mesh(config)
+    wiring.build_mesh(wiring.settings(config))
   config = _config(str(tmp_path), 3, 1, 1)
   with pytest.raises(ValueError, match="needs 3 devices but 8"):
-    wiring.build_mesh(config)
+    wiring.build_mesh(wiring.settings(config))

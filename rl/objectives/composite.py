@@ -381,6 +381,11 @@ class StepObjective:
     return losses.resolve(self.loss)
 
   @functools.cached_property
+  def objective(self):
+    """config.loss.name's objective bound to `settings` once (`losses.build`)."""
+    return losses.build(self.settings)
+
+  @functools.cached_property
   def aggregation(self) -> str:
     """The objective's aggregation (its own fixed one, or config.loss.aggregation): the
     distillation term's too, and what microbatches are weighted by."""
@@ -460,8 +465,7 @@ class StepObjective:
         prox = corrections.loglinear_prox(logp, micro.behavior_logp, micro.version,
                                           prox_version, version)
       extra = {} if head_logp is None else {"head_logp": head_logp}
-      objective, objective_metrics = losses.get_loss(self.loss.name)(
-          logp, micro, prox_logp=prox, settings=self.settings, **extra)
+      objective, objective_metrics = self.objective(logp, micro, prox_logp=prox, **extra)
       loss, metrics = loss + objective, dict(metrics, **objective_metrics)
     if terms is not None:
       mask = micro.completion_mask

@@ -6,7 +6,9 @@ Every objective is
 
 where `logp` [B, T] are the log-probs of `batch.tokens` under the parameters being trained,
 `batch` is an `rl.types.Rollout`, and `settings` is the run's `LossSettings` (config.loss,
-typed, and resolved: `LossSettings.resolved`, every field a value). Metrics may carry 'lr_scale', which the train step applies to the update.
+typed, and resolved: `LossSettings.resolved`, every field a value). Metrics may carry
+'lr_scale', which the train step applies to the update. The train step binds the run's
+settings once, when it is built (`build(settings)`; `Objective.build` resolves them there).
 
 A built-in objective (`Objective`) is a per-token surrogate plus a chain of corrections (`rl.objectives.corrections`:
 small transforms of log-ratios, advantages and masks into weights, masks and clip
@@ -357,10 +359,22 @@ class Objective:
 
   def __call__(self, logp: jax.Array, batch: Rollout, *, prox_logp=None,
                settings: LossSettings, head_logp=None) -> tuple[jax.Array, dict]:
-    """The loss signature (module docstring); `head_logp` [B, T, K]: the current log-probs
-    of the sampler's top-K tokens (`batch.behavior_topk`), for score centering."""
-    corrections, uses_prox, surrogate = self.corrections, self.uses_prox, self.surrogate
+    """The loss signature (module docstring): `self.build(settings)` applied once."""
+    return self.build(settings)(logp, batch, prox_logp=prox_logp, head_logp=head_logp)
+
+  def build(self, settings: LossSettings) -> Callable[..., tuple[jax.Array, dict]]:
+    """This objective bound to `settings`, resolved once (with the fields the method
+    fixes, `overrides`): `(logp, batch, *, prox_logp=None, head_logp=None) -> (loss,
+    metrics)`; `head_logp` [B, T, K] are the current log-probs of the sampler's top-K
+    tokens (`batch.behavior_topk`), for score centering. The train step builds it once
+    (`rl.objectives.losses.build`)."""
     cfg = settings.resolved(overrides=self.overrides)
+    chain = self.corrections + cfg.corrections
+    return functools.partial(self._loss, cfg, chain)
+
+  def _loss(self, cfg: LossSettings, chain: tuple[str, ...], logp: jax.Array, batch: Rollout,
+            *, prox_logp=None, head_logp=None) -> tuple[jax.Array, dict]:
+    """The objective under the resolved settings `cfg` and correction chain `chain`."""
     mask = batch.completion_mask.astype(jnp.float32)
     terms = corr.TokenTerms(
         logp=logp, behav=batch.behavior_logp,
@@ -369,11 +383,11 @@ class Objective:
         clip_scale=jnp.ones_like(logp), reward=batch.reward, group=batch.group,
         head_logp=head_logp,
         behav_head=None if batch.behavior_topk is None else batch.behavior_topk.logp)
-    if uses_prox and terms.prox is None:
+    if self.uses_prox and terms.prox is None:
       raise ValueError("This objective needs prox_logp; build the train step with rl.train, "
                        "which supplies it (config.loss.prox_estimate).")
-    terms, metrics = corr.chain(corrections + cfg.corrections, terms, cfg, objective=self)
-    per_token, surrogate_metrics = surrogate(terms, cfg)
+    terms, metrics = corr.chain(chain, terms, cfg, objective=self)
+    per_token, surrogate_metrics = self.surrogate(terms, cfg)
     per_token = per_token * corr.sg(terms.weight)
     if terms.extra is not None:
       per_token = per_token + terms.extra
@@ -387,6 +401,17 @@ class Objective:
       per_token = per_token + cfg.kl_coef * kl
       metrics["kl_ref"] = masked_mean(kl, mask)
     return aggregate(per_token, mask, cfg.aggregation, cfg.norm_len), metrics
+
+
+def build(settings: LossSettings) -> Callable[..., tuple[jax.Array, dict]]:
+  """The objective config.loss.name names, bound to `settings` once:
+  `(logp, batch, *, prox_logp=None, **extra) -> (loss, metrics)`. A built-in `Objective`
+  resolves its settings here (`Objective.build`); a plain registered function receives
+  `settings` on each call, as its signature says."""
+  loss_fn = get_loss(settings.name)
+  if isinstance(loss_fn, Objective):
+    return loss_fn.build(settings)
+  return functools.partial(loss_fn, settings=settings)
 
 
 def make_objective(surrogate: Callable, corrections: tuple[str, ...] = (),
