@@ -551,14 +551,20 @@ def test_b9_page_gives_each_seed_its_gain_and_seconds_beside_trl_and_the_fresh_e
                                     {"step": 30, "accuracy": 0.25, "stderr": 0.02}],
                "step_s_median": 100.0, "generate_s_median": 40.0}, f)
   (tmp_path / "fresh").mkdir()
+  row = {"examples": 200, "num_samples": 8, "temperature": 0.7, "greedy_accuracy": 0.28,
+         "pass@1": 0.21, "pass@8": 0.5, "mixed": 0.4, "sampled_length": 40.0}
   with open(tmp_path / "fresh" / "arbor_s1.json", "w") as f:
-    json.dump([{"examples": 200, "num_samples": 8, "temperature": 0.7, "greedy_accuracy": 0.28,
-                "pass@1": 0.21, "pass@8": 0.5, "mixed": 0.4, "sampled_length": 40.0}], f)
+    json.dump([row], f)
+  with open(tmp_path / "fresh" / "arbor_s0.json", "w") as f:
+    json.dump([dict(row, provenance={"commit": "7196baaf79d4", "overlap_with_training": {
+        "1": 0, "0": 2}})], f)
   page = b9["render_page"](results, str(tmp_path / "real_model.md"), results_dir=str(tmp_path))
   # 0.1 -> 0.3: +20 points, 0.2 / (0.02 * sqrt 2) = 7.1 standard errors; 900 s over 30 steps.
   assert _row(page, "Arbor, seed 1")[4:] == ["+20.0", "7.1", "30 (10 + 20)"]
   assert _row(page, "TRL, seed 0")[3:] == ["+15.0", "5.3", "100 (40 + 60), median"]
-  assert _row(page, "arbor_s1") == ["arbor_s1", "0.280", "0.210", "0.500", "0.400", "40"]
+  assert _row(page, "arbor_s1") == ["arbor_s1", "0.280", "0.210", "0.500", "0.400", "40",
+                                     "awaiting rerun", "-"]  # from before provenance
+  assert _row(page, "arbor_s0")[6:] == ["7196baa", "s0: 2, s1: 0"]
   assert "| base |" not in page  # no file for it: no row
   assert (tmp_path / "real_model.png").exists()
 

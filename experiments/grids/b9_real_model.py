@@ -85,13 +85,25 @@ def fresh_table(results_dir: str) -> list[str]:
   any_row = next(iter(rows.values()))
   lines = ["", f"The final adapters on held-out problems of another seed "
            f"({any_row['examples']} problems, {any_row['num_samples']} samples each at T = "
-           f"{any_row['temperature']:g}):", "",
+           f"{any_row['temperature']:g}; from each result's provenance, the commit and how "
+           "many of the problems each seed's run trained on):", "",
            pages.table_head(["policy", "greedy", "pass@1", "pass@8", "mixed groups",
-                             "sampled length"])]
+                             "sampled length", "commit", "shared with training"])]
   for name, row in rows.items():
     lines.append(f"| {name} | {row['greedy_accuracy']:.3f} | {row['pass@1']:.3f} | "
-                 f"{row['pass@8']:.3f} | {row['mixed']:.3f} | {row['sampled_length']:.0f} |")
+                 f"{row['pass@8']:.3f} | {row['mixed']:.3f} | {row['sampled_length']:.0f} | "
+                 f"{_provenance_cells(row.get('provenance'))} |")
   return lines
+
+
+def _provenance_cells(record: dict | None) -> str:
+  """The commit and the problems shared with each named run's training prompts, or that
+  the row awaits its rerun (an evaluation from before results recorded provenance)."""
+  if not record:
+    return "awaiting rerun | -"
+  overlap = record.get("overlap_with_training") or {}
+  shared = ", ".join(f"s{seed}: {count}" for seed, count in sorted(overlap.items())) or "-"
+  return f"{record['commit'][:7]} | {shared}"
 
 
 def plot(results: list[dict], trl: dict | None, path: str) -> None:
