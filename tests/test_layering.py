@@ -68,6 +68,18 @@ def test_only_the_wiring_reads_the_run_config():
   assert readers == {}
 
 
+def test_the_wiring_reads_the_config_once():
+  """In the wiring itself only `settings` (which reads the config into RunSettings) and
+  `validate` (which also compares the whole config with a warm start's source) take the
+  config; every other function takes the typed settings, and no section is read from it."""
+  path = os.path.join(ROOT, "rl", "wiring.py")
+  functions = [node for node in ast.parse(open(path).read()).body
+               if isinstance(node, ast.FunctionDef)]
+  takes_config = sorted(f.name for f in functions if any(a.arg == "config" for a in f.args.args))
+  assert takes_config == ["settings", "validate"]
+  assert [read for read in run_config_reads(path) if read.startswith("config.")] == []
+
+
 def test_the_config_check_sees_a_read(tmp_path):
   path = tmp_path / "piece.py"
   path.write_text("def f(config, model_config):\n  return config.rollout.group_size, "
