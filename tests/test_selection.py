@@ -523,7 +523,7 @@ def _tiny_loop(kind, pool, **overrides):
   producer = wiring.make_rl_producer(run, ctx)
   params = transformer.init_params(model_config, jax.random.PRNGKey(0))
   state = loop.LoopState(train=train.init_train_state(params, optimizer), rng=jax.random.PRNGKey(1),
-                         producer=producer.init(0))
+                         producer=producer.init(0), stages=ctx.stages.init())
   return state, ctx, producer
 
 
@@ -541,7 +541,8 @@ def test_loop_uniform_is_unchanged_and_greso_without_skipping_equals_it(tmp_path
       state.train.params, examples, task=b.task, tokenizer=b.tokenizer, rng=sample_rng,
       group_size=2, prompt_len=b.prompt_len, model_config=b.model_config,
       sampling_config=b.sampling_config, version=0)
-  batch = samples.rollout.replace(advantages=ctx.batch_advantages(samples.rollout))
+  grpo = advantages.group_relative(advantages.grpo_advantages)
+  batch = samples.rollout.replace(advantages=grpo(samples.rollout))
   reference, _ = ctx.train_step(jax.tree.map(jnp.copy, state.train), batch)
 
   uniform, _ = loop.grpo_iteration(state, ctx, producer)

@@ -79,7 +79,7 @@ class Turns:
   """
 
   def __init__(self, environment, tokenizer, config: ToolSettings = ToolSettings()):
-    Settings.check(config)  # the budgets' ranges
+    config.check_ranges()  # the budgets' ranges; the name is the caller's
     self.environment = environment
     self.tokenizer = tokenizer
     self.config = config

@@ -130,7 +130,7 @@ def check(settings: LossSettings) -> None:
 def check_runnable(settings: LossSettings) -> None:
   """`check` without refusing unread settings: what the train step checks of the
   resolved settings it is given (resolving sets fields the objective may not read)."""
-  Settings.check(settings)
+  settings.check_ranges()
   loss_fn = get_loss(settings.name)
   if isinstance(settings.corrections, str):
     raise ValueError(f"config.loss.corrections = {settings.corrections!r} must be a tuple of "

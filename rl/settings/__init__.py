@@ -181,9 +181,16 @@ class Settings:
   def check(self) -> None:
     """Raises ValueError naming the first field out of its range or choices, or set while
     it is not read (`UsedWhen`). Subclasses add their own checks after calling this one."""
+    self.check_ranges()
+    self.check_unread()
+
+  def check_ranges(self) -> None:
+    """Raises ValueError naming the first field, or field of a nested section, out of its
+    range or choices. What a component given its settings directly checks (a `Turns` given
+    its environment object has no use for the environment's name)."""
     for f in dataclasses.fields(self):
       if _is_nested(f):
-        getattr(self, f.name).check()
+        getattr(self, f.name).check_ranges()
       if "doc" not in f.metadata or _is_nested(f):
         continue
       value, meta = getattr(self, f.name), f.metadata
@@ -204,7 +211,6 @@ class Settings:
             ([f"> {low}" if meta["low_open"] else f">= {low}"] if low is not None else [])
             + ([f"<= {high}"] if high is not None else []))
         raise ValueError(f"{self.path(f.name)} = {value} must be {bound}.")
-    self.check_unread()
 
   def check_unread(self) -> None:
     """Raises ValueError for a field, or a field of a nested section, that differs from its
