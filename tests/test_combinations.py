@@ -42,7 +42,6 @@ import optax
 import pytest
 
 from models import transformer
-from models.config import ModelConfig
 from rl import composition
 from rl import train
 from rl.objectives import advantages as advantage_estimators
@@ -59,6 +58,7 @@ from rl.settings.run import AdvantageSettings, RunSettings, TaskSettings
 from rl.settings.selection import SelectionSettings
 from rl.types import Rollout, SamplerTopK
 from tests import combination_reference as reference
+from tests import tiny
 
 jax.config.update("jax_enable_x64", False)
 
@@ -238,8 +238,9 @@ def reference_problem(arrays: dict, per_token: bool) -> reference.Problem:
 
 # --- What the train step differentiates ----------------------------------------------
 
-_MODEL = ModelConfig(vocab_size=VOCAB, d_model=8, n_layers=1, n_heads=1, n_kv_heads=1,
-                     head_dim=8, mlp_dim=8, max_seq_len=SLOTS)
+# The smallest transformer: the check differentiates one step per objective and chain.
+_MODEL = tiny.model(vocab_size=VOCAB, d_model=8, n_layers=1, n_heads=1, head_dim=8, mlp_dim=8,
+                    max_seq_len=SLOTS)
 
 
 def step_objective(loss: LossSettings) -> composite.StepObjective:

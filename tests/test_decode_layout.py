@@ -7,15 +7,13 @@ import numpy as np
 import pytest
 
 from models import transformer
-from models.config import ModelConfig
 from sampling import sampler
+from tests import tiny
 
 CONFIGS = {
-    "qwen2": ModelConfig(vocab_size=37, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2,
-                         head_dim=8, mlp_dim=48, qkv_bias=True, tie_embeddings=False,
-                         max_seq_len=32),
-    "qwen3": ModelConfig(vocab_size=37, d_model=32, n_layers=2, n_heads=2, n_kv_heads=2,
-                         head_dim=16, mlp_dim=48, qk_norm=True, max_seq_len=32),
+    "qwen2": tiny.model(n_layers=3, n_heads=4, n_kv_heads=2, head_dim=8, qkv_bias=True,
+                        tie_embeddings=False),
+    "qwen3": tiny.model(n_kv_heads=2, qk_norm=True),
 }
 
 

@@ -8,12 +8,11 @@ import numpy as np
 import pytest
 
 from models import transformer
-from models.config import ModelConfig
 from sampling import logits as logits_lib
 from sampling import sampler
+from tests import tiny
 
-CONFIG = ModelConfig(vocab_size=29, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                     mlp_dim=48, qkv_bias=True, tie_embeddings=False, max_seq_len=1024)
+CONFIG = tiny.model(vocab_size=29, qkv_bias=True, tie_embeddings=False, max_seq_len=1024)
 ONE_LOOP = dict(phase_tokens=0, compact_min_rows=0)
 
 

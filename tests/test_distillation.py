@@ -29,15 +29,15 @@ import pytest
 
 from experiments import train as launcher
 from models import transformer
-from models.config import get_preset
 from rl import train
 from rl import wiring
 from rl.objectives import distillation
 from rl.types import Rollout
 from tests.launcher_config import tiny_run_config
 from tests.rl_fixtures import GRPO, random_rollout
+from tests import tiny
 
-CONFIG = get_preset("tiny", vocab_size=64, max_seq_len=32)
+CONFIG = tiny.model(vocab_size=64, max_seq_len=32)
 
 
 def _log_softmax64(z):
@@ -399,7 +399,7 @@ def test_chunked_distillation_equals_the_dense_step(objective):
   (13 predicting positions of a padded, ragged batch: the last chunk padded) give the dense
   step's loss, metrics and gradient (read off one SGD step of rate 1), at a vocabulary of
   4099, temperature 0.8."""
-  config = get_preset("tiny", vocab_size=4099, max_seq_len=32)
+  config = tiny.model(vocab_size=4099, max_seq_len=32)
   student = transformer.init_params(config, jax.random.PRNGKey(0))
   teacher = transformer.init_params(config, jax.random.PRNGKey(5), init_std=0.3)
   batch = padded_rollout(seed=7)
@@ -425,7 +425,7 @@ def test_chunked_distillation_equals_the_dense_step(objective):
 def test_chunked_distillation_never_holds_the_full_distributions():
   """XLA's memory analysis of the compiled step: chunking drops at least the student's and
   the teacher's [B, T, V] float32 log-softmax (2 x 8 x 64 x 8192 x 4 bytes)."""
-  config = get_preset("tiny", vocab_size=8192, max_seq_len=64)
+  config = tiny.model(vocab_size=8192, max_seq_len=64)
   params = transformer.init_params(config, jax.random.PRNGKey(0))
   batch = random_rollout(seed=1, batch=8, length=64)
   temps = {}

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from models import transformer
-from models.config import get_preset
 from models.tokenizer import CharTokenizer
 from rl import evaluation
 from rl.environments import turns as turns_lib
 from rl.tasks import Example
 from sampling.sampler import SamplingConfig
 from tests import tool_environments
+from tests import tiny
 
 
 def exact_pass_at_k(n: int, c: int, k: int) -> fractions.Fraction:
@@ -78,7 +78,7 @@ class FirstDigitEvenTask:
 @pytest.mark.slow
 def test_evaluate_sampled_counts_and_identities():
   tokenizer = CharTokenizer()
-  model_config = get_preset("tiny", vocab_size=tokenizer.vocab_size, max_seq_len=16)
+  model_config = tiny.model(vocab_size=tokenizer.vocab_size, max_seq_len=16)
   params = transformer.init_params(model_config, jax.random.PRNGKey(0))
   examples = [Example(prompt=f"{i}+1=", answer=str(i + 1), entry={}) for i in range(5)]
   sampling_config = SamplingConfig(max_new_tokens=3, temperature=3.0,
@@ -123,7 +123,7 @@ def test_evaluate_sampled_with_turns_lets_the_environment_answer_every_call():
   "=" with "0" makes every sample correct under a scorer that wants exactly that, while
   the same samples without it are not (the random policy writes "=" often enough)."""
   tokenizer = CharTokenizer()
-  model_config = get_preset("tiny", vocab_size=tokenizer.vocab_size, max_seq_len=40)
+  model_config = tiny.model(vocab_size=tokenizer.vocab_size, max_seq_len=40)
   params = transformer.init_params(model_config, jax.random.PRNGKey(0))
   examples = [Example(prompt=f"{i}=", answer="", entry={}) for i in range(16)]
   sampling_config = SamplingConfig(max_new_tokens=24, temperature=3.0,

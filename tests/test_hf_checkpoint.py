@@ -19,8 +19,8 @@ import transformers
 import models
 from models import hf_checkpoint
 from models import transformer
-from models.config import ModelConfig
 from tests.hf_reference import arbor_logits, hf_logits, random_hf_model, random_tokens
+from tests import tiny
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_logits_match_transformers(kind, tmp_path):
@@ -71,10 +71,11 @@ def test_bfloat16_checkpoint_loads_exactly(tmp_path):
 
 @pytest.mark.parametrize("kind,tie", [("llama", True), ("qwen2", False), ("qwen3", True)])
 def test_export_loads_in_transformers(kind, tie, tmp_path):
-  config = ModelConfig(vocab_size=80, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2,
-                       head_dim=16, mlp_dim=64, rope_theta=5e4, norm_eps=1e-6,
-                       qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3", tie_embeddings=tie,
-                       max_seq_len=64)
+  # 4 heads of 16 over a width of 48 (heads x head_dim != d_model, as in Qwen3), and
+  # non-default RoPE base and norm epsilon, so each reaches transformers' config.
+  config = tiny.model(vocab_size=80, d_model=48, n_heads=4, n_kv_heads=2, rope_theta=5e4,
+                      norm_eps=1e-6, qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
+                      tie_embeddings=tie, max_seq_len=64)
   params = transformer.init_params(config, jax.random.PRNGKey(3), init_std=0.25)
   keys = iter(jax.random.split(jax.random.PRNGKey(4), 8))
   params["final_norm"] = 1 + 0.5 * jax.random.normal(next(keys), params["final_norm"].shape)
@@ -115,9 +116,8 @@ def test_missing_tensor_and_folder_errors(tmp_path):
 
 
 def _tiny(kind="llama", tie=False, n_layers=2):
-  return ModelConfig(vocab_size=40, d_model=16, n_layers=n_layers, n_heads=2, n_kv_heads=1,
-                     head_dim=8, mlp_dim=24, qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
-                     tie_embeddings=tie, max_seq_len=32)
+  return tiny.model(n_layers=n_layers, qkv_bias=kind == "qwen2", qk_norm=kind == "qwen3",
+                    tie_embeddings=tie)
 
 
 def _folder(tmp_path, kind="llama", tie=False, config_edit=None, tensors_edit=None):

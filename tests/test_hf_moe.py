@@ -25,6 +25,7 @@ from models import hf_checkpoint
 from models import transformer
 from models.config import PRESETS, ModelConfig
 from tests.hf_reference import arbor_logits, hf_logits, random_hf_model, random_tokens
+from tests import tiny
 
 
 _routing = jax.jit(transformer.hidden_states_with_routing, static_argnames=("config",))
@@ -141,10 +142,12 @@ def _random_moe(config: ModelConfig, seed: int):
 
 
 def _moe_config(qk_norm, routing, normalize, tie, **changes):
-  return ModelConfig(vocab_size=80, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2,
-                     head_dim=16, mlp_dim=32, rope_theta=5e4, norm_eps=1e-6, qk_norm=qk_norm,
-                     tie_embeddings=tie, max_seq_len=64, num_experts=8, experts_per_token=2,
-                     routing=routing, normalize_routing=normalize, **changes)
+  # As test_hf_checkpoint's export: heads x head_dim != d_model, non-default RoPE base and
+  # norm epsilon.
+  return tiny.model(vocab_size=80, d_model=48, n_heads=4, n_kv_heads=2, mlp_dim=32,
+                    rope_theta=5e4, norm_eps=1e-6, qk_norm=qk_norm, tie_embeddings=tie,
+                    max_seq_len=64, num_experts=8, experts_per_token=2, routing=routing,
+                    normalize_routing=normalize, **changes)
 
 
 @pytest.mark.parametrize("family,qk_norm,routing,normalize,tie", [

@@ -19,7 +19,6 @@ from experiments.configs import chain_sum_compact
 from models import hf_checkpoint
 from models import lora as lora_lib
 from models import transformer
-from models.config import ModelConfig
 from models.tokenizer import CharTokenizer
 from rl.objectives import advantages
 from rl import checkpoint
@@ -33,9 +32,12 @@ from tests.launcher_config import tiny_run_config
 from tests.rl_fixtures import GRPO, DigitTask, random_rollout
 from rl import wiring
 from rl.objectives import losses
+from tests import tiny
 
-CONFIG = ModelConfig(vocab_size=51, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                     mlp_dim=48, max_seq_len=16, qkv_bias=True)
+# Qwen2's biases (LoRA leaves them alone) and 4 query heads over 2 key/value heads; the
+# finite-difference check's tolerance was set on these shapes.
+CONFIG = tiny.model(n_heads=4, n_kv_heads=2, head_dim=8, mlp_dim=48, max_seq_len=16,
+                    qkv_bias=True)
 LORA = lora_lib.LoraConfig(rank=3, alpha=6.0, targets=lora_lib.TARGETS)
 
 

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 from models import transformer
-from models.config import ModelConfig
 from rl.objectives import advantages
 from rl.objectives import losses
 from rl.settings import loss as loss_settings
 from rl.types import Rollout
 from rl import wiring
+from tests import tiny
 
 LOSS_CONFIG = losses.LossSettings(
     name="grpo", eps_low=0.2, eps_high=0.28, aggregation="token_mean", norm_len=4.0, kl_coef=0.0)
@@ -79,8 +79,7 @@ def test_aggregations_hand_computed(mode, expected):
 
 def test_ppo_gradient_equals_policy_gradient_at_ratio_one():
   """At logp == behaviour, grad of the PPO objective is -mean_tokens(A * grad logp)."""
-  config = ModelConfig(vocab_size=13, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=8,
-                       mlp_dim=16, max_seq_len=8)
+  config = tiny.model(vocab_size=13)
   params = transformer.init_params(config, jax.random.PRNGKey(0), init_std=0.3)
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(0, 13, (3, 6)), jnp.int32)

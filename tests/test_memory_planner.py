@@ -28,16 +28,15 @@ import pytest
 from experiments import decode_cost
 from experiments import memory
 from models import transformer
-from models.config import ModelConfig
 from rl import train
 from rl.types import Rollout
 from rl.objectives import losses
 from sampling import sampler
+from tests import tiny
 
 BATCH, SEQ_LEN, NEW_TOKENS, VOCAB = 4, 128, 16, 8192
-# The model of `_config_json`, written out (the planner reads it from the file).
-CONFIG = ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                     head_dim=8, mlp_dim=64, max_seq_len=256, tie_embeddings=True)
+# The model the planner reads from `_config_json`'s file.
+CONFIG = tiny.model(vocab_size=VOCAB, max_seq_len=256)
 # The planner's objective (module docstring: GRPO, token mean, no KL).
 GRPO = losses.LossSettings(
     name="grpo", eps_low=0.2, eps_high=0.2, aggregation="token_mean", norm_len=1.0,
@@ -47,9 +46,11 @@ GRPO = losses.LossSettings(
 def _config_json(tmp_path, vocab=VOCAB):
   path = tmp_path / "config.json"
   path.write_text(json.dumps({
-      "model_type": "llama", "vocab_size": vocab, "hidden_size": 32, "num_hidden_layers": 2,
-      "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
-      "max_position_embeddings": 256, "tie_word_embeddings": True, "rope_theta": 10000.0}))
+      "model_type": "llama", "vocab_size": vocab, "hidden_size": CONFIG.d_model,
+      "num_hidden_layers": CONFIG.n_layers, "num_attention_heads": CONFIG.n_heads,
+      "num_key_value_heads": CONFIG.n_kv_heads, "intermediate_size": CONFIG.mlp_dim,
+      "max_position_embeddings": CONFIG.max_seq_len,
+      "tie_word_embeddings": CONFIG.tie_embeddings, "rope_theta": CONFIG.rope_theta}))
   return str(path)
 
 
@@ -209,7 +210,7 @@ def test_mixed_precision_plans_the_bfloat16_step_over_float32_masters(tmp_path, 
 PUBLISHED = {"qwen3_30b_a3b": (30.5e9, 3.3e9), "mixtral_8x7b": (46.7e9, 12.9e9)}
 
 
-def _hand_count(c: ModelConfig, experts: int) -> int:
+def _hand_count(c, experts: int) -> int:
   """Parameters from the config.json fields, by hand: embedding and (untied) head, per
   layer attention (q, k, v, o), two RMSNorms and Qwen3's q/k norms, the router and
   `experts` SwiGLU experts, and the final norm."""

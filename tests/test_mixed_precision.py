@@ -10,16 +10,15 @@ import pytest
 
 from experiments.decode_cost import kv_bytes_per_token
 from models import transformer
-from models.config import ModelConfig
 from rl import train
 from rl.objectives import composite
 from rl.types import Rollout
 from sampling import sampler
 from sampling.sampler import SamplingConfig
 from tests.rl_fixtures import GRPO, random_rollout
+from tests import tiny
 
-F32 = ModelConfig(vocab_size=51, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
-                  mlp_dim=64, max_seq_len=32)
+F32 = tiny.MODEL
 MIXED = F32.replace(compute_dtype="bfloat16")
 BF16 = F32.replace(dtype="bfloat16")  # weights stored in bfloat16 too: the reference
 PARAMS = transformer.init_params(F32, jax.random.PRNGKey(0))

@@ -129,14 +129,11 @@ def test_auxiliary_losses_equal_hand_computations():
 # --- The MoE decoder (models/transformer.py with ModelConfig.num_experts > 0). ---
 
 from models import transformer  # pylint: disable=wrong-import-position
-from models.config import ModelConfig  # pylint: disable=wrong-import-position
+from tests import tiny
 
 
 def _moe_config(**changes):
-  base = ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                     head_dim=8, mlp_dim=16, max_seq_len=24, num_experts=6,
-                     experts_per_token=2)
-  return base.replace(**changes)
+  return tiny.model(mlp_dim=16, num_experts=6, experts_per_token=2, **changes)
 
 
 def _batch(config, rows=3, length=12, seed=1):

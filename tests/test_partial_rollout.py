@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 
 from models import transformer
-from models.config import get_preset
 from rl import checkpoint
 from rl.rollouts import partial as partial_rollout
 from sampling.partial import PartialConfig
 from sampling.sampler import SamplingConfig
+from tests import tiny
 
-MODEL = get_preset("tiny", max_seq_len=64)
+MODEL = tiny.model(vocab_size=64, max_seq_len=64)
 PROMPT = 5
 SAMPLING = SamplingConfig(max_new_tokens=6, temperature=1.0, stop_tokens=tuple(range(2, 12)))
 PARAMS = transformer.init_params(MODEL, jax.random.PRNGKey(0), init_std=0.1)

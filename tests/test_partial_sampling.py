@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from models import transformer
-from models.config import get_preset
 from sampling import partial
 from sampling.sampler import SamplingConfig
+from tests import tiny
 
-MODEL = get_preset("tiny", max_seq_len=64)
+MODEL = tiny.model(vocab_size=64, max_seq_len=64)
 PROMPT = 4
 # Many stop ids, so that rows end at very different lengths (a long-tailed batch).
 SAMPLING = SamplingConfig(max_new_tokens=8, temperature=0.7, stop_tokens=tuple(range(2, 14)))

@@ -7,16 +7,15 @@ import optax
 import pytest
 from experiments.configs import default
 from models import transformer
-from models.config import ModelConfig
 from rl.objectives import losses
 from rl import train
 from rl.objectives import composite
 from rl.types import Rollout
 from rl import wiring
+from tests import tiny
 
-QWEN2 = ModelConfig(vocab_size=37, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                    mlp_dim=48, qkv_bias=True, tie_embeddings=False, max_seq_len=32)
-QWEN3 = QWEN2.replace(qkv_bias=False, qk_norm=True, tie_embeddings=True, n_kv_heads=1)
+QWEN2 = tiny.model(qkv_bias=True, tie_embeddings=False)
+QWEN3 = tiny.model(qk_norm=True)
 GRPO = losses.LossSettings(
     name="grpo", eps_low=0.2, eps_high=0.2, aggregation="seq_mean_token_mean", norm_len=4.0,
     kl_coef=0.0)

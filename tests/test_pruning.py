@@ -14,14 +14,14 @@ import pytest
 
 from experiments import train as launcher
 from models import transformer
-from models.config import get_preset
 from rl import checkpoint
 from rl.rollouts import pruning
 from sampling import sampler as sampler_lib
 from sampling.sampler import SamplingConfig
 from tests.launcher_config import tiny_run_config
+from tests import tiny
 
-CONFIG = get_preset("tiny2", vocab_size=32, max_seq_len=64)
+CONFIG = tiny.model(vocab_size=32, max_seq_len=64)
 
 
 def test_select_survivors_takes_the_top_and_the_bottom_of_each_prompt():

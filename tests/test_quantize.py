@@ -12,15 +12,12 @@ import pytest
 from experiments import train as launcher
 from models import quantize
 from models import transformer
-from models.config import ModelConfig
 from sampling import sampler
 from tests.launcher_config import tiny_run_config
+from tests import tiny
 
-CONFIG = ModelConfig(vocab_size=51, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
-                     head_dim=16, mlp_dim=64, max_seq_len=24)
-MOE = ModelConfig(vocab_size=51, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
-                  head_dim=16, mlp_dim=16, max_seq_len=24, num_experts=4,
-                  experts_per_token=2, shared_expert_dim=8)
+CONFIG = tiny.MODEL
+MOE = tiny.model(mlp_dim=16, num_experts=4, experts_per_token=2, shared_expert_dim=8)
 
 
 def numpy_quantize(w: np.ndarray, name: str) -> np.ndarray:

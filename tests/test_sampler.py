@@ -6,12 +6,11 @@ import numpy as np
 import pytest
 
 from models import transformer
-from models.config import ModelConfig
 from sampling import logits as logits_lib
 from sampling.sampler import SamplingConfig, generate
+from tests import tiny
 
-CONFIG = ModelConfig(vocab_size=11, d_model=16, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=8,
-                     mlp_dim=32, qkv_bias=True, max_seq_len=32)
+CONFIG = tiny.model(vocab_size=11, qkv_bias=True)  # a small vocabulary: sampled counts per token
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +185,9 @@ def test_sampler_records_truncated_behaviour_logprobs(params):
     reference = truncated_logp_reference(logits[row, slot - 1], 0.8, 4, 0.85)
     token = int(gen.tokens[row, slot])
     assert np.isfinite(reference[token]), (row, slot)
-    np.testing.assert_allclose(float(gen.behavior_logp[row, slot]), reference[token], atol=1e-5)
+    # float32, the cached decode against an uncached forward: sums in another order
+    # (1.9e-5 apart at most here; a wrong temperature or truncation is 1e-2 or more).
+    np.testing.assert_allclose(float(gen.behavior_logp[row, slot]), reference[token], atol=5e-5)
     checked += reference[token] != 0.0  # a row with one kept token says nothing
   assert checked > 4
 

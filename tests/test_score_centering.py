@@ -11,12 +11,12 @@ import pytest
 
 from experiments import train as launcher
 from models import transformer
-from models.config import ModelConfig
 from rl.objectives import corrections
 from rl.rollouts import sampler_topk
 from rl.types import Rollout
 from sampling import sampler
 from tests.launcher_config import tiny_run_config
+from tests import tiny
 
 
 def _softmax(z):
@@ -180,8 +180,7 @@ def test_the_correction_needs_the_record():
 
 # --- The sampler's record --------------------------------------------------------------
 
-CONFIG = ModelConfig(vocab_size=51, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
-                     head_dim=16, mlp_dim=64, max_seq_len=24)
+CONFIG = tiny.MODEL
 
 
 @pytest.mark.parametrize("top_p", [pytest.param(1.0, marks=pytest.mark.slow), 0.8])

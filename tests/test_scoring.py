@@ -20,7 +20,6 @@ import pytest
 import reasoning_gym
 import sympy.parsing.sympy_parser
 
-from models.config import get_preset
 from models.tokenizer import CharTokenizer
 from models import transformer
 from rl.objectives import advantages
@@ -34,6 +33,7 @@ from rl import train
 from rl.rollouts import producers
 from sampling.sampler import SamplingConfig
 from tests import scoring_tasks
+from tests import tiny
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GRPO = losses.LossSettings(name="grpo", eps_low=0.2, eps_high=0.2,
@@ -100,6 +100,9 @@ def test_no_builtin_scorer_evaluates_the_completion(name, tmp_path, monkeypatch)
   # scorers must not call them at all (the worker is a second line of defence, not the first).
   task = tasks.make_task(name, _prompt_style(name), eval_size=1)
   example = task.examples("eval", 1)[0]  # (basic_arithmetic's generator evals its own text)
+  # Scored once before the recorders go in: a scorer's first use may import modules
+  # (math-verify's grammar), and an import runs the module's code through builtins.exec.
+  task.reward(example.answer, example)
   recorder = _Recorder()
   for module, attribute in [(builtins, "eval"), (builtins, "exec"),
                             (sympy.parsing.sympy_parser, "parse_expr"),
@@ -315,7 +318,7 @@ def test_grpo_step_goes_on_when_a_completion_hangs_its_scorer(monkeypatch):
   # The policy "writes" 9**9**9 in row 1 (decoded text replaced); the task's scorer would
   # compute it forever. The step finishes, row 1 scores 0, and the timeout is counted.
   tokenizer = CharTokenizer()
-  model_config = get_preset("tiny", vocab_size=tokenizer.vocab_size, max_seq_len=16)
+  model_config = tiny.model(vocab_size=tokenizer.vocab_size, max_seq_len=16)
   optimizer = train.make_optimizer(1e-3)
   ctx = loop.LoopContext(
       batch=producers.BatchContext(

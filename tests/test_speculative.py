@@ -37,15 +37,14 @@ import pytest
 from scipy import stats as scipy_stats
 
 from models import transformer
-from models.config import ModelConfig
 from sampling import sampler
 from sampling import speculative
 from sampling.sampler import SamplingConfig
 from sampling.logits import inverse_cdf, sampled_weights
 from sampling.speculative import DraftConfig
+from tests import tiny
 
-CONFIG = ModelConfig(vocab_size=8, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
-                     head_dim=16, mlp_dim=64, max_seq_len=32)
+CONFIG = tiny.model(vocab_size=8)  # a small vocabulary: drafts are often accepted
 PARAMS = transformer.init_params(CONFIG, jax.random.PRNGKey(0), init_std=0.5)
 PROMPT = [3, 4, 5, 3, 4, 5, 3, 4]  # repetitive: n-gram lookup finds drafts
 SOURCES = {"prompt_lookup": ("prompt_lookup",), "group": ("group",),

@@ -9,7 +9,6 @@ import pytest
 
 from experiments import train as launcher
 from models import transformer
-from models.config import ModelConfig
 from models.tokenizer import CharTokenizer
 from rl.objectives import advantages
 from rl.objectives import corrections
@@ -21,9 +20,9 @@ from rl.tasks import make_task
 from rl.types import Rollout
 from sampling import sampler
 from tests.launcher_config import tiny_run_config
+from tests import tiny
 
-TINY = ModelConfig(vocab_size=CharTokenizer().vocab_size, d_model=16, n_layers=1, n_heads=2,
-                   n_kv_heads=1, head_dim=8, mlp_dim=32, max_seq_len=24)
+TINY = tiny.model(vocab_size=CharTokenizer().vocab_size)
 
 
 def test_ring_buffer_serves_parameters_k_iterations_old():

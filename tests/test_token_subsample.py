@@ -16,6 +16,7 @@ from rl.objectives import losses
 from rl.objectives import token_subsample as ts
 from rl.types import Rollout
 from tests.launcher_config import tiny_run_config
+from tests import tiny
 
 PROMPT = 3
 
@@ -141,9 +142,8 @@ def test_kept_tokens_have_the_full_batchs_log_probs(scheme):
   under urs the dropped tokens stay context (prompt mask), under rpc only tokens after
   every kept one leave; the policy's log-probs at the kept tokens equal the full batch's."""
   from models import transformer  # pylint: disable=import-outside-toplevel
-  from models.config import get_preset  # pylint: disable=import-outside-toplevel
   from rl.objectives import composite  # pylint: disable=import-outside-toplevel
-  config = get_preset("tiny2", vocab_size=50, max_seq_len=64)
+  config = tiny.model(vocab_size=50, max_seq_len=64)
   params = transformer.init_params(config, jax.random.PRNGKey(0))
   batch = _batch(_mask([3, 12, 20, 30]))
   sub, _ = ts.TokenSubsample(scheme, 0.5, "token_mean")(batch, jax.random.PRNGKey(4))

@@ -28,7 +28,6 @@ import pytest
 
 from experiments import train as launcher
 from models import transformer
-from models.config import get_preset
 from models.tokenizer import CharTokenizer
 from rl import environments
 from rl import scoring
@@ -46,10 +45,11 @@ from sampling import partial
 from sampling.sampler import SamplingConfig
 from tests import tool_environments
 from tests.launcher_config import KILLED_RUN, tiny_running_sum_config, without_clock
+from tests import tiny
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = CharTokenizer()
-MODEL = get_preset("tiny2", vocab_size=TOKENIZER.vocab_size, max_seq_len=128)
+MODEL = tiny.model(vocab_size=TOKENIZER.vocab_size, max_seq_len=128)
 PROMPT = 16
 NEW = 48
 SAMPLING = SamplingConfig(max_new_tokens=NEW, temperature=1.0,
@@ -433,7 +433,7 @@ def test_environment_tokens_get_exactly_zero_gradient(setting):
 def test_train_step_ignores_every_field_at_environment_positions():
   """Scrambling the behaviour log-probs, versions and advantages at environment positions
   changes nothing in the update (the tokens themselves stay: they are context)."""
-  config = get_preset("tiny2", vocab_size=64, max_seq_len=T)
+  config = tiny.model(vocab_size=64, max_seq_len=T)
   params = transformer.init_params(config, jax.random.PRNGKey(0))
   optimizer = train.make_optimizer(1e-2)
   full = _batch_with_environment_tokens()[0].replace(prox_logp=None, ref_logp=None)
@@ -585,7 +585,7 @@ def test_calculator_round_trip_with_the_smollm2_chat_tokenizer():
   written = tokenizer.encode("Half of 48 is <<48/2=")
   assert written[-1] in ids  # the row would pause here
   config = partial.PartialConfig(num_slots=1, group_size=1, resume="reprefill")
-  smol = get_preset("tiny2", vocab_size=tokenizer.vocab_size, max_seq_len=256)
+  smol = tiny.model(vocab_size=tokenizer.vocab_size, max_seq_len=256)
   sampling = SamplingConfig(max_new_tokens=32, temperature=1.0, stop_tokens=(tokenizer.eos_id,),
                             pad_id=tokenizer.pad_id or 0)
   pool = partial.init_pool(config, smol, sampling, len(prompt), jax.random.PRNGKey(0), turns=True)

@@ -11,7 +11,6 @@ import optax
 import pytest
 
 from models import transformer
-from models.config import ModelConfig
 from models.tokenizer import CharTokenizer
 from rl.objectives import advantages
 from rl import loop
@@ -22,9 +21,9 @@ from rl import train
 from rl.objectives import composite
 from sampling.sampler import SamplingConfig
 from tests.rl_fixtures import GRPO, DigitTask, random_rollout
+from tests import tiny
 
-CONFIG = ModelConfig(vocab_size=51, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1, head_dim=16,
-                     mlp_dim=64, max_seq_len=16)
+CONFIG = tiny.model(max_seq_len=16)
 
 
 @pytest.mark.slow

@@ -7,15 +7,13 @@ import pytest
 
 from models import transformer
 from models.config import ModelConfig, get_preset
+from tests import tiny
 
 CONFIGS = {
-    "llama_gqa_tied": ModelConfig(vocab_size=37, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                                  head_dim=8, mlp_dim=48, max_seq_len=32),
-    "qwen2_bias_untied": ModelConfig(vocab_size=37, d_model=32, n_layers=2, n_heads=4,
-                                     n_kv_heads=1, head_dim=8, mlp_dim=48, qkv_bias=True,
-                                     tie_embeddings=False, rope_theta=1e6, max_seq_len=32),
-    "qwen3_qk_norm": ModelConfig(vocab_size=37, d_model=32, n_layers=2, n_heads=2, n_kv_heads=2,
-                                 head_dim=16, mlp_dim=48, qk_norm=True, max_seq_len=32),
+    "llama_gqa_tied": tiny.MODEL,
+    "qwen2_bias_untied": tiny.model(n_heads=4, head_dim=8, qkv_bias=True, tie_embeddings=False,
+                                    rope_theta=1e6),
+    "qwen3_qk_norm": tiny.model(n_kv_heads=2, qk_norm=True),
 }
 
 

@@ -11,15 +11,14 @@ import numpy as np
 import pytest
 
 from models import transformer
-from models.config import ModelConfig
 from rl.objectives import advantages
 from rl.rollouts import batches as rollout_lib
 from sampling import tree
 from sampling.logits import sample_tokens
 from sampling.sampler import SamplingConfig
+from tests import tiny
 
-MODEL = ModelConfig(vocab_size=16, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
-                    head_dim=16, mlp_dim=64, max_seq_len=32)
+MODEL = tiny.model(vocab_size=16)
 SAMPLING = SamplingConfig(max_new_tokens=7, temperature=1.0, stop_tokens=(2,), pad_id=0)
 ENTROPY = tree.EntropyFork(init_chains=2, fork_points=2, branches=2, rounds=2)
 SEGMENTS = tree.FixedSegments(init_chains=1, segment_len=2, branches=2, max_depth=2)

@@ -180,18 +180,26 @@ class Settings:
 
   def check(self) -> None:
     """Raises ValueError naming the first field out of its range or choices, or set while
-    it is not read (`UsedWhen`). Subclasses add their own checks after calling this one."""
-    self.check_ranges()
+    it is not read (`UsedWhen`); a nested section is checked whole (its own `check`).
+    Subclasses add their own checks after calling this one."""
+    self._check_fields(lambda section: section.check())
     self.check_unread()
 
   def check_ranges(self) -> None:
     """Raises ValueError naming the first field, or field of a nested section, out of its
-    range or choices. What a component given its settings directly checks (a `Turns` given
-    its environment object has no use for the environment's name)."""
+    range or choices: what a component given its settings directly checks (a `Turns` given
+    its environment object has no use for the environment's name, the train step's
+    resolved loss settings set fields the objective may not read)."""
+    self._check_fields(lambda section: section.check_ranges())
+
+  def _check_fields(self, check_section: Callable[["Settings"], None]) -> None:
+    """Checks each field's range and choices in declaration order, and each nested section
+    with `check_section`."""
     for f in dataclasses.fields(self):
       if _is_nested(f):
-        getattr(self, f.name).check_ranges()
-      if "doc" not in f.metadata or _is_nested(f):
+        check_section(getattr(self, f.name))
+        continue
+      if "doc" not in f.metadata:
         continue
       value, meta = getattr(self, f.name), f.metadata
       if value is None and meta["optional"]:
