@@ -13,9 +13,11 @@ from rl import wiring
 def test_clock_free_drops_every_wall_clock_field_and_keeps_the_rest():
   record = {"step": 3, "loss": 0.5, "time_step_s": 1.0, "sampled_tokens_per_s": 9.0,
             "time_s": {"train": 1.0}, "rollout_time_s": {}, "wall_time_s": 2.0,
-            "warm_start_from": "/a", "accuracy_curve": [{"step": 1, "accuracy": 0.5}]}
+            "warm_start_from": "/a", "accuracy_curve": [{"step": 1, "accuracy": 0.5}],
+            "means": [{"second_opinion_s": 1.2, "time_step_s": 0.1, "reward_mean": 0.5}]}
   assert golden.clock_free(record) == {"step": 3, "loss": 0.5,
-                                       "accuracy_curve": [{"step": 1, "accuracy": 0.5}]}
+                                       "accuracy_curve": [{"step": 1, "accuracy": 0.5}],
+                                       "means": [{"reward_mean": 0.5}]}
 
 
 def test_first_difference_names_the_path_and_both_values():
