@@ -28,6 +28,7 @@ import pytest
 
 from experiments import train as launcher
 from models import transformer
+from models.config import get_preset
 from models.tokenizer import CharTokenizer
 from rl import environments
 from rl import scoring
@@ -49,7 +50,9 @@ from tests import tiny
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKENIZER = CharTokenizer()
-MODEL = tiny.model(vocab_size=TOKENIZER.vocab_size, max_seq_len=128)
+# The running_sum testbed's preset, not tests/tiny.py's model: the turn tests rest on how
+# often this untrained policy writes a call, resumes silently and is ended.
+MODEL = get_preset("tiny2", vocab_size=TOKENIZER.vocab_size, max_seq_len=128)
 PROMPT = 16
 NEW = 48
 SAMPLING = SamplingConfig(max_new_tokens=NEW, temperature=1.0,
