@@ -6,8 +6,9 @@
 
 A test's time is its setup, call and teardown together (JUnit's `time`, pytest's default
 `junit_duration_report = total`); with xdist's two workers the tier's wall time is about
-half the sum. The header records what each tier's run measured (wall time, tests, load):
-pass them with --quick_wall / --slow_wall etc., as `/usr/bin/time` and `uptime` printed them.
+half the sum. Each tier's section opens with what its run measured (wall time, load before
+and after, machine): pass it as --quick_measured / --slow_measured, as `/usr/bin/time` and
+`uptime` printed them.
 """
 
 import argparse

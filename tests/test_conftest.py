@@ -1,5 +1,6 @@
 """The test session's own machinery in tests/conftest.py: which tier uses JAX's persistent
-compilation cache, and the report of an xdist worker killed by a fatal signal.
+compilation cache, and the report of an xdist worker killed by a fatal signal; and
+tests/durations.py's table of test times.
 
 Each test runs a small pytest session in a subprocess, over probe files whose conftest
 imports the hooks under test.
@@ -11,6 +12,8 @@ import subprocess
 import sys
 
 import pytest
+
+from tests import durations
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -161,3 +164,20 @@ def test_compiled_programs_are_released_over_the_memory_map_budget(tmp_path):
   assert not kept and after_kept >= compiled - 50  # under the budget nothing is dropped
   # Over it, the caches go and the executables' mappings with them.
   assert released and after_released - before < (compiled - before) / 4
+
+
+def test_durations_sum_a_files_tests_and_list_every_test_slowest_first(tmp_path):
+  (tmp_path / "tier.xml").write_text(
+      '<testsuites><testsuite name="pytest">'
+      '<testcase classname="tests.test_a" name="test_x[1]" time="2.5"/>'
+      '<testcase classname="tests.test_a" name="test_y" time="0.5"/>'
+      '<testcase classname="tests.test_b" name="test_z" time="4.0"><skipped/></testcase>'
+      '</testsuite></testsuites>')
+  times = durations.read_times(str(tmp_path / "tier.xml"))
+  assert times == {"tests/test_a.py::test_x[1]": 2.5, "tests/test_a.py::test_y": 0.5,
+                   "tests/test_b.py::test_z": 4.0}
+  assert durations.by_file(times) == [("tests/test_b.py", 1, 4.0), ("tests/test_a.py", 2, 3.0)]
+  lines = durations.tier_section("Quick", times, "measured: 1 s")
+  assert lines.index("| tests/test_b.py::test_z | 4.00 |") < lines.index(
+      "| tests/test_a.py::test_x[1] | 2.50 |") < lines.index("| tests/test_a.py::test_y | 0.50 |")
+  assert "3 tests, 7 s in all (both workers' time)." in lines
