@@ -69,3 +69,16 @@ def test_the_launcher_refuses_a_value_outside_lazy_choices(tmp_path, override, m
   assert result.returncode != 0
   assert message in result.stderr, result.stderr[-2000:]
   assert not workdir.exists()  # refused before any work
+
+
+def test_check_ranges_skips_only_the_unread_refusal():
+  """A component given its settings directly (`Turns`, with its environment object) checks
+  ranges only: a budget set without an environment name passes there and is refused by the
+  launcher's full check; a budget out of range is refused by both."""
+  from rl.settings.tools import ToolSettings  # pylint: disable=import-outside-toplevel
+  ToolSettings(max_turns=2).check_ranges()
+  with pytest.raises(ValueError, match="config.tools.max_turns = 2 has no effect"):
+    ToolSettings(max_turns=2).check()
+  for check in (ToolSettings(max_turns=0).check_ranges, ToolSettings(max_turns=0).check):
+    with pytest.raises(ValueError, match=r"config.tools.max_turns = 0 must be >= 1"):
+      check()

@@ -35,7 +35,6 @@ import numpy as np
 
 from rl import scoring
 from rl.environments.base import make_environment
-from rl.settings import Settings
 from rl.settings.tools import ToolSettings
 from sampling import partial
 from sampling.sampler import Generation, SamplingConfig, ToolRows

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from rl.objectives import corrections as corr
 from rl.registry import Registry
-from rl.settings import Settings, as_tuple
+from rl.settings import as_tuple
 from rl.settings.loss import AGGREGATIONS, LossSettings
 from rl.types import Rollout
 
