@@ -9,6 +9,12 @@
  groups wait on each other until the 40 s rendezvous timeout aborts the worker. Seen with
  jaxlib 0.10 on a 2x4 mesh distillation step: compiled fresh it ran, loaded from the
  cache it hung in 2 of 2 runs; with this flag 3 of 3 runs (2 from the cache) finished.
+- `XLA_FLAGS=--xla_backend_optimization_level=0`: tests compile without LLVM's optimisation
+ passes, which are about half of an XLA:CPU compilation (a launcher run's 141 compilations:
+ 33 s -> 16 s), and compilation is most of the suite's time; the tests' programs are small
+ enough that running them unoptimised costs less than optimising them. Values are the same
+ computation (XLA's own fusion and layout passes still run); export the flag with another
+ level to test what users run.
 - `JAX_PLATFORMS=cpu`: tests are CPU-only (export another value to override).
 - Persistent compilation cache in the user's cache folder (`$XDG_CACHE_HOME/arbor/jax`,
  else `~/.cache/arbor/jax`), shared by every checkout and clone on the machine, so a rerun
@@ -16,18 +22,11 @@
  quarters of a cold run's time). Entries are keyed by the computation, the compile options
  and the jax/jaxlib version, so a stale entry is never used; the folder is capped at 2 GiB. Override the place with
  JAX_COMPILATION_CACHE_DIR.
-- The slow tier does not use that cache at all: a session whose `-m` is not the quick
- tier's `not slow` compiles everything itself and keeps it in memory only (export
- JAX_ENABLE_COMPILATION_CACHE=true to override). Slow-tier workers crashed with jaxlib
- 0.10 while writing the cache (a segmentation fault inside XLA's executable serialisation,
- `compilation_cache.put_executable_and_time`) and, in CI, while only reading it; the cause
- found later, exhausted memory mappings (below), explains those crashes as well, since
- every cache read or write happens in a process holding many executables. The cache stays
- out of the slow tier all the same, a cautious choice: cache-loaded programs have their
- own fault (the deadlock above), and the crashes came in some runs only. The price is
- time. On two cores after a cold quick tier (2026-12-07), the 314 slow tests took 44 min
- 4 s without the cache. With JAX_ENABLE_COMPILATION_CACHE=true and the mapping fix, they
- took 26 min 52 s, reading and writing the cache, and no worker crashed; that was one run.
+- Both tiers use that cache. Slow-tier workers once crashed while writing or reading it
+ (jaxlib 0.10, a segmentation fault in `compilation_cache.put_executable_and_time`); the
+ cause was exhausted memory mappings (below), which the release after each test prevents.
+ On two cores, the slow tier took 44 min without the cache and 27 min with it (one run
+ each, 2026-12).
 - A worker that dies of a fatal signal writes its faulthandler dump to a file, and the
  session's summary prints the crashing thread's stack from it (`pytest_terminal_summary`),
  so it reaches the last lines of a CI log instead of being lost in the middle.
@@ -52,6 +51,7 @@ import pytest
 _CACHE_HOME = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 _SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler"
+_OPTIMISATION_FLAG = "--xla_backend_optimization_level"
 _CRASH_FOLDER = "ARBOR_TEST_CRASH_FOLDER"  # where xdist workers write their fault dumps
 _FAULT_DUMP = pytest.StashKey()  # a worker's open dump file
 _FAULT_FOLDER = pytest.StashKey()  # the controller's folder of its workers' dumps
@@ -63,13 +63,13 @@ if _DEVICE_FLAG not in _xla_flags:  # an explicit device count from the caller w
   _xla_flags = f"{_xla_flags} {_DEVICE_FLAG}=8"
 if _SCHEDULER_FLAG not in _xla_flags:  # so does an explicit scheduler choice
   _xla_flags = f"{_xla_flags} {_SCHEDULER_FLAG}=false"
+if _OPTIMISATION_FLAG not in _xla_flags:  # and an explicit optimisation level
+  _xla_flags = f"{_xla_flags} {_OPTIMISATION_FLAG}=0"
 os.environ["XLA_FLAGS"] = _xla_flags.strip()
 
 # The cache settings go through the environment (a value already there wins), so that the
 # launcher subprocesses some tests start (`python -m experiments.train ...`) share the
 # cache on the same terms.
-_ENABLE_CACHE = "JAX_ENABLE_COMPILATION_CACHE"
-_ENABLE_CACHE_GIVEN = _ENABLE_CACHE in os.environ  # the caller's value wins
 _CACHE_SETTINGS = {
     "jax_compilation_cache_dir": str(_CACHE_HOME / "arbor" / "jax"),
     # Cache compilations that take a tenth of a second or more: eager ops compile in
@@ -104,10 +104,6 @@ _MAP_BUDGET = _map_budget()  # see release_compiled_programs
 
 @pytest.hookimpl(trylast=True)  # after pytest's faulthandler plugin has enabled its own
 def pytest_configure(config):
-  if config.getoption("markexpr") != "not slow" and not _ENABLE_CACHE_GIVEN:
-    # Not the quick tier: no persistent compilation cache (module docstring).
-    os.environ[_ENABLE_CACHE] = "false"
-    jax.config.update(_ENABLE_CACHE.lower(), False)
   _write_fault_dumps_to_a_file(config)
   config.addinivalue_line(
       "markers", "slow: the slow tier (long launcher runs, killed-run resumes, grids, "

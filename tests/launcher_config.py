@@ -1,6 +1,8 @@
 """The launcher config of the end-to-end tests (the compact chain_sum run, shrunk to
 seconds), how to override its fields, and the killed-run script of the resume tests."""
 
+import json
+import os
 import textwrap
 
 from experiments.configs import chain_sum_compact
@@ -15,6 +17,7 @@ def tiny_run_config(workdir, overrides: dict | None = None, base=chain_sum_compa
   """
   c = base.get_config()
   c.workdir = str(workdir)
+  c.model.preset = "micro"
   c.task.eval_size = 16
   c.warm_start.steps = 3
   c.warm_start.batch_size = 8
@@ -69,6 +72,17 @@ KILLED_RUN = textwrap.dedent("""
     atomicity.AtomicRenameTemporaryPath.finalize = killing_finalize
     train.run(config)
 """)
+
+
+def records(workdir) -> list[dict]:
+  """Every record of the run in `workdir`: its metrics.jsonl, in order."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def rl_steps(workdir) -> list[dict]:
+  """The RL train steps' records (phase "rl", with a loss) of the run in `workdir`."""
+  return [r for r in records(workdir) if r.get("phase") == "rl" and "loss" in r]
 
 
 def without_clock(record: dict) -> dict:

@@ -1,6 +1,5 @@
-"""The test session's own machinery in tests/conftest.py: which tier uses JAX's persistent
-compilation cache, and the report of an xdist worker killed by a fatal signal; and
-tests/durations.py's table of test times.
+"""The test session's own machinery in tests/conftest.py: the report of an xdist worker
+killed by a fatal signal; and tests/durations.py's table of test times.
 
 Each test runs a small pytest session in a subprocess, over probe files whose conftest
 imports the hooks under test.
@@ -24,52 +23,15 @@ from tests.conftest import pytest_configure, pytest_terminal_summary, pytest_unc
 
 def _run_pytest(folder, *args, extra_env=None):
   """Runs pytest in `folder` with the environment a user's shell would give it (no pytest
-  worker variables, no cache choice inherited from this session), plus `extra_env`."""
+  worker variables), plus `extra_env`."""
   (folder / "conftest.py").write_text(_PROBE_CONFTEST)
   env = {k: v for k, v in os.environ.items()
-         if not k.startswith("PYTEST_") and k not in ("JAX_ENABLE_COMPILATION_CACHE",
-                                                      "ARBOR_TEST_CRASH_FOLDER")}
+         if not k.startswith("PYTEST_") and k != "ARBOR_TEST_CRASH_FOLDER"}
   env.update(PYTHONPATH=_REPO, TMPDIR=str(folder))  # the session's temporary folders too
   env.update(extra_env or {})
   return subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
       cwd=folder, env=env, capture_output=True, text=True, timeout=600)
-
-
-_CACHE_PROBE = """
-import json, os
-
-import jax
-import pytest
-
-
-@pytest.mark.slow
-def test_slow():
-  _record("slow")
-
-
-def test_quick():
-  _record("quick")
-
-
-def _record(name):
-  with open("cache.jsonl", "a", encoding="utf-8") as log:
-    log.write(json.dumps([name, jax.config.jax_enable_compilation_cache,
-                          os.environ.get("JAX_ENABLE_COMPILATION_CACHE")]) + "\\n")
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("tier, cached", [("not slow", True), ("slow", False), ("", False)])
-def test_only_the_quick_tier_uses_the_persistent_compilation_cache(tmp_path, tier, cached):
-  (tmp_path / "test_probe.py").write_text(_CACHE_PROBE)
-  result = _run_pytest(tmp_path, "-n", "0", "-m", tier, "test_probe.py")
-  assert result.returncode == 0, result.stdout + result.stderr
-  records = [json.loads(line) for line in (tmp_path / "cache.jsonl").read_text().splitlines()]
-  assert {name for name, _, _ in records} == {"not slow": {"quick"}, "slow": {"slow"},
-                                              "": {"quick", "slow"}}[tier]
-  # Uncached sessions say so in the environment too, which launcher subprocesses inherit.
-  assert all(in_jax == cached and (env == "false") != cached for _, in_jax, env in records)
 
 
 _CRASH_PROBE = """

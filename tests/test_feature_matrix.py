@@ -33,7 +33,7 @@ import pytest
 from experiments import train as launcher
 from rl import tasks
 from rl import verdicts
-from tests.launcher_config import tiny_run_config
+from tests.launcher_config import rl_steps, tiny_run_config
 from rl import wiring
 
 KINDS = ("independent", "tree", "partial", "pruned")
@@ -114,11 +114,6 @@ def _config(workdir, kind, selection, async_, staleness, data):
   return c
 
 
-def _rl_records(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    records = [json.loads(line) for line in f]
-  return [r for r in records if r.get("phase") == "rl" and "loss" in r]
-
 
 def _check_effect(records, kind, selection, async_, staleness):
   """The switches' effects in the two RL steps' metrics."""
@@ -194,7 +189,7 @@ def test_switches_compose_or_are_refused(tmp_path, kind, selection, async_, stal
         wiring.validate(config)
       continue
     launcher.run(config)
-    records = _rl_records(workdir)
+    records = rl_steps(workdir)
     _check_effect(records, kind, selection, async_, staleness)
     _check_train_samples(workdir, records)
     first_loss[data] = records[0]["loss"]
@@ -214,7 +209,7 @@ def test_async_with_minibatches_counts_versions_in_optimiser_updates(tmp_path):
   config.rl.update(num_minibatches=2, max_staleness=2, steps=3)
   config.eval.every = config.checkpoint.every = 3  # one run_async call over all 3 steps
   launcher.run(config)
-  records = _rl_records(str(tmp_path))
+  records = rl_steps(str(tmp_path))
   assert len(records) == 3 and all(r["update_skipped"] == 0 for r in records)
   versions = [r["sampled_version"] for r in records]
   assert all(v % 2 == 0 for v in versions), versions
@@ -230,7 +225,7 @@ def test_simulated_staleness_counts_optimiser_updates_with_minibatches(tmp_path)
   config = _config(str(tmp_path), "independent", "uniform", False, 0, 1)
   config.rl.update(num_minibatches=2, staleness=4, steps=4)
   launcher.run(config)
-  records = _rl_records(str(tmp_path))
+  records = rl_steps(str(tmp_path))
   assert [r["staleness"] for r in records] == [0, 2, 4, 4]
 
 
@@ -248,7 +243,7 @@ def test_model_side_switches_compose_through_the_launcher(tmp_path):
       "lora.rank": 2, "model.compute_dtype": "bfloat16", "model.remat": "full",
       "rl.logprob_chunk": 3, "rl.num_minibatches": 2, "loss.name": "mu_grpo"})
   launcher.run(config)
-  records = _rl_records(str(tmp_path))
+  records = rl_steps(str(tmp_path))
   assert len(records) == 2 and all(np.isfinite(r["loss"]) for r in records)
   assert all(r["rollout_train_mismatch_kl"] > 1e-10 for r in records)  # bf16's gap, not 0
   assert all("vetoed_fraction" in r for r in records)  # mu_grpo's veto ran

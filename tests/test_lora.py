@@ -324,9 +324,9 @@ def test_launcher_refuses_inconsistent_lora_settings(overrides, message, tmp_pat
 
 
 def test_launcher_refuses_a_rank_above_a_projection_before_the_warm_start(tmp_path):
-  # The tiny preset's k / v projections are [128, 64].
-  config = tiny_run_config(tmp_path, {"lora.rank": 65, "lora.targets": ("v",)})
-  with pytest.raises(ValueError, match=r"LoRA rank 65 exceeds min\(D_in, D_out\) = 64 of "
+  # The micro preset's k / v projections are [32, 16].
+  config = tiny_run_config(tmp_path, {"lora.rank": 17, "lora.targets": ("v",)})
+  with pytest.raises(ValueError, match=r"LoRA rank 17 exceeds min\(D_in, D_out\) = 16 of "
                                        r"projection 'v'"):
     launcher.run(config)
   assert not (tmp_path / "metrics.jsonl").exists()

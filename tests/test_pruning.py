@@ -3,8 +3,6 @@ unpruned sampler's rows while the pruned ones stop at the prefix, the quality he
 and gradient against NumPy, its online fit, the head's state across a checkpoint, and the
 launcher."""
 
-import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +16,7 @@ from rl import checkpoint
 from rl.rollouts import pruning
 from sampling import sampler as sampler_lib
 from sampling.sampler import SamplingConfig
-from tests.launcher_config import tiny_run_config
+from tests.launcher_config import rl_steps, tiny_run_config
 from tests import tiny
 
 CONFIG = tiny.model(vocab_size=32, max_seq_len=64)
@@ -112,10 +110,6 @@ def test_fit_head_learns_a_separable_outcome_online():
   assert logits[labels == 1].min() > np.median(logits[labels == 0])
 
 
-def _rl_records(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f if '"phase": "rl"' in line and '"loss"' in line]
-
 
 @pytest.mark.slow  # the quick tier runs pruned rollouts through the launcher in test_feature_matrix
 def test_pruned_rollouts_through_the_launcher_and_their_head_resumes(tmp_path):
@@ -127,7 +121,7 @@ def test_pruned_rollouts_through_the_launcher_and_their_head_resumes(tmp_path):
                "rollout.pruning.prefix_tokens": 2, "rl.steps": 2, "checkpoint.every": 1,
                "eval.every": 1}
   launcher.run(tiny_run_config(tmp_path / "full", overrides))
-  records = _rl_records(tmp_path / "full")
+  records = rl_steps(tmp_path / "full")
   assert len(records) == 2
   for r in records:
     assert r["rollouts"] == 2 * 6 and r["pruned_rows"] == 2 * (6 - 4)
@@ -140,7 +134,7 @@ def test_pruned_rollouts_through_the_launcher_and_their_head_resumes(tmp_path):
   config = tiny_run_config(tmp_path / "stopped", overrides)
   config.resume.allow_changes = "rl.steps"
   launcher.run(config)
-  resumed = _rl_records(tmp_path / "stopped")
+  resumed = rl_steps(tmp_path / "stopped")
   assert resumed[-1]["head_loss"] == records[1]["head_loss"]
   manager = lambda name: checkpoint.make_manager(str(tmp_path / name / "checkpoints"))
   full_tree, _ = checkpoint.restore_tree(manager("full"), manager("full").latest_step())

@@ -13,7 +13,7 @@ from experiments import train as launcher
 from models import quantize
 from models import transformer
 from sampling import sampler
-from tests.launcher_config import tiny_run_config
+from tests.launcher_config import rl_steps, tiny_run_config
 from tests import tiny
 
 CONFIG = tiny.MODEL
@@ -131,10 +131,6 @@ def test_the_decode_loop_holds_quantised_weights_and_samples_as_their_dequantise
 # --- Through the launcher --------------------------------------------------------------
 
 
-def _rl_records(workdir):
-  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-  return [r for r in records if r.get("phase") == "rl" and "loss" in r]
-
 
 def _gaps(tmp_path, overrides):
   """The fresh-token mismatch of each RL step, float sampler then int4 sampler."""
@@ -142,7 +138,7 @@ def _gaps(tmp_path, overrides):
   for weights in ("", "int4"):
     workdir = tmp_path / (weights or "float")
     launcher.run(tiny_run_config(workdir, {"rollout.weights": weights, **overrides}))
-    records = _rl_records(workdir)
+    records = rl_steps(workdir)
     assert len(records) == 2 and all(np.isfinite(r["loss"]) for r in records)
     assert json.loads((workdir / "config.json").read_text())["rollout"]["weights"] == weights
     gaps[weights] = records
@@ -184,7 +180,7 @@ def test_quantized_rollouts_with_tools(tmp_path):
   from experiments.configs import default  # pylint: disable=import-outside-toplevel
   launcher.run(tiny_run_config(tmp_path, {"rollout.weights": "int4", **overrides},
                                base=default))
-  records = _rl_records(tmp_path)
+  records = rl_steps(tmp_path)
   assert len(records) == 2 and records[0]["rollout_train_mismatch_kl"] > 1e-5
 
 
@@ -198,7 +194,7 @@ def test_quantized_moe_rollouts_record_the_quantised_routing_and_replay_it(tmp_p
   launcher.run(tiny_run_config(tmp_path, {
       "model.preset": "tiny2_moe", "rollout.weights": "int4", "moe.routing_replay": True,
       "task.difficulty.max_steps": 3}, base=default))
-  first = _rl_records(tmp_path)[0]
+  first = rl_steps(tmp_path)[0]
   assert first["moe_routing_mismatch"] > 0
   assert first["behavior_train_kl"] < first["moe_unreplayed_kl"]
 

@@ -1,8 +1,6 @@
 """The reward stage (rl/rewards.py) and PURE's process advantages: each against a hand
 computation or a slow reference, then each path through the launcher, then its refusals."""
 
-import json
-import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +16,7 @@ from rl.tasks import make_task
 from rl.tasks import math_answer
 from rl.tasks.running_sum import Problem, step_rewards, worked_solution
 from rl.verdicts import Verdict
-from tests.launcher_config import tiny_run_config
+from tests.launcher_config import rl_steps, tiny_run_config
 from tests.launcher_config import tiny_running_sum_config
 
 
@@ -270,10 +268,6 @@ def test_flip_counter_follows_each_prompt_between_visits():
 # --- Through the launcher ---
 
 
-def _rl_steps(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f if '"phase": "rl"' in line and '"loss"' in line]
-
 
 @pytest.mark.slow
 def test_each_reward_path_through_the_launcher(tmp_path):
@@ -288,7 +282,7 @@ def test_each_reward_path_through_the_launcher(tmp_path):
   launcher.run(tiny_running_sum_config(tmp_path / "pure", {"advantage.name": "pure_min"}))
   launcher.run(tiny_running_sum_config(tmp_path / "ttrl", {"reward.kind": "majority_vote",
                                            "task.train_pool": 2}))
-  grpo, fp, second, pure, ttrl = (_rl_steps(tmp_path / n)
+  grpo, fp, second, pure, ttrl = (rl_steps(tmp_path / n)
                                   for n in ("grpo", "fp", "second", "pure", "ttrl"))
   assert "trained_reward_mean" not in grpo[0]
   assert [s["trained_reward_mean"] for s in fp] == [1.0, 1.0]
@@ -310,7 +304,7 @@ def test_the_stage_wraps_every_rollout_kind(tmp_path, kind):
   while the task's own reward (the truth) is unchanged."""
   launcher.run(tiny_running_sum_config(tmp_path / "plain", {"rollout.kind": kind}))
   launcher.run(tiny_running_sum_config(tmp_path / "fp", {"rollout.kind": kind, "reward.false_positive": 1.0}))
-  plain, fp = _rl_steps(tmp_path / "plain"), _rl_steps(tmp_path / "fp")
+  plain, fp = rl_steps(tmp_path / "plain"), rl_steps(tmp_path / "fp")
   assert [s["trained_reward_mean"] for s in fp] == [1.0, 1.0]
   assert [s["reward_mean"] for s in fp] == [s["reward_mean"] for s in plain]
   assert fp[0]["verifier_false_positives"] == fp[0]["verifier_wrong_rows"] > 0

@@ -13,9 +13,8 @@ from experiments import train as launcher
 from models import transformer
 from rl.objectives import corrections
 from rl.rollouts import sampler_topk
-from rl.types import Rollout
 from sampling import sampler
-from tests.launcher_config import tiny_run_config
+from tests.launcher_config import rl_steps, tiny_run_config
 from tests import tiny
 
 
@@ -213,20 +212,17 @@ def test_the_record_holds_the_distribution_that_drew_each_token(top_p):
 # --- Through the launcher ---------------------------------------------------------------
 
 
-def _rl_records(workdir):
-  records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-  return [r for r in records if r.get("phase") == "rl" and "loss" in r]
-
 
 def test_quantized_rollouts_and_score_centering_through_the_launcher(tmp_path):
   """--config.rollout.weights=int4 --config.loss.corrections="('score_centering',)" in one
   run: the fresh tokens' mismatch and the expected score subtracted are far above float32
-  rounding (the comparisons with a float32 run are the slow tier's)."""
+  rounding (a float32 run of this config: mismatch 1e-14, shift 1e-7; the comparisons with
+  a float32 run are the slow tier's)."""
   launcher.run(tiny_run_config(tmp_path, {"rollout.weights": "int4",
                                           "loss.corrections": ("score_centering",)}))
-  records = _rl_records(tmp_path)
+  records = rl_steps(tmp_path)
   assert len(records) == 2 and all(np.isfinite(r["loss"]) for r in records)
-  assert records[0]["rollout_train_mismatch_kl"] > 1e-5
+  assert records[0]["rollout_train_mismatch_kl"] > 1e-7
   assert records[0]["sc_score_shift"] > 1e-5
   assert json.loads((tmp_path / "config.json").read_text())["rollout"]["weights"] == "int4"
 
@@ -242,7 +238,7 @@ def test_score_centering_through_the_launcher_sees_the_quantised_samplers_drift(
     workdir = tmp_path / (weights or "float")
     launcher.run(tiny_run_config(workdir, {"rollout.weights": weights,
                                            "loss.corrections": ("score_centering",)}))
-    records = _rl_records(workdir)
+    records = rl_steps(workdir)
     assert len(records) == 2 and all(np.isfinite(r["loss"]) for r in records)
     shifts[weights] = records[0]["sc_score_shift"]
   assert shifts[""] < 1e-4 and shifts["int4"] > 10 * max(shifts[""], 1e-6)
@@ -260,7 +256,7 @@ def test_score_centering_with_every_rollout_kind_it_composes_with(tmp_path, over
   launcher.run(tiny_run_config(tmp_path, {"rollout.weights": "int4",
                                           "loss.corrections": ("score_centering",),
                                           **overrides}))
-  records = _rl_records(tmp_path)
+  records = rl_steps(tmp_path)
   assert len(records) == 2 and all(np.isfinite(r["loss"]) for r in records)
   assert records[0]["sc_score_shift"] > 1e-5
 

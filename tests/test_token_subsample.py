@@ -2,8 +2,6 @@
 Horvitz-Thompson estimate against a hand-written one, unbiasedness of the gradient, zero
 gradient on untrained tokens, the shorter batch of a prefix cut, and the launcher."""
 
-import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +13,7 @@ from rl import train
 from rl.objectives import losses
 from rl.objectives import token_subsample as ts
 from rl.types import Rollout
-from tests.launcher_config import tiny_run_config
+from tests.launcher_config import rl_steps, tiny_run_config
 from tests import tiny
 
 PROMPT = 3
@@ -173,10 +171,6 @@ def test_rpc_masks_the_slots_after_the_cut_and_the_batch_gets_shorter():
   assert np.mean(lengths) < 0.6 * 40 and max(lengths) <= 40
 
 
-def _rl_steps(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f if '"phase": "rl"' in line and '"loss"' in line]
-
 
 @pytest.mark.parametrize("kind,scheme", [
     ("independent", "urs"), ("independent", "rpc"),
@@ -188,7 +182,7 @@ def test_token_subsample_through_the_launcher_trains_on_fewer_tokens(tmp_path, k
   launcher.run(tiny_run_config(tmp_path / "full", {"rollout.kind": kind}))
   launcher.run(tiny_run_config(tmp_path / scheme, {
       "rollout.kind": kind, "loss.token_subsample": scheme, "loss.token_keep": 0.25}))
-  full, nat = _rl_steps(tmp_path / "full"), _rl_steps(tmp_path / scheme)
+  full, nat = rl_steps(tmp_path / "full"), rl_steps(tmp_path / scheme)
   assert "token_subsample_kept_fraction" not in full[0]
   assert full[0]["sampled_tokens"] == nat[0]["sampled_tokens"]
   assert nat[0]["token_subsample_kept_fraction"] == pytest.approx(

@@ -13,7 +13,6 @@
   and without tools; a run killed mid-turn resumes to identical metrics; refused settings.
 """
 
-import json
 import os
 import signal
 import subprocess
@@ -45,7 +44,8 @@ from rl.types import Rollout, SamplerTopK
 from sampling import partial
 from sampling.sampler import SamplingConfig
 from tests import tool_environments
-from tests.launcher_config import KILLED_RUN, tiny_running_sum_config, without_clock
+from tests.launcher_config import (KILLED_RUN, records, rl_steps, tiny_running_sum_config,
+                                    without_clock)
 from tests import tiny
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -474,13 +474,6 @@ def _tool_run_config(workdir, overrides=None):
       "warm_start.learning_rate": 3e-3, **(overrides or {})})
 
 
-def _records(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f]
-
-
-def _rl_steps(workdir):
-  return [r for r in _records(workdir) if r.get("phase") == "rl" and "loss" in r]
 
 
 @pytest.mark.parametrize("overrides", [
@@ -490,14 +483,14 @@ def _rl_steps(workdir):
 @pytest.mark.slow
 def test_launcher_trains_with_the_adder(tmp_path, overrides):
   launcher.run(_tool_run_config(tmp_path, overrides))
-  steps = _rl_steps(tmp_path)
+  steps = rl_steps(tmp_path)
   assert len(steps) == 2
   for record in steps:
     assert record["tool_steps"] > 0 and record["tool_calls_per_rollout"] > 0
     assert record["env_tokens_per_rollout"] >= record["tool_calls_per_rollout"]
     assert record["tool_errors"] == record["tool_timeouts"] == 0
     assert record["time_env_s"] > 0
-  evals = [r for r in _records(tmp_path) if "eval_accuracy" in r]
+  evals = [r for r in records(tmp_path) if "eval_accuracy" in r]
   assert evals and all("eval_accuracy_no_tools" in r and r["eval_tool_calls"] > 0 for r in evals)
 
 
@@ -536,7 +529,7 @@ def test_a_run_killed_mid_turn_resumes_to_identical_metrics(tmp_path):
   assert (rows_in_flight & answered.any(axis=1) & ~np.asarray(sampler["done"])).any()
 
   launcher.run(resumed)
-  log_a, log_b = _records(tmp_path / "reference"), _records(tmp_path / "resumed")
+  log_a, log_b = records(tmp_path / "reference"), records(tmp_path / "resumed")
   assert [without_clock(r) for r in log_a] == [without_clock(r) for r in log_b]
   assert _final_producer(tmp_path / "reference")["ledger"] == _final_producer(
       tmp_path / "resumed")["ledger"]

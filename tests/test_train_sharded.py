@@ -2,7 +2,6 @@
 single-device run (same metrics within float tolerance, same greedy evaluations), with full
 weights and with LoRA."""
 
-import json
 import os
 
 import jax
@@ -10,7 +9,7 @@ import numpy as np
 import pytest
 
 from experiments import train as launcher
-from tests.launcher_config import tiny_run_config
+from tests.launcher_config import records, tiny_run_config
 from rl import wiring
 
 
@@ -20,10 +19,6 @@ def _config(workdir, data, fsdp, tensor, overrides=None):
       "rl.steps": 1, "mesh.data": data, "mesh.fsdp": fsdp, "mesh.tensor": tensor,
       **(overrides or {})})
 
-
-def _records(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f]
 
 
 # LoRA: the frozen base sharded like the weights, adapters replicated, the merged policy
@@ -36,7 +31,7 @@ def test_sharded_run_matches_single_device_run(overrides, tmp_path):
   single, sharded = str(tmp_path / "single"), str(tmp_path / "sharded")
   launcher.run(_config(single, 1, 1, 1, overrides))
   launcher.run(_config(sharded, 2, 2, 2, overrides))
-  want, got = _records(single), _records(sharded)
+  want, got = records(single), records(sharded)
   assert [(r["step"], r.get("event")) for r in got] == [(r["step"], r.get("event")) for r in want]
   for w, g in zip(want, got):
     assert g.keys() == w.keys()

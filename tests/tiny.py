@@ -7,10 +7,11 @@ embeddings. A test that needs another shape, family feature or vocabulary says s
 `model(**changes)`, so the difference from the common case is all it writes.
 """
 
-from models.config import ModelConfig
+from models.config import ModelConfig, get_preset
 
-MODEL = ModelConfig(vocab_size=51, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
-                    head_dim=16, mlp_dim=64, max_seq_len=32)
+# The library's "micro" preset (what the tests' launcher runs use, tests/launcher_config.py)
+# at the character tokenizer's vocabulary.
+MODEL = get_preset("micro", vocab_size=51, max_seq_len=32)
 
 
 def model(**changes) -> ModelConfig:
