@@ -9,12 +9,16 @@
  groups wait on each other until the 40 s rendezvous timeout aborts the worker. Seen with
  jaxlib 0.10 on a 2x4 mesh distillation step: compiled fresh it ran, loaded from the
  cache it hung in 2 of 2 runs; with this flag 3 of 3 runs (2 from the cache) finished.
-- `XLA_FLAGS=--xla_backend_optimization_level=0`: tests compile without LLVM's optimisation
- passes, which are about half of an XLA:CPU compilation (a launcher run's 141 compilations:
- 33 s -> 16 s), and compilation is most of the suite's time; the tests' programs are small
- enough that running them unoptimised costs less than optimising them. Values are the same
- computation (XLA's own fusion and layout passes still run); export the flag with another
- level to test what users run.
+- XLA flags for fast compilation, since compiling is most of the suite's time and the
+ tests' programs are too small for optimised code to pay back what optimising costs
+ (measured on two cores, jaxlib 0.10.2, four launcher-heavy test files from an empty
+ cache: 123 s with the first flag alone, 82 s with the first two, 74 s with all three):
+ `--xla_backend_optimization_level=0` (no LLVM optimisation passes),
+ `--xla_cpu_use_fusion_emitters=false` (XLA:CPU's older elemental emitters for fusions,
+ which compile in about half the time of the MLIR fusion emitters) and
+ `--xla_cpu_parallel_codegen_split_count=1` (one code-generation thread: the test workers
+ already keep every core busy). The programs compute the same values; export a flag with
+ another value to test what users run (a flag the caller sets is left alone).
 - `JAX_PLATFORMS=cpu`: tests are CPU-only (export another value to override).
 - Persistent compilation cache in the user's cache folder (`$XDG_CACHE_HOME/arbor/jax`,
  else `~/.cache/arbor/jax`), shared by every checkout and clone on the machine, so a rerun
@@ -51,7 +55,10 @@ import pytest
 _CACHE_HOME = pathlib.Path(os.environ.get("XDG_CACHE_HOME") or pathlib.Path.home() / ".cache")
 _DEVICE_FLAG = "--xla_force_host_platform_device_count"
 _SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler"
-_OPTIMISATION_FLAG = "--xla_backend_optimization_level"
+# Fast compilation (module docstring): flag -> value.
+_COMPILE_FLAGS = {"--xla_backend_optimization_level": "0",
+                  "--xla_cpu_use_fusion_emitters": "false",
+                  "--xla_cpu_parallel_codegen_split_count": "1"}
 _CRASH_FOLDER = "ARBOR_TEST_CRASH_FOLDER"  # where xdist workers write their fault dumps
 _FAULT_DUMP = pytest.StashKey()  # a worker's open dump file
 _FAULT_FOLDER = pytest.StashKey()  # the controller's folder of its workers' dumps
@@ -63,8 +70,9 @@ if _DEVICE_FLAG not in _xla_flags:  # an explicit device count from the caller w
   _xla_flags = f"{_xla_flags} {_DEVICE_FLAG}=8"
 if _SCHEDULER_FLAG not in _xla_flags:  # so does an explicit scheduler choice
   _xla_flags = f"{_xla_flags} {_SCHEDULER_FLAG}=false"
-if _OPTIMISATION_FLAG not in _xla_flags:  # and an explicit optimisation level
-  _xla_flags = f"{_xla_flags} {_OPTIMISATION_FLAG}=0"
+for _flag, _value in _COMPILE_FLAGS.items():  # and explicit compilation choices
+  if _flag not in _xla_flags:
+    _xla_flags = f"{_xla_flags} {_flag}={_value}"
 os.environ["XLA_FLAGS"] = _xla_flags.strip()
 
 # The cache settings go through the environment (a value already there wins), so that the
