@@ -5,6 +5,10 @@ import json
 import os
 import textwrap
 
+import pytest
+
+from experiments import config_flag
+from experiments import train
 from experiments.configs import chain_sum_compact
 from experiments.configs import default
 
@@ -35,6 +39,23 @@ def tiny_running_sum_config(workdir, overrides: dict | None = None):
   additions."""
   return tiny_run_config(workdir, {"task.difficulty.max_steps": 3, **(overrides or {})},
                          base=default)
+
+
+def default_run_config(workdir, overrides: dict | None = None):
+  """`experiments/configs/default.py` (what `python -m experiments.train` runs) with
+  `workdir` and `overrides` (dotted field paths) set."""
+  return apply_overrides(default.get_config(), {"workdir": str(workdir), **(overrides or {})})
+
+
+def refusal(config) -> str:
+  """The message the launcher (`experiments.train.run`, what `python -m experiments.train`
+  calls after parsing its flags) refuses `config` with; it must do so before any work, so
+  the workdir is never made. The one-line message and exit status a shell sees are
+  tests/test_launcher_validation.py's."""
+  with pytest.raises(config_flag.InputError) as refused:
+    train.run(config)
+  assert not os.path.exists(config.workdir), "refused after creating the workdir"
+  return str(refused.value)
 
 
 def apply_overrides(c, overrides: dict | None):

@@ -11,6 +11,8 @@ import time
 from fractions import Fraction
 
 import pytest
+from experiments import config_flag
+from experiments.configs import chain_sum_compact
 from experiments.configs import smollm2_gsm
 from rl.tasks import gsm
 from rl.tasks import math_answer
@@ -18,6 +20,7 @@ from rl import scoring
 from rl import tasks
 from rl.tasks.math_answer import Answer
 from tests import scoring_tasks
+from tests.launcher_config import refusal
 from rl import wiring
 
 F = Fraction
@@ -255,7 +258,7 @@ def test_the_first_answer_of_a_process_is_not_charged_for_math_verify_start_up()
            "assert m.matches_reference(m.Answer(text=gold, source='boxed'), gold)\n"
            "assert m.verified_anywhere('so the answer is $\\\\frac{3}{4}$', '0.75')\n")
   subprocess.run([sys.executable, "-c", check], check=True, timeout=120,
-                 cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                 cwd=_REPO)
 
 
 def _spin_until(end: float) -> None:
@@ -310,20 +313,6 @@ def test_an_alarm_swallowed_in_a_destructor_is_not_reported_and_the_bound_holds(
   assert sys.unraisablehook == reported.append  # restored
 
 
-def test_each_hostile_completion_takes_at_most_a_few_seconds_in_process():
-  # The worker's limit is the backstop; in the main thread rl.tasks.math_answer's alarm fires. Timed
-  # in this process's CPU seconds, which other processes' load does not inflate (each takes
-  # ~1 s of wall time on an idle machine; 8.5 s once beside another pytest worker); CPU time
-  # cannot see a blocking hang, so tests/test_run_alone.py bounds wall time, alone.
-  for completion in HOSTILE:
-    start = time.process_time()
-    try:
-      assert gsm.score(completion, "72") == (0.0, False)
-    except TimeoutError:
-      pass
-    assert time.process_time() - start < 3.5, completion[:40]
-
-
 def test_format_reward_through_the_launcher_config():
   config = smollm2_gsm.get_config()
   assert config.task.difficulty.format_reward == 0.0  # off by default
@@ -341,23 +330,15 @@ def test_format_reward_through_the_launcher_config():
     wiring.validate(config)
 
 
-@pytest.mark.parametrize("config,override,message", [
-    ("smollm2_gsm", "--config.task.difficulty.format_reward=1.5",
-     r"format_reward = 1.5 must be a number in [0, 1)"),
-    ("chain_sum_compact", "--config.task.difficulty.format_reward=0.1",
-     "--config.task.difficulty.format_reward: config.task.difficulty has no field "
-     "'format_reward'"),
-])
-def test_the_launcher_refuses_a_bad_format_reward_before_any_work(tmp_path, config, override,
-                                                                  message):
-  workdir = tmp_path / "run"
-  result = subprocess.run(
-      [sys.executable, "-m", "experiments.train", f"--config=experiments/configs/{config}.py",
-       f"--config.workdir={workdir}", override], cwd=_REPO, capture_output=True, text=True,
-      timeout=600, env=dict(os.environ, PYTHONPATH=_REPO, JAX_PLATFORMS="cpu"))
-  assert result.returncode != 0
-  assert message in result.stderr
-  assert not workdir.exists()  # refused before loading the model
+def test_the_launcher_refuses_a_bad_format_reward_before_any_work(tmp_path):
+  config = smollm2_gsm.get_config()
+  config.workdir = str(tmp_path / "run")
+  config.task.difficulty.format_reward = 1.5
+  assert "format_reward = 1.5 must be a number in [0, 1)" in refusal(config)
+  # A task without a format reward has no such field to set on the command line.
+  assert ("config.task.difficulty has no field 'format_reward'" in
+          config_flag.unknown_field(chain_sum_compact.get_config(),
+                                    "task.difficulty.format_reward"))
 
 
 def test_scoring_outside_the_main_thread_runs_without_alarms():
