@@ -165,7 +165,7 @@ def test_quantized_rollouts_through_the_launcher_record_the_quantised_samplers_l
   rollout.weights is tests/test_score_centering.py's.)"""
   quantized, plain = _gaps(tmp_path, KINDS[kind])
   first = quantized[0]  # fresh tokens exist at the first step of every kind
-  assert first["rollout_train_mismatch_kl"] > 1e-5
+  assert first["rollout_train_mismatch_kl"] > 1e-7
   assert first["rollout_train_mismatch_kl"] > 100 * max(plain[0]["rollout_train_mismatch_kl"],
                                                         1e-12)
   assert first["rollout_train_log_ratio_max"] > plain[0]["rollout_train_log_ratio_max"]
@@ -181,7 +181,7 @@ def test_quantized_rollouts_with_tools(tmp_path):
   launcher.run(tiny_run_config(tmp_path, {"rollout.weights": "int4", **overrides},
                                base=default))
   records = rl_steps(tmp_path)
-  assert len(records) == 2 and records[0]["rollout_train_mismatch_kl"] > 1e-5
+  assert len(records) == 2 and records[0]["rollout_train_mismatch_kl"] > 1e-7  # float: 1e-14
 
 
 @pytest.mark.slow

@@ -48,8 +48,10 @@ def test_recorded_behaviour_logprobs_equal_recomputed_forward(params):
     logits, _ = transformer.forward(params, gen.tokens, transformer.positions_from_mask(full_mask),
                                     full_mask, CONFIG)
     logp = transformer.token_logprobs(logits / temperature, gen.tokens)
+    # float32 summed in another order (the cached decode against one forward): 1.5e-5 apart
+    # here; a wrong temperature or truncation is 1e-2 or more away.
     np.testing.assert_allclose(jnp.where(gen.completion_mask, logp, 0.0), gen.behavior_logp,
-                               atol=1e-5)
+                               atol=5e-5)
     np.testing.assert_array_equal(gen.version, jnp.where(gen.completion_mask, 5, -1))
 
 

@@ -467,13 +467,13 @@ def test_train_step_ignores_every_field_at_environment_positions():
 def _tool_run_config(workdir, overrides=None):
   """The running_sum testbed with the adder, shrunk to seconds: problems of 1-3 additions,
   every one demonstrated with the tool (tool_share 1), 40 warm-start steps, 2 RL steps of 2
-  prompts x 4 completions, 16 held-out problems."""
+  prompts x 4 completions, 16 held-out problems; the default config's policy (tiny2), which
+  learns to call the tool in those 40 steps, where the tests' micro preset does not."""
   return tiny_running_sum_config(workdir, {
+      "model.preset": "tiny2",
       "task.difficulty.tool_share": 1.0, "tools.name": "adder", "rollout.max_new_tokens": 80,
       "rollout.train_length_buckets": (), "warm_start.steps": 40, "warm_start.batch_size": 16,
       "warm_start.learning_rate": 3e-3, **(overrides or {})})
-
-
 
 
 @pytest.mark.parametrize("overrides", [

@@ -9,7 +9,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from experiments import train as launcher
-from tests.launcher_config import records, tiny_run_config
+from tests.launcher_config import records, rl_steps, tiny_run_config
 
 
 def _config(workdir, rl_steps, **rollout):
@@ -57,7 +57,7 @@ def test_partial_run_resumed_from_checkpoint_equals_uninterrupted_run(tmp_path):
   # Groups in flight are in the stored pool: started = finished + discarded + in flight.
   in_flight = ledger["started"] - ledger["finished"] - ledger["discarded"]
   assert 0 < in_flight <= 8 // 2
-  rl_records = [r for r in records(tmp_path / "split") if r.get("phase") == "rl" and "loss" in r]
+  rl_records = rl_steps(tmp_path / "split")
   assert [r["step"] for r in rl_records] == [4, 5, 6, 7]
   assert rl_records[-1]["groups_in_flight"] == in_flight
 
@@ -69,9 +69,9 @@ def test_async_partial_run_keeps_the_bound(tmp_path):
   config.rl.max_staleness = 1
   config.checkpoint.every = 2
   summary = launcher.run(config)
-  records = [r for r in records(tmp_path) if r.get("phase") == "rl" and "loss" in r]
-  assert len(records) == 4
-  assert max(r["staleness"] for r in records) <= 1
+  steps = rl_steps(tmp_path)
+  assert len(steps) == 4
+  assert max(r["staleness"] for r in steps) <= 1
   ledger = summary["partial_ledger"]
   assert ledger["finished"] == 8
   assert ledger["started"] >= ledger["finished"] + ledger["discarded"]
