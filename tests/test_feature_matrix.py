@@ -41,13 +41,28 @@ SELECTIONS = ("uniform", "dynamic", "greso", "adaptive", "pods", "ar3po")
 STALENESS = 2
 COMBOS = list(itertools.product(KINDS, SELECTIONS, (False, True), (0, STALENESS)))
 # The quick tier's combinations: each rollout kind, selection rule, async and staleness
-# value at least once (and each on one device and on the mesh, where it runs there); the
-# slow tier runs the rest.
+# value at least once, each on one device and on the mesh where it runs there, except the
+# selection rules of ONE_DEVICE_IN_QUICK: host-side choices of prompts and group sizes that
+# the mesh does not touch, whose mesh runs are the slow tier's with the rest.
 QUICK = {("independent", "uniform", False, 0), ("tree", "uniform", False, STALENESS),
          ("partial", "uniform", True, 0), ("independent", "dynamic", False, STALENESS),
          ("independent", "greso", True, 0), ("independent", "adaptive", False, 0),
          ("independent", "pods", False, 0), ("independent", "ar3po", False, 0),
          ("pruned", "uniform", False, 0)}
+ONE_DEVICE_IN_QUICK = {("independent", selection, False, 0)
+                       for selection in ("adaptive", "pods", "ar3po")}
+
+
+def _matrix():
+  """(kind, selection, async_, staleness, data values) parameters, marked by tier."""
+  for combo in COMBOS:
+    name = "-".join(map(str, combo))
+    if combo in ONE_DEVICE_IN_QUICK:
+      yield pytest.param(*combo, (1,), id=f"{name}-one-device")
+      yield pytest.param(*combo, (1, 2), marks=pytest.mark.slow, id=name)
+    else:
+      yield pytest.param(*combo, (1, 2), marks=() if combo in QUICK else pytest.mark.slow,
+                         id=name)
 
 
 def index_reward(answer, entry):
@@ -174,13 +189,12 @@ def _check_train_samples(workdir, records):
                and s["length"] > 0 for s in written), written
 
 
-@pytest.mark.parametrize("kind,selection,async_,staleness", [
-    pytest.param(*combo, marks=() if combo in QUICK else pytest.mark.slow) for combo in COMBOS])
-def test_switches_compose_or_are_refused(tmp_path, kind, selection, async_, staleness):
+@pytest.mark.parametrize("kind,selection,async_,staleness,datas", list(_matrix()))
+def test_switches_compose_or_are_refused(tmp_path, kind, selection, async_, staleness, datas):
   if jax.device_count() != 8:
     pytest.fail("Needs the 8 virtual CPU devices tests/conftest.py configures.")
   first_loss = {}
-  for data in (1, 2):
+  for data in datas:
     workdir = str(tmp_path / f"data{data}")
     config = _config(workdir, kind, selection, async_, staleness, data)
     refused = refusal(kind, selection, async_, staleness, data)
