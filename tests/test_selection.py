@@ -25,21 +25,15 @@ from rl.samples import ScoredRow
 from rl.types import Rollout
 from rl.verdicts import Verdict
 from rl import wiring
+from tests.launcher_config import apply_overrides
 
 G = 4  # group size in the simulator tests
 
 
 def _config(kind, **overrides):
   """config.selection of the default run with `kind` and dotted-path overrides."""
-  c = default.get_config().selection
-  c.kind = kind
-  for path, value in overrides.items():
-    node = c
-    *parents, leaf = path.split(".")
-    for name in parents:
-      node = node[name]
-    node[leaf] = value
-  return selection.SelectionSettings.from_config(c)
+  return selection.SelectionSettings.from_config(
+      apply_overrides(default.get_config().selection, {"kind": kind, **overrides}))
 
 
 def _bernoulli_sampler(probs, calls=None):

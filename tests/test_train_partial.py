@@ -9,7 +9,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 from experiments import train as launcher
-from tests.launcher_config import records, rl_steps, tiny_run_config
+from tests.launcher_config import rl_steps, tiny_run_config
 
 
 def _config(workdir, rl_steps, **rollout):

@@ -20,7 +20,6 @@ def _config(workdir, data, fsdp, tensor, overrides=None):
       **(overrides or {})})
 
 
-
 # LoRA: the frozen base sharded like the weights, adapters replicated, the merged policy
 # published to the sampler.
 @pytest.mark.parametrize("overrides", [{}, {"lora.rank": 2}], ids=["full", "lora"])

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from experiments import train
@@ -11,7 +9,7 @@ from rl import wiring
 from rl.rollouts import kinds
 from rl.settings import rollout as rollout_settings
 from sampling import tree
-from tests.launcher_config import tiny_run_config
+from tests.launcher_config import rl_steps, tiny_run_config
 
 
 def _config(workdir, **tree_fields):
@@ -24,8 +22,7 @@ def _config(workdir, **tree_fields):
 def test_tree_run_end_to_end(tmp_path):
   summary = train.run(_config(tmp_path))
   assert summary["steps"] == 4 and summary["nonfinite_updates"] == 0
-  records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
-  rl = [r for r in records if r["phase"] == "rl" and "loss" in r]
+  rl = rl_steps(tmp_path)
   assert len(rl) == 2
   for r in rl:
     assert r["leaves"] == 2 * 4

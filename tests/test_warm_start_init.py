@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from experiments import train as launcher
-from tests.launcher_config import tiny_run_config
+from tests.launcher_config import records, tiny_run_config, without_clock
 from rl import wiring
 
 
@@ -22,9 +22,7 @@ def _config(workdir, **overrides):
 
 def _records(workdir) -> list[dict]:
   """metrics.jsonl without its wall-clock fields (time_*, *_per_s)."""
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [{k: v for k, v in json.loads(line).items()
-             if not k.startswith("time_") and not k.endswith("_per_s")} for line in f]
+  return [without_clock(record) for record in records(workdir)]
 
 
 @pytest.fixture(scope="module")
