@@ -145,7 +145,7 @@ PRESETS = {
     # The smallest shape that still takes every branch the model code has (two layers,
     # grouped-query attention: 2 query heads over 1 key/value head, a gated MLP, tied
     # embeddings): smoke runs and the tests' launcher runs, which check what a run does,
-    # not what it learns. It compiles and steps several times faster than "tiny".
+    # not what it learns (it learns little).
     "micro": ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, n_kv_heads=1,
                          head_dim=16, mlp_dim=64, max_seq_len=64, tie_embeddings=True),
     # From-scratch runs on the built-in character-level arithmetic tasks (~1M params).

@@ -17,8 +17,9 @@
  `--xla_cpu_use_fusion_emitters=false` (XLA:CPU's older elemental emitters for fusions,
  which compile in about half the time of the MLIR fusion emitters) and
  `--xla_cpu_parallel_codegen_split_count=1` (one code-generation thread: the test workers
- already keep every core busy). The programs compute the same values; export a flag with
- another value to test what users run (a flag the caller sets is left alone).
+ already keep every core busy). The programs compute the same values up to the order of
+ float32 sums (tolerances that compare two programs say so); export a flag with another
+ value to test what users run (a flag the caller sets is left alone).
 - `JAX_PLATFORMS=cpu`: tests are CPU-only (export another value to override).
 - Persistent compilation cache in the user's cache folder (`$XDG_CACHE_HOME/arbor/jax`,
  else `~/.cache/arbor/jax`), shared by every checkout and clone on the machine, so a rerun

@@ -1,5 +1,6 @@
-"""The launcher config of the end-to-end tests (the compact chain_sum run, shrunk to
-seconds), how to override its fields, and the killed-run script of the resume tests."""
+"""The launcher config of the end-to-end tests (the compact chain_sum run on the micro
+model preset, shrunk to seconds), how to override its fields, the launcher's refusal of a
+config, the records a run writes, and the killed-run script of the resume tests."""
 
 import json
 import os
@@ -15,9 +16,10 @@ from experiments.configs import default
 
 def tiny_run_config(workdir, overrides: dict | None = None, base=chain_sum_compact):
   """`experiments/configs/chain_sum_compact.py` (answers of a few tokens; or another config
-  module `base`) with tiny sizes: 3 warm-start steps of 8, 2 GRPO steps of 2 prompts x 4
-  completions, 16 held-out items evaluated and checkpoints saved every 2 steps. `overrides`
-  maps dotted field paths ("rl.steps", "rollout.tree.rounds") to values.
+  module `base`) with tiny sizes: the micro model preset, 3 warm-start steps of 8, 2 GRPO
+  steps of 2 prompts x 4 completions, 16 held-out items evaluated and checkpoints saved
+  every 2 steps. `overrides` maps dotted field paths ("rl.steps", "rollout.tree.rounds",
+  "model.preset" for a test that needs a policy that learns) to values.
   """
   c = base.get_config()
   c.workdir = str(workdir)
