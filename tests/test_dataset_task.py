@@ -307,21 +307,19 @@ def test_the_worker_scores_without_the_files(tmp_path):
 
 
 def test_hostile_completions_against_a_latex_answer_are_bounded(tmp_path, monkeypatch):
-  # The numeric path is gsm_symbolic's (tests/test_math_task.py, every unfinishable
-  # completion); a LaTeX gold goes through math-verify's parser and comparison, under the
-  # same 1 s bound: two unfinishable completions show it, then every other hostile one.
+  # The numeric path is gsm_symbolic's (tests/test_math_task.py); a LaTeX gold goes through
+  # math-verify's parser and comparison, under the same 1 s bound.
   monkeypatch.chdir(tmp_path)
   task = _task(_jsonl(tmp_path / "math.jsonl", MIXED_ROWS), eval_size=1)
   example = next(e for e in task.examples("train", 4) if e.entry["answer"] == "\\sqrt{2}")
-  hostile = scoring_tasks.MATH_HOSTILE[scoring_tasks.MATH_UNFINISHABLE - 2:]
-  completions = hostile + [example.answer]
+  completions = scoring_tasks.MATH_HOSTILE + [example.answer]
   start = time.perf_counter()
   scores = scoring.score(task, completions, [example] * len(completions))
   elapsed = time.perf_counter() - start
-  assert scores.rewards.tolist() == [0.0] * len(hostile) + [1.0]
+  assert scores.rewards.tolist() == [0.0] * len(scoring_tasks.MATH_HOSTILE) + [1.0]
   assert not (tmp_path / "PWNED").exists()
   # The unfinishable ones are ended by the 1 s bound and counted; none hangs the worker.
-  assert scores.errors == 0 and scores.timeouts == 2
+  assert scores.errors == 0 and scores.timeouts == scoring_tasks.MATH_UNFINISHABLE
   assert elapsed < len(completions) * (task.reward_timeout_s + 2), elapsed
 
 

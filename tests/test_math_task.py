@@ -313,6 +313,20 @@ def test_an_alarm_swallowed_in_a_destructor_is_not_reported_and_the_bound_holds(
   assert sys.unraisablehook == reported.append  # restored
 
 
+def test_each_hostile_completion_takes_at_most_a_few_seconds_in_process():
+  # The worker's limit is the backstop; in the main thread rl.tasks.math_answer's alarm fires. Timed
+  # in this process's CPU seconds, which other processes' load does not inflate (each takes
+  # ~1 s of wall time on an idle machine; 8.5 s once beside another pytest worker); CPU time
+  # cannot see a blocking hang, so tests/test_run_alone.py bounds wall time, alone.
+  for completion in HOSTILE:
+    start = time.process_time()
+    try:
+      assert gsm.score(completion, "72") == (0.0, False)
+    except TimeoutError:
+      pass
+    assert time.process_time() - start < 3.5, completion[:40]
+
+
 def test_format_reward_through_the_launcher_config():
   config = smollm2_gsm.get_config()
   assert config.task.difficulty.format_reward == 0.0  # off by default
