@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from experiments import train as launcher
 from experiments.configs import chain_sum_compact
 from experiments.configs import default
 from rl.objectives import advantages
@@ -25,7 +26,7 @@ from rl.samples import ScoredRow
 from rl.types import Rollout
 from rl.verdicts import Verdict
 from rl import wiring
-from tests.launcher_config import apply_overrides
+from tests.launcher_config import apply_overrides, rl_steps, tiny_run_config
 
 G = 4  # group size in the simulator tests
 
@@ -89,6 +90,8 @@ def test_allocate_hand_computed():
   # (fewer rollouts) wins, then A. B (score 0) gets nothing.
   counts = selection.allocate(np.array([0.5, 0.0, 0.25]), initial=2, budget=10, max_rollouts=8)
   np.testing.assert_array_equal(counts, [5, 2, 3])
+  with pytest.raises(ValueError, match="budget"):
+    selection.allocate(np.ones(3), initial=4, budget=10, max_rollouts=8)
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -109,11 +112,6 @@ def test_allocate_approaches_neyman_proportions():
   scores = np.array([0.5, 0.1, 0.3, 0.1])
   counts = selection.allocate(scores, initial=1, budget=1000, max_rollouts=10_000)
   assert np.all(np.abs(counts - 1000 * scores / scores.sum()) <= 1.0)
-
-
-def test_allocate_rejects_impossible_budget():
-  with pytest.raises(ValueError, match="budget"):
-    selection.allocate(np.ones(3), initial=4, budget=10, max_rollouts=8)
 
 
 # The pilot std is 0 for a deterministic prompt, so extras go almost only to coin flips; the
@@ -151,13 +149,11 @@ def test_adaptive_budget_conserved_and_concentrated_on_uncertain_prompts(score, 
   assert np.mean(shares[2:]) > min_share
 
 
-def test_adaptive_variance_score_is_pilot_std():
+def test_adaptive_scores_hand_computed():
+  # variance: the pilot rewards' std.
   pilot = np.array([[1.0, 1.0, 1.0], [0.0, 1.0, 1.0], [0.5, 0.0, 1.0]])
   scores = selection.allocation_scores(pilot, np.arange(3), None, _config("adaptive"))
   np.testing.assert_allclose(scores, [0.0, np.sqrt(2.0) / 3.0, np.sqrt(1.0 / 6.0)])
-
-
-def test_adaptive_beta_score_hand_computed():
   # Beta(1 + 2 + 0.5 * 4, 1 + 0 + 0.5 * 1) = Beta(5, 1.5): std = sqrt(ab / ((a+b)^2 (a+b+1))).
   config = _config("adaptive", **{"adaptive.score": "beta", "adaptive.history_decay": 0.5})
   state = selection.init_state(2, config).replace(reward_sum=jnp.array([0.0, 4.0]),
@@ -297,12 +293,6 @@ def test_pods_trains_on_the_max_variance_rows_of_n_rollouts():
   np.testing.assert_array_equal(collected.rollout.group, np.repeat([0, 1], G))
 
 
-def test_pods_refuses_n_not_above_the_group_size():
-  with pytest.raises(ValueError, match="config.selection.pods.rollouts = 4: PODS rolls out"):
-    selection.check(_config("pods", **{"pods.rollouts": G}), prompts_per_step=2,
-                    group_size=G, pool_size=0)
-
-
 # --- AR3PO ---------------------------------------------------------------------------------
 
 def _versioned_sampler(probs, calls):
@@ -416,14 +406,6 @@ def test_ar3po_memory_checkpoint_round_trip_resumes_exactly(tmp_path):
   assert sum(c.stats.counters["reused_responses"] for c in resumed) >= 2  # prompts 0 and 4
 
 
-def test_ar3po_refuses_stages_that_do_not_divide_the_group():
-  with pytest.raises(ValueError, match="ar3po.stages = 3 must divide"):
-    selection.check(_config("ar3po", **{"ar3po.stages": 3}), prompts_per_step=2,
-                    group_size=G, pool_size=4)
-  with pytest.raises(ValueError, match="needs recurring prompts"):
-    selection.check(_config("ar3po"), prompts_per_step=2, group_size=G, pool_size=0)
-
-
 # --- dynamic sampling ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("kind", ["dynamic", "greso"])
@@ -478,14 +460,16 @@ def test_selection_state_checkpoint_round_trip_resumes_exactly(tmp_path):
     assert x.cursor == y.cursor
 
 
-def test_check_errors_name_the_field():
-  with pytest.raises(ValueError, match="train_pool"):
-    selection.check(_config("greso"), prompts_per_step=4, group_size=4, pool_size=0)
-  with pytest.raises(ValueError, match="kind"):
-    selection.check(_config("best"), prompts_per_step=4, group_size=4, pool_size=0)
-  with pytest.raises(ValueError, match="initial_rollouts"):
-    selection.check(_config("adaptive", **{"adaptive.initial_rollouts": 8}),
-                    prompts_per_step=4, group_size=4, pool_size=0)
+@pytest.mark.parametrize("kind,overrides,prompts,pool,message", [
+    ("greso", {}, 4, 0, "train_pool"), ("best", {}, 4, 0, "kind"),
+    ("adaptive", {"adaptive.initial_rollouts": 8}, 4, 0, "initial_rollouts"),
+    ("pods", {"pods.rollouts": G}, 2, 0, "config.selection.pods.rollouts = 4: PODS rolls out"),
+    ("ar3po", {"ar3po.stages": 3}, 2, 4, "ar3po.stages = 3 must divide"),
+    ("ar3po", {}, 2, 0, "needs recurring prompts")])
+def test_check_errors_name_the_field(kind, overrides, prompts, pool, message):
+  with pytest.raises(ValueError, match=message):
+    selection.check(_config(kind, **overrides), prompts_per_step=prompts, group_size=G,
+                    pool_size=pool)
 
 
 # --- the loop with a real (tiny) policy ----------------------------------------------------
@@ -503,12 +487,7 @@ def _tiny_loop(kind, pool, **overrides):
   config.rollout.prompts_per_step, config.rollout.group_size = 2, 2
   config.task.train_pool = pool
   config.selection.kind = kind
-  for path, value in overrides.items():
-    *parents, leaf = path.split(".")
-    node = config.selection
-    for name in parents:
-      node = node[name]
-    node[leaf] = value
+  apply_overrides(config.selection, overrides)
   tokenizer = CharTokenizer()
   task = tasks.make_task("chain_sum", seed=0, eval_size=10, **config.task.difficulty)
   run = wiring.settings(config)
@@ -581,15 +560,10 @@ def test_greso_through_the_launcher_skips_prompts_on_the_chain_sum_task(tmp_path
   """`--config.selection.kind=greso --config.task.train_pool=...` on chain_sum: the
   barely warm-started policy fails every prompt (all-equal groups), so the second pass over
   the pool of 2 skips them, counted in metrics.jsonl and summary.json."""
-  import json  # pylint: disable=import-outside-toplevel
-  import os  # pylint: disable=import-outside-toplevel
-  from experiments import train as launcher  # pylint: disable=import-outside-toplevel
-  from tests.launcher_config import tiny_run_config  # pylint: disable=import-outside-toplevel
   config = tiny_run_config(tmp_path, {"selection.kind": "greso", "task.train_pool": 2})
   config.selection.greso.update(explore_prob=0.05, adapt_step=0.0, refill=False)
   summary = launcher.run(config)
-  with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
-    steps = [json.loads(line) for line in f if '"phase": "rl"' in line and '"loss"' in line]
+  steps = rl_steps(tmp_path)
   assert [s["prompts_skipped"] > 0 for s in steps] == [False, True]
   assert summary["prompts_skipped"] == sum(s["prompts_skipped"] for s in steps) > 0
 
