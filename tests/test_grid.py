@@ -145,7 +145,7 @@ def test_bad_specs_are_refused(entries, message):
     grid.parse_spec({"cells": entries})
 
 
-def test_a_python_spec_and_custom_seed_and_workdir_flags(tmp_path):
+def test_a_python_spec_custom_seed_and_workdir_flags_and_the_seed_placeholder(tmp_path):
   path = tmp_path / "grid_spec.py"
   path.write_text("SPEC = {'seed_flag': 'seed', 'workdir_flag': 'dir', 'cells': [\n"
                   "    {'name': f'lr{lr}', 'module': 'm', 'seed': 3, 'flags': {'lr': lr}}\n"
@@ -154,9 +154,7 @@ def test_a_python_spec_and_custom_seed_and_workdir_flags(tmp_path):
   assert [c.name for c in spec.cells] == ["lr1", "lr2"]
   assert grid.command(spec.cells[1], spec, "out")[2:] == [
       "m", "--lr=2", "--seed=3", f"--dir={os.path.join('out', 'runs', 'lr2')}"]
-
-
-def test_seed_placeholder_goes_into_the_command_and_seeds_share_one_setting(tmp_path):
+  # A {seed} placeholder goes into each seed's command, and the seeds share one setting.
   spec = grid.parse_spec({"cells": [
       {"name": "rl", "module": "m", "seeds": [0, 2],
        "flags": {"config.warm_start.init_from": "runs/warm/warm_s{seed}", "lr": 1}}]})
@@ -309,8 +307,7 @@ def test_b5_page_tabulates_final_accuracy_area_and_step_metrics(tmp_path):
   assert pages.rl_curve(results[2])[0] == [0, 40]  # a stage step is 4 updates
   page = b5["render_page"](results, str(tmp_path / "b5.md"))
   assert "3 of 90 cells finished" in page
-  row = next(line for line in page.splitlines() if line.startswith("| grpo_k0 |"))
-  cells = [c.strip() for c in row.split("|")[1:-1]]
+  cells = _row(page, "grpo_k0")
   assert cells[1] == "0,1" and cells[2] == "0.700, 0.900" and cells[3] == "-"
   assert cells[4] == "0.800 ± 0.141" and cells[6] == "0.575 ± 0.106"
   assert cells[7] == "0.200 ± 0.141"  # the clip fraction's mean over seeds
@@ -569,7 +566,8 @@ def test_b9_page_gives_each_seed_its_gain_and_seconds_beside_trl_and_the_fresh_e
   assert (tmp_path / "real_model.png").exists()
 
 
-def test_low_precision_page_pairs_each_cell_with_float32_rollouts(tmp_path):
+def test_low_precision_page_pairs_each_cell_with_float32_rollouts_and_gives_verdicts(
+    tmp_path):
   spec = runpy.run_path(os.path.join(_REPO, "experiments", "grids", "low_precision.py"))
   means = {"rollout_train_mismatch_kl": 0.001, "rollout_train_mismatch_k1": -0.0005,
            "rollout_train_log_ratio_over_0p1": 0.02, "rollout_train_log_ratio_max": 0.5}
@@ -590,11 +588,7 @@ def test_low_precision_page_pairs_each_cell_with_float32_rollouts(tmp_path):
   assert _row(page, "f32_none")[3] == "-"
   assert _row(page, "k8_sc")[8] == "sc_score_shift: 0.20000"
   assert (tmp_path / "low_precision.png").exists()
-
-
-def test_low_precision_recovery_verdicts_are_paired_t_tests_bounded_by_evaluation_noise(
-    tmp_path):
-  spec = runpy.run_path(os.path.join(_REPO, "experiments", "grids", "low_precision.py"))
+  # Recovery verdicts: paired t-tests, bounded by the evaluation's noise.
   recovery = spec["recovery"]
   cells = lambda name, finals: [_cell_result(name, s, [0.3, a], [0, 1], [0, 1], {})
                                 for s, a in enumerate(finals)]
