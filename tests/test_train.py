@@ -26,6 +26,32 @@ from tests import tiny
 CONFIG = tiny.model(max_seq_len=16)
 
 
+def _fresh_state(params, optimizer):
+  return train.init_train_state(jax.tree.map(jnp.copy, params), optimizer)
+
+
+def _rows(batch, start, stop):
+  return jax.tree.map(lambda x: x[start:stop], batch)
+
+
+def _assert_same_params(a, b, atol=1e-6):
+  for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+    np.testing.assert_allclose(x, y, atol=atol)
+
+
+def _digit_context(train_step, prompts_per_step, group_size):
+  """A LoopContext on DigitTask: 2-character prompts, 4 new tokens at temperature 1, GRPO's
+  advantages."""
+  tokenizer = CharTokenizer()
+  sampling = SamplingConfig(max_new_tokens=4, temperature=1.0, stop_tokens=(tokenizer.eos_id,))
+  return loop.LoopContext(
+      batch=producers.BatchContext(
+          task=DigitTask(), tokenizer=tokenizer, model_config=CONFIG, sampling_config=sampling,
+          prompt_len=2, prompts_per_step=prompts_per_step, group_size=group_size),
+      train_step=train_step,
+      stages=advantages.advantage_stage(advantages.group_relative(advantages.grpo_advantages)))
+
+
 @pytest.mark.slow
 def test_microbatch_accumulation_equals_full_batch():
   params = transformer.init_params(CONFIG, jax.random.PRNGKey(0))
@@ -34,14 +60,11 @@ def test_microbatch_accumulation_equals_full_batch():
   states = []
   for micro in (1, 2):
     step = train.make_train_step(CONFIG, optimizer, GRPO, num_microbatches=micro)
-    state = train.init_train_state(jax.tree.map(jnp.copy, params), optimizer)
-    state, metrics = step(state, batch)
-    states.append((state, metrics))
+    states.append(step(_fresh_state(params, optimizer), batch))
   (a, ma), (b, mb) = states
   assert "learning_rate" not in ma  # logged only when the step is given the schedule
   np.testing.assert_allclose(ma["loss"], mb["loss"], rtol=1e-5)
-  for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
-    np.testing.assert_allclose(x, y, atol=1e-6)
+  _assert_same_params(a, b)
   assert int(a.step) == 1
 
 
@@ -76,19 +99,6 @@ def test_microbatched_gradient_is_the_full_batch_gradient_for_uneven_microbatche
     np.testing.assert_allclose(micro, full, rtol=1e-4, atol=1e-7)
 
 
-def _fresh_state(params, optimizer):
-  return train.init_train_state(jax.tree.map(jnp.copy, params), optimizer)
-
-
-def _rows(batch, start, stop):
-  return jax.tree.map(lambda x: x[start:stop], batch)
-
-
-def _assert_same_params(a, b, atol=1e-6):
-  for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
-    np.testing.assert_allclose(x, y, atol=atol)
-
-
 @pytest.mark.slow
 def test_minibatches_and_epochs_equal_single_updates_in_order():
   """num_minibatches=2, ppo_epochs=2 is four one-update steps: halves 1, 2, 1, 2."""
@@ -115,8 +125,7 @@ def test_recomputed_prox_is_the_policy_before_the_batch_first_update():
   params = transformer.init_params(CONFIG, jax.random.PRNGKey(1))
   optimizer = train.make_optimizer(5e-2)
   batch = random_rollout(seed=3, batch=8)
-  decoupled = dataclasses.replace(GRPO, name="decoupled",
-                                                   prox_estimate="recompute")
+  decoupled = dataclasses.replace(GRPO, name="decoupled", prox_estimate="recompute")
   step = train.make_train_step(CONFIG, optimizer, decoupled, num_minibatches=2)
   state, _ = step(_fresh_state(params, optimizer), batch)
   prox = transformer.sequence_logprobs(params, batch.tokens,
@@ -144,8 +153,7 @@ def test_loglinear_prox_over_minibatches_keeps_fresh_tokens_at_behav():
   batch = random_rollout(seed=4, batch=8)
   batch = batch.replace(behavior_logp=transformer.sequence_logprobs(
       params, batch.tokens, batch.prompt_mask | batch.completion_mask, CONFIG) * batch.completion_mask)
-  decoupled = dataclasses.replace(GRPO, name="decoupled",
-                                                   prox_estimate="loglinear")
+  decoupled = dataclasses.replace(GRPO, name="decoupled", prox_estimate="loglinear")
   step = train.make_train_step(CONFIG, optimizer, decoupled, num_minibatches=2)
   state, _ = step(_fresh_state(params, optimizer), batch)
   single = train.make_train_step(CONFIG, optimizer, decoupled)
@@ -178,7 +186,7 @@ def test_decoupled_equals_grpo_on_policy_over_minibatches():
   _assert_same_params(*states, atol=2e-4)
 
 
-def test_minibatches_that_do_not_divide_the_batch_are_rejected():
+def test_batches_the_step_cannot_take_are_refused():
   optimizer = train.make_optimizer(1e-2)
   step = train.make_train_step(CONFIG, optimizer, GRPO, num_minibatches=3)
   state = _fresh_state(transformer.init_params(CONFIG, jax.random.PRNGKey(0)), optimizer)
@@ -186,6 +194,11 @@ def test_minibatches_that_do_not_divide_the_batch_are_rejected():
     step(state, random_rollout(batch=8))
   with pytest.raises(ValueError, match="ppo_epochs"):
     train.make_train_step(CONFIG, optimizer, GRPO, ppo_epochs=0)
+  # Producers leave advantages to the loop's stage; a batch that skipped it is an error,
+  # not a silent zero-advantage update.
+  with pytest.raises(ValueError, match="no advantages.*advantage_stage"):
+    train.make_train_step(CONFIG, optimizer, GRPO)(state, random_rollout().replace(
+        advantages=None))
 
 
 def test_non_finite_loss_skips_the_update_and_is_counted():
@@ -193,7 +206,7 @@ def test_non_finite_loss_skips_the_update_and_is_counted():
   optimizer = train.make_optimizer(1e-2)
   step = train.make_train_step(CONFIG, optimizer, GRPO,
                                learning_rate=train.learning_rate_schedule(1e-2))
-  state = train.init_train_state(jax.tree.map(jnp.copy, params), optimizer)
+  state = _fresh_state(params, optimizer)
   batch = random_rollout()
   bad = batch.replace(advantages=batch.advantages.at[0, 4].set(jnp.nan))
   new_state, metrics = step(state, bad)
@@ -202,17 +215,6 @@ def test_non_finite_loss_skips_the_update_and_is_counted():
   assert metrics["learning_rate"] == 0.0  # nothing was applied
   for x, y in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(params)):
     np.testing.assert_array_equal(x, y)
-
-
-def test_a_batch_without_advantages_is_refused():
-  """Producers leave advantages to the loop's stage; a batch that skipped it is an error,
-  not a silent zero-advantage update."""
-  optimizer = train.make_optimizer(1e-2)
-  step = train.make_train_step(CONFIG, optimizer, GRPO)
-  state = train.init_train_state(transformer.init_params(CONFIG, jax.random.PRNGKey(0)),
-                                 optimizer)
-  with pytest.raises(ValueError, match="no advantages.*advantage_stage"):
-    step(state, random_rollout().replace(advantages=None))
 
 
 @pytest.mark.slow
@@ -228,7 +230,7 @@ def test_lr_scale_from_the_objective_scales_the_update():
     deltas = []
     for name in ("grpo", "test_half_lr"):
       step = train.make_train_step(CONFIG, optimizer, dataclasses.replace(GRPO, name=name))
-      state, _ = step(train.init_train_state(jax.tree.map(jnp.copy, params), optimizer), batch)
+      state, _ = step(_fresh_state(params, optimizer), batch)
       deltas.append(state.params["embed"] - params["embed"])
     np.testing.assert_allclose(deltas[1], 0.5 * deltas[0], atol=1e-7)
   finally:
@@ -237,15 +239,8 @@ def test_lr_scale_from_the_objective_scales_the_update():
 
 @pytest.mark.slow
 def test_short_grpo_run_improves_reward():
-  tokenizer = CharTokenizer()
   optimizer = train.make_optimizer(3e-3)
-  sampling_config = SamplingConfig(max_new_tokens=4, temperature=1.0, stop_tokens=(tokenizer.eos_id,))
-  ctx = loop.LoopContext(
-      batch=producers.BatchContext(
-          task=DigitTask(), tokenizer=tokenizer, model_config=CONFIG,
-          sampling_config=sampling_config, prompt_len=2, prompts_per_step=8, group_size=8),
-      train_step=train.make_train_step(CONFIG, optimizer, GRPO),
-      stages=advantages.advantage_stage(advantages.group_relative(advantages.grpo_advantages)))
+  ctx = _digit_context(train.make_train_step(CONFIG, optimizer, GRPO), 8, 8)
   producer = producers.independent(ctx.batch)
   params = transformer.init_params(CONFIG, jax.random.PRNGKey(1))
   state = loop.LoopState(train=train.init_train_state(params, optimizer), rng=jax.random.PRNGKey(2),
@@ -274,8 +269,7 @@ def test_length_buckets_cut_batches_without_changing_the_step(loss_name, aggrega
   assert train.trim_to_bucket(batch, (6, 12)).tokens.shape == (4, 12)
   assert train.trim_to_bucket(batch, (6, 8)).tokens.shape == (4, length)  # none fits: full
   assert train.trim_to_bucket(batch, ()).tokens.shape == (4, length)
-  config = dataclasses.replace(GRPO, name=loss_name, aggregation=aggregation,
-                                                m2_tau=0.04)
+  config = dataclasses.replace(GRPO, name=loss_name, aggregation=aggregation, m2_tau=0.04)
   params = transformer.init_params(CONFIG, jax.random.PRNGKey(1))
   optimizer = train.make_optimizer(1e-2)
   results = []
@@ -336,17 +330,10 @@ def test_grpo_iteration_splits_its_time_and_counts_real_tokens(monkeypatch):
     return real_score(*args, **kwargs)
 
   monkeypatch.setattr(rl_scoring, "score", slow_score)
-  tokenizer = CharTokenizer()
   schedule = train.learning_rate_schedule(3e-3, warmup_steps=4)
   optimizer = train.make_optimizer(3e-3, warmup_steps=4)
-  sampling_config = SamplingConfig(max_new_tokens=4, temperature=1.0,
-                                   stop_tokens=(tokenizer.eos_id,))
-  ctx = loop.LoopContext(
-      batch=producers.BatchContext(
-          task=DigitTask(), tokenizer=tokenizer, model_config=CONFIG,
-          sampling_config=sampling_config, prompt_len=2, prompts_per_step=4, group_size=4),
-      train_step=train.make_train_step(CONFIG, optimizer, GRPO, learning_rate=schedule),
-      stages=advantages.advantage_stage(advantages.group_relative(advantages.grpo_advantages)))
+  ctx = _digit_context(train.make_train_step(CONFIG, optimizer, GRPO, learning_rate=schedule),
+                       4, 4)
   producer = producers.independent(ctx.batch)
   state = loop.LoopState(train=train.init_train_state(
       transformer.init_params(CONFIG, jax.random.PRNGKey(1)), optimizer), rng=jax.random.PRNGKey(2),
@@ -365,16 +352,9 @@ def test_grpo_iteration_splits_its_time_and_counts_real_tokens(monkeypatch):
 
 @pytest.mark.slow
 def test_sft_iteration_counts_the_answer_tokens_it_trains_on():
-  tokenizer = CharTokenizer()
   optimizer = train.make_optimizer(1e-3)
-  ctx = loop.LoopContext(
-      batch=producers.BatchContext(
-          task=DigitTask(), tokenizer=tokenizer, model_config=CONFIG,
-          sampling_config=SamplingConfig(max_new_tokens=4, stop_tokens=(tokenizer.eos_id,)),
-          prompt_len=2, prompts_per_step=8, group_size=1),
-      train_step=train.make_train_step(CONFIG, optimizer, losses.LossSettings(
-          name="sft", aggregation="token_mean", norm_len=1.0)),
-      stages=advantages.advantage_stage(advantages.group_relative(advantages.grpo_advantages)))
+  ctx = _digit_context(train.make_train_step(CONFIG, optimizer, losses.LossSettings(
+      name="sft", aggregation="token_mean", norm_len=1.0)), 8, 1)
   state = loop.LoopState(train=train.init_train_state(
       transformer.init_params(CONFIG, jax.random.PRNGKey(1)), optimizer), rng=jax.random.PRNGKey(2),
       producer=producers.CursorState(cursor=producers.cursor_array(0)))
@@ -429,14 +409,13 @@ def test_memory_switches_train_the_same_run_through_the_launcher(tmp_path):
   what it computes: the same run's losses agree to float rounding, and the switches reach
   the compiled step (its log-probs path and the model config)."""
   from experiments import train as launcher  # pylint: disable=import-outside-toplevel
+  from tests.launcher_config import records  # pylint: disable=import-outside-toplevel
   from tests.launcher_config import tiny_run_config  # pylint: disable=import-outside-toplevel
   losses_of = {}
   for name, overrides in (("plain", {}), ("chunked", {"rl.logprob_chunk": 3,
                                                       "model.remat": "dots"})):
     launcher.run(tiny_run_config(tmp_path / name, overrides))
-    with open(tmp_path / name / "metrics.jsonl") as f:
-      records = [json.loads(line) for line in f]
-    losses_of[name] = [r["loss"] for r in records if "loss" in r]
+    losses_of[name] = [r["loss"] for r in records(tmp_path / name) if "loss" in r]
     assert json.load(open(tmp_path / name / "config.json"))["model"]["remat"] == (
         overrides.get("model.remat", "none"))
   np.testing.assert_allclose(losses_of["chunked"], losses_of["plain"], rtol=1e-4, atol=1e-6)
@@ -453,7 +432,7 @@ def test_a_bfloat16_policy_trains():
   step = train.make_train_step(config, optimizer, GRPO)
   batch = random_rollout(seed=1, batch=4, length=12)
   batch = batch.replace(advantages=jnp.abs(batch.advantages))  # A > 0: ratios < 1 not clipped
-  state, metrics = step(train.init_train_state(jax.tree.map(jnp.copy, params), optimizer), batch)
+  state, metrics = step(_fresh_state(params, optimizer), batch)
   assert np.isfinite(float(metrics["loss"])) and float(metrics["grad_norm"]) > 0
   assert state.params["embed"].dtype == jnp.bfloat16
   assert not np.array_equal(np.asarray(state.params["embed"], np.float32),
