@@ -23,7 +23,6 @@ import sympy.parsing.sympy_parser
 from models.tokenizer import CharTokenizer
 from models import transformer
 from rl.objectives import advantages
-from rl.objectives import losses
 from rl.tasks import countdown
 from rl import loop
 from rl.rollouts import batches as rollout_lib
@@ -34,10 +33,17 @@ from rl.rollouts import producers
 from sampling.sampler import SamplingConfig
 from tests import scoring_tasks
 from tests import tiny
+from tests.rl_fixtures import GRPO
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GRPO = losses.LossSettings(name="grpo", eps_low=0.2, eps_high=0.2,
-                           aggregation="seq_mean_token_mean")
+
+
+@pytest.fixture
+def scorer():
+  """A scoring worker of the test's own, stopped after it."""
+  worker = scoring.Scorer()
+  yield worker
+  worker.close()
 
 
 def hostile_completions(canary) -> list[str]:
@@ -181,27 +187,23 @@ def test_misbehaving_scorers_give_zero_and_are_counted():
   assert again.rewards.tolist() == [0.5] and again.timeouts == again.errors == 0
 
 
-def test_a_scorer_that_allocates_without_bound_is_stopped_and_counted():
+def test_a_scorer_that_allocates_without_bound_is_stopped_and_counted(scorer):
   # HOARD allocates 256 MiB at a time until something stops it (untouched: address space,
   # not RAM); without a memory limit it reaches 64 GiB and scores 1. The worker's limit
   # (DEFAULT_LIMITS, 4 GiB over its start-up size) makes it a MemoryError: reward 0, an
   # error, the rest of the batch scored, and a fresh worker for the next batch.
-  scorer = scoring.Scorer()
   task, example = scoring_tasks.MisbehavingTask(), ("prompt", 1)
-  try:
-    assert scorer.score(task, ["ab"], [example]).rewards.tolist() == [pytest.approx(0.2)]
-    pid = scorer._process.pid  # pylint: disable=protected-access
-    scores = scorer.score(task, ["HOARD", "abc"], [example] * 2)
-    assert scores.rewards.tolist() == [0.0, pytest.approx(0.3)]
-    assert scores.errors == 1 and scores.timeouts == 0
-    again = scorer.score(task, ["abcd"], [example])
-    assert again.rewards.tolist() == [pytest.approx(0.4)] and again.errors == 0
-    assert scorer._process.pid != pid  # pylint: disable=protected-access
-  finally:
-    scorer.close()
+  assert scorer.score(task, ["ab"], [example]).rewards.tolist() == [pytest.approx(0.2)]
+  pid = scorer._process.pid  # pylint: disable=protected-access
+  scores = scorer.score(task, ["HOARD", "abc"], [example] * 2)
+  assert scores.rewards.tolist() == [0.0, pytest.approx(0.3)]
+  assert scores.errors == 1 and scores.timeouts == 0
+  again = scorer.score(task, ["abcd"], [example])
+  assert again.rewards.tolist() == [pytest.approx(0.4)] and again.errors == 0
+  assert scorer._process.pid != pid  # pylint: disable=protected-access
 
 
-def test_a_crafted_reply_is_counted_and_never_run(tmp_path):
+def test_a_crafted_reply_is_counted_and_never_run(tmp_path, scorer):
   # A scorer tricked into running code can write into the worker's reply channel. Here it
   # writes a pickle that would create a marker file when loaded, framed as multiprocessing
   # frames a message (4-byte length) and as rl.scoring does (8-byte length). The trainer
@@ -209,79 +211,61 @@ def test_a_crafted_reply_is_counted_and_never_run(tmp_path):
   # wrote each is an error (exactly that one), and the others are scored.
   markers = [tmp_path / "unpickled-i", tmp_path / "unpickled-Q"]
   completions = ["ab", f"REPLY i {markers[0]}", "abc", f"REPLY Q {markers[1]}", "abcd"]
-  scorer = scoring.Scorer()
-  try:
-    scores = scorer.score(scoring_tasks.MisbehavingTask(), completions,
-                          [("prompt", 1)] * len(completions))
-  finally:
-    scorer.close()
+  scores = scorer.score(scoring_tasks.MisbehavingTask(), completions,
+                        [("prompt", 1)] * len(completions))
   assert not any(marker.exists() for marker in markers)
   np.testing.assert_allclose(scores.rewards, [0.2, 0, 0.3, 0, 0.4])
   assert scores.errors == 2 and scores.timeouts == 0
 
 
-def test_a_scorer_that_spins_is_ended_by_its_cpu_time_limit():
+def test_a_scorer_that_spins_is_ended_by_its_cpu_time_limit(scorer):
   # The trainer's wall-clock watch is 60 s here; the worker's own CPU-time limit (1 s per
   # completion, RLIMIT_CPU) ends SPIN first, which holds even when the trainer is not
   # watching (stalled, or stopped in a debugger). A CPU-time limit is a time limit: a timeout.
-  scorer = scoring.Scorer()
   task, example = scoring_tasks.MisbehavingTask(), ("prompt", 1)
   start = time.perf_counter()
-  try:
-    scores = scorer.score(task, ["SPIN", "ab"], [example] * 2, timeout_s=60.0,
-                          limits=scoring.Limits(cpu_s=1.0))
-  finally:
-    scorer.close()
+  scores = scorer.score(task, ["SPIN", "ab"], [example] * 2, timeout_s=60.0,
+                        limits=scoring.Limits(cpu_s=1.0))
   assert time.perf_counter() - start < 30
   assert scores.rewards.tolist() == [0.0, pytest.approx(0.2)]
   assert scores.timeouts == 1 and scores.errors == 0
 
 
-def test_a_scorer_writes_in_a_scratch_directory_under_a_file_size_limit(tmp_path, monkeypatch):
+def test_a_scorer_writes_in_a_scratch_directory_under_a_file_size_limit(tmp_path, monkeypatch,
+                                                                        scorer):
   # WRITE leaves a file in its working directory and reports which one that was; BIGFILE
   # writes past 2 GiB (over the 1 GiB default limit: an error, not a file). Neither lands in
   # the trainer's working directory, and the scratch directory goes with the worker.
   trainer_cwd, report = tmp_path / "trainer", tmp_path / "report"
   trainer_cwd.mkdir()
   monkeypatch.chdir(trainer_cwd)
-  scorer = scoring.Scorer()
-  try:
-    scores = scorer.score(scoring_tasks.MisbehavingTask(), ["WRITE", "BIGFILE", "ab"],
-                          [str(report)] * 3)
-    scratch = report.read_text()
-    assert os.path.exists(os.path.join(scratch, "scorer-output"))
-  finally:
-    scorer.close()
+  scores = scorer.score(scoring_tasks.MisbehavingTask(), ["WRITE", "BIGFILE", "ab"],
+                        [str(report)] * 3)
+  scratch = report.read_text()
+  assert os.path.exists(os.path.join(scratch, "scorer-output"))
+  scorer.close()
   np.testing.assert_allclose(scores.rewards, [1, 0, 0.2])
   assert scores.errors == 1 and scores.timeouts == 0
   assert list(trainer_cwd.iterdir()) == []
   assert scratch != str(trainer_cwd) and not os.path.exists(scratch)
 
 
-def test_slow_scorer_leaves_no_stale_message_for_the_next_request():
+def test_slow_scorer_leaves_no_stale_message_for_the_next_request(scorer):
   # Each result goes back on its own. When the worker sent results in 10 ms chunks, it once
   # sent an empty message after the last one, which then answered the next request (a task
   # load: IndexError) in place of its own reply.
-  scorer = scoring.Scorer()
-  try:
-    for seconds in (0.02, 0.03, 0.02):  # three tasks: a load, then a batch, each time
-      task = scoring_tasks.SlowTask(seconds=seconds)
-      scores = scorer.score(task, ["a", "b", "c"], [None] * 3)
-      assert scores.rewards.tolist() == [1.0] * 3 and scores.errors == scores.timeouts == 0
-  finally:
-    scorer.close()
+  for seconds in (0.02, 0.03, 0.02):  # three tasks: a load, then a batch, each time
+    task = scoring_tasks.SlowTask(seconds=seconds)
+    scores = scorer.score(task, ["a", "b", "c"], [None] * 3)
+    assert scores.rewards.tolist() == [1.0] * 3 and scores.errors == scores.timeouts == 0
 
 
-def test_tasks_use_their_exact_match_and_time_limit():
+def test_tasks_use_their_exact_match_and_time_limit(scorer):
   class Limit(scoring_tasks.MisbehavingTask):
     pass
 
-  scorer = scoring.Scorer()
-  try:
-    with pytest.raises(ValueError, match="module level"):  # a local class does not pickle
-      scorer.score(Limit(), ["a"], [None])
-  finally:
-    scorer.close()
+  with pytest.raises(ValueError, match="module level"):  # a local class does not pickle
+    scorer.score(Limit(), ["a"], [None])
   task = tasks.make_task("chain_sum", eval_size=2)
   example = task.examples("eval", 1)[0]
   scores = scoring.score(task, [example.answer, "+0" + example.answer], [example, example])
@@ -356,22 +340,18 @@ def test_grpo_step_goes_on_when_a_completion_hangs_its_scorer(monkeypatch):
   assert samples.reward_timeouts == 1 and samples.reward_errors == 0
 
 
-def test_worker_started_by_a_thread_outlives_the_thread():
+def test_worker_started_by_a_thread_outlives_the_thread(scorer):
   # The async loop's producer thread may score first and end; the worker (which the kernel
   # kills when the thread that started it ends) must stay for the next caller.
-  scorer = scoring.Scorer()
   task, first = scoring_tasks.MisbehavingTask(), ("prompt", 1)
-  try:
-    thread = threading.Thread(target=scorer.score, args=(task, ["ab"], [first]))
-    thread.start()
-    thread.join()
-    pid = scorer._process.pid  # pylint: disable=protected-access
-    time.sleep(0.5)
-    scores = scorer.score(task, ["abc"], [first])
-    assert scores.rewards.tolist() == [pytest.approx(0.3)] and scores.errors == 0
-    assert scorer._process.pid == pid  # pylint: disable=protected-access
-  finally:
-    scorer.close()
+  thread = threading.Thread(target=scorer.score, args=(task, ["ab"], [first]))
+  thread.start()
+  thread.join()
+  pid = scorer._process.pid  # pylint: disable=protected-access
+  time.sleep(0.5)
+  scores = scorer.score(task, ["abc"], [first])
+  assert scores.rewards.tolist() == [pytest.approx(0.3)] and scores.errors == 0
+  assert scorer._process.pid == pid  # pylint: disable=protected-access
 
 
 _MAIN_MODULE = '''
