@@ -18,6 +18,16 @@ from models import transformer
 from models.config import get_preset
 
 _REPO = pathlib.Path(__file__).resolve().parent.parent
+_TINY = get_preset("tiny").replace(d_model=48, n_heads=2, n_kv_heads=1, head_dim=24, mlp_dim=96,
+                                   max_seq_len=64)
+
+
+def _run(module, *args, timeout=300, ci=False):
+  """Runs `python -m experiments.<module> <args>` from the repository root, which must
+  succeed; `ci` sets CI=1, which skips the peers."""
+  env = dict(os.environ, PYTHONPATH=str(_REPO), **({"CI": "1"} if ci else {}))
+  subprocess.run([sys.executable, "-m", f"experiments.{module}", *args], cwd=_REPO, env=env,
+                 check=True, timeout=timeout)
 
 
 @pytest.mark.parametrize("module, outputs", [
@@ -26,9 +36,7 @@ _REPO = pathlib.Path(__file__).resolve().parent.parent
 ])
 @pytest.mark.slow
 def test_benchmark_smoke_run_writes_its_results(module, outputs, tmp_path):
-  env = dict(os.environ, CI="1", PYTHONPATH=str(_REPO))  # CI: the peers are skipped
-  subprocess.run([sys.executable, "-m", f"experiments.{module}", "--smoke", f"--out={tmp_path}"],
-                 cwd=_REPO, env=env, check=True, timeout=900)
+  _run(module, "--smoke", f"--out={tmp_path}", timeout=900, ci=True)
   for name in outputs:
     assert (tmp_path / name).stat().st_size > 0
   result = json.loads((tmp_path / outputs[0]).read_text())
@@ -40,15 +48,11 @@ def test_benchmark_smoke_run_writes_its_results(module, outputs, tmp_path):
 def test_sampler_benchmark_times_a_loaded_checkpoint_alone(tmp_path):
   """--checkpoint decodes with the folder's weights and shape (not the B1 decoder); with
   --peers= Arbor alone (no folder is exported for peers)."""
-  config = get_preset("tiny").replace(d_model=48, n_heads=2, n_kv_heads=1, head_dim=24,
-                                      mlp_dim=96, max_seq_len=64)
+  config = _TINY
   params = transformer.init_params(config, jax.random.PRNGKey(0))
   hf_checkpoint.save_hf(str(tmp_path / "ckpt"), params, config)
-  env = dict(os.environ, PYTHONPATH=str(_REPO))
-  subprocess.run([sys.executable, "-m", "experiments.bench_sampler", "--smoke", "--peers=",
-                  f"--checkpoint={tmp_path / 'ckpt'}", f"--out={tmp_path / 'out'}",
-                  f"--peer_weights={tmp_path / 'peer_weights'}"],
-                 cwd=_REPO, env=env, check=True, timeout=300)
+  _run("bench_sampler", "--smoke", "--peers=", f"--checkpoint={tmp_path / 'ckpt'}",
+       f"--out={tmp_path / 'out'}", f"--peer_weights={tmp_path / 'peer_weights'}")
   result = json.loads((tmp_path / "out" / "bench_sampler.json").read_text())
   assert result["frameworks"] == ["arbor"] and result["long_tail"] == []
   assert result["checkpoint"] == str(tmp_path / "ckpt") and result["peer_weights"] is None
@@ -74,9 +78,7 @@ def _byte_tokenizer():
 def _exported_tiny_model(folder):
   """A tiny tied-embedding Llama with the byte tokenizer, exported for the peers (B8)."""
   tokenizer = _byte_tokenizer()
-  config = get_preset("tiny").replace(d_model=48, n_heads=2, n_kv_heads=1, head_dim=24,
-                                      mlp_dim=96, vocab_size=tokenizer.vocab_size, max_seq_len=64,
-                                      tie_embeddings=True)
+  config = _TINY.replace(vocab_size=tokenizer.vocab_size, tie_embeddings=True)
   params = transformer.init_params(config, jax.random.PRNGKey(0))
   peers.export_weights(str(folder), params, config, tokenizer, "tiny")
   return config, params, tokenizer
@@ -103,13 +105,6 @@ def test_exported_weights_load_back_with_their_tokenizer(tmp_path):
   assert peers.weights_folder("runs/pw", "/a/b/model.gguf") == os.path.join("runs/pw", "model_gguf")
 
 
-def test_only_the_torch_peer_loads_weights(monkeypatch):
-  monkeypatch.delenv("CI", raising=False)
-  assert peers.weight_peers(["tunix", "torch"]) == (["torch"], ["tunix"])
-  monkeypatch.setenv("CI", "1")
-  assert peers.weight_peers(["tunix", "torch"]) == ([], [])
-
-
 @pytest.mark.slow
 def test_torch_peer_runs_the_exported_weights(tmp_path, monkeypatch):
   # transformers loads Arbor's exported folder and computes Arbor's logits; its `generate`
@@ -133,10 +128,8 @@ def test_b8_grpo_step_smoke_run_on_a_checkpoint(tmp_path):
   # --checkpoint: the GRPO step alone on the folder's weights with its tokenizer and text
   # prompts of exactly prompt_len tokens (peers skipped under CI).
   _exported_tiny_model(tmp_path / "w")
-  env = dict(os.environ, CI="1", PYTHONPATH=str(_REPO))
-  subprocess.run([sys.executable, "-m", "experiments.bench_train", "--smoke",
-                  f"--checkpoint={tmp_path / 'w'}", f"--out={tmp_path / 'out'}"],
-                 cwd=_REPO, env=env, check=True, timeout=600)
+  _run("bench_train", "--smoke", f"--checkpoint={tmp_path / 'w'}", f"--out={tmp_path / 'out'}",
+       timeout=600, ci=True)
   result = json.loads((tmp_path / "out" / "bench_train_b8.json").read_text())
   assert result["frameworks"] == ["arbor"] and result["peer_weights"] is None
   step = result["grpo_step"]
@@ -151,9 +144,7 @@ def test_b8_grpo_step_smoke_run_on_a_checkpoint(tmp_path):
 def test_decode_profile_smoke_run_attributes_the_step(tmp_path):
   # B8's profile: the traced call's ops land in the decode step's pieces (layers' matmuls,
   # attention, LM head, sampling), and each piece is also timed apart.
-  env = dict(os.environ, PYTHONPATH=str(_REPO))
-  subprocess.run([sys.executable, "-m", "experiments.profile_decode", "--smoke",
-                  f"--out={tmp_path}"], cwd=_REPO, env=env, check=True, timeout=300)
+  _run("profile_decode", "--smoke", f"--out={tmp_path}")
   row, = json.loads((tmp_path / "profile_decode.json").read_text())["batches"]
   pieces = " ".join(row["in_place"]["decode_ms_per_step"])
   for piece in ("q|k|v matmul", "gate|up matmul", "LM head", "sampling", "attention"):
@@ -170,9 +161,7 @@ def test_low_precision_benchmark_profiles_each_weight_format_side_by_side(tmp_pa
   weight bytes per step (a quarter for int8 / fp8, plus the float embedding and scales),
   dequantising them inside the step (their own piece of the in-place profile), and
   paying a quantisation per publish; float32 neither."""
-  env = dict(os.environ, PYTHONPATH=str(_REPO))
-  subprocess.run([sys.executable, "-m", "experiments.bench_low_precision", "--smoke",
-                  f"--out={tmp_path}"], cwd=_REPO, env=env, check=True, timeout=600)
+  _run("bench_low_precision", "--smoke", f"--out={tmp_path}", timeout=600)
   result = json.loads((tmp_path / "profile_decode.json").read_text())
   rows = {row["weights"]: row for row in result["batches"]}
   assert sorted(rows) == ["bfloat16", "float32", "fp8", "int8"]
@@ -186,9 +175,7 @@ def test_low_precision_benchmark_profiles_each_weight_format_side_by_side(tmp_pa
 
 
 def test_token_choice_benchmark_smoke_run_times_both_sides(tmp_path):
-  env = dict(os.environ, PYTHONPATH=str(_REPO))
-  subprocess.run([sys.executable, "-m", "experiments.bench_logits", "--smoke", f"--out={tmp_path}"],
-                 cwd=_REPO, env=env, check=True, timeout=300)
+  _run("bench_logits", "--smoke", f"--out={tmp_path}")
   for suffix in ("json", "md", "png"):
     assert (tmp_path / f"bench_logits.{suffix}").stat().st_size > 0
   cases = json.loads((tmp_path / "bench_logits.json").read_text())["cases"]
@@ -197,9 +184,7 @@ def test_token_choice_benchmark_smoke_run_times_both_sides(tmp_path):
 
 
 def test_scoring_benchmark_smoke_run_times_both_sides_on_equal_rewards(tmp_path):
-  env = dict(os.environ, PYTHONPATH=str(_REPO))
-  subprocess.run([sys.executable, "-m", "experiments.bench_scoring", "--smoke",
-                  f"--out={tmp_path}"], cwd=_REPO, env=env, check=True, timeout=300)
+  _run("bench_scoring", "--smoke", f"--out={tmp_path}")
   case, = json.loads((tmp_path / "bench_scoring.json").read_text())["cases"]
   assert case["task"] == "running_sum" and case["batch"] == 8
   assert 0 < case["rewarded"] < 8  # both scorer paths ran (the worker agreed, or it fails)
@@ -209,8 +194,10 @@ def test_scoring_benchmark_smoke_run_times_both_sides_on_equal_rewards(tmp_path)
 def test_peers_are_skipped_under_ci_and_unknown_peers_rejected(monkeypatch):
   monkeypatch.delenv("CI", raising=False)
   assert peers.peers_enabled(["tunix", "torch"]) == ["tunix", "torch"]
+  assert peers.weight_peers(["tunix", "torch"]) == (["torch"], ["tunix"])  # torch loads weights
   monkeypatch.setenv("CI", "1")
   assert peers.peers_enabled(["tunix"]) == []
+  assert peers.weight_peers(["tunix", "torch"]) == ([], [])
   with pytest.raises(ValueError, match="Unknown peers"):
     peers.peers_enabled(["vllm"])
 
@@ -368,9 +355,7 @@ def test_torch_peer_times_generate_on_token_tensors(monkeypatch):
 
 @pytest.mark.slow
 def test_distillation_cost_benchmark_times_the_three_train_steps(tmp_path):
-  env = dict(os.environ, PYTHONPATH=str(_REPO))
-  subprocess.run([sys.executable, "-m", "experiments.bench_train", "--only=distill", "--smoke",
-                  f"--out={tmp_path}"], cwd=_REPO, env=env, check=True, timeout=300)
+  _run("bench_train", "--only=distill", "--smoke", f"--out={tmp_path}")
   result = json.loads((tmp_path / "bench_train_distill.json").read_text())
   assert set(result["distill"]["best_s"]) == {"grpo", "grpo + reverse KL", "pure OPD"}
   assert result["distill"]["vs_grpo"]["grpo"] == 1.0
@@ -381,9 +366,7 @@ def test_distillation_cost_benchmark_times_the_three_train_steps(tmp_path):
 def test_nat_cost_benchmark_cuts_the_batch_for_the_prefix_cases(tmp_path):
   """--only=nat: the random prefix cut trains fewer tokens on shorter batches than all
   tokens; uniform random tokens train fewer tokens at the full length."""
-  env = dict(os.environ, PYTHONPATH=str(_REPO))
-  subprocess.run([sys.executable, "-m", "experiments.bench_train", "--only=nat", "--smoke",
-                  f"--out={tmp_path}"], cwd=_REPO, env=env, check=True, timeout=300)
+  _run("bench_train", "--only=nat", "--smoke", f"--out={tmp_path}")
   rows = {r["case"]: r for r in json.loads(
       (tmp_path / "bench_train_nat.json").read_text())["nat"]["rows"]}
   full = rows["all tokens"]
