@@ -62,21 +62,16 @@ REDUCTIONS = {
     "mu_grpo": "seq_mean_token_mean"}
 
 
-@pytest.mark.parametrize("name", sorted(REDUCTIONS))
-def test_every_objective_reduces_to_grpo_gradient_on_policy(name):
-  logp, batch = make_batch(seed=1)
+@pytest.mark.parametrize("name,extra", [(name, ()) for name in sorted(REDUCTIONS)] + [
+    ("dapo", extra) for extra in [("tis",), ("mis",), ("m2po",), ("sat",), ("tis", "m2po", "sat")]])
+def test_every_objective_and_chained_correction_reduces_to_grpo_gradient_on_policy(name, extra):
+  """Each objective, and chained corrections (identities on-policy) after dapo."""
+  logp, batch = make_batch(seed=2 if extra else 1)
   on_policy = batch.replace(behavior_logp=logp)
-  _, grad = loss_and_grad(name, logp, on_policy, prox=logp)
-  np.testing.assert_allclose(grad, grpo_grad(logp, on_policy, REDUCTIONS[name]), rtol=1e-5, atol=1e-7)
+  _, grad = loss_and_grad(name, logp, on_policy, prox=logp, corrections=extra)
+  np.testing.assert_allclose(grad, grpo_grad(logp, on_policy, REDUCTIONS[name]), rtol=1e-5,
+                             atol=1e-7)
   assert np.abs(grad).sum() > 0
-
-
-@pytest.mark.parametrize("extra", [("tis",), ("mis",), ("m2po",), ("sat",), ("tis", "m2po", "sat")])
-def test_chained_corrections_are_identities_on_policy(extra):
-  logp, batch = make_batch(seed=2)
-  on_policy = batch.replace(behavior_logp=logp)
-  _, grad = loss_and_grad("dapo", logp, on_policy, prox=logp, corrections=extra)
-  np.testing.assert_allclose(grad, grpo_grad(logp, on_policy, "token_mean"), rtol=1e-5, atol=1e-7)
 
 
 def test_vcpo_on_policy_is_grpo_with_the_optimal_baseline():
@@ -157,7 +152,8 @@ def _vcpo_advantages(logp, batch):
     ("grpo", "m2_tau", 0.1, "objective 'grpo' .* never reads m2_tau"),
     ("grpo", "norm_len", 50.0, "never reads norm_len"),
     ("grpo", "prox_estimate", "loglinear", "never reads prox_estimate"),
-    ("gspo", "eps_low", 0.2 + 1e-3, "objective 'gspo' fixes eps_low")])
+    ("gspo", "eps_low", 0.2 + 1e-3, "objective 'gspo' fixes eps_low"),
+    ("vcpo", "corrections", ("mu_veto",), "sequence-level ratios")])
 def test_a_setting_the_objective_overrides_or_never_reads_is_refused(name, field, value, message):
   with pytest.raises(ValueError, match=message):
     losses.check(losses.LossSettings(name=name, **{field: value}))
@@ -173,11 +169,6 @@ def test_a_setting_the_objective_overrides_or_never_reads_is_refused(name, field
     dict(name="mu_grpo", mu_eps_low=0.3)])
 def test_settings_the_objective_reads_are_accepted(settings):
   losses.check(losses.LossSettings(**settings))
-
-
-def test_sequence_level_objectives_refuse_the_veto():
-  with pytest.raises(ValueError, match="sequence-level ratios"):
-    losses.check(losses.LossSettings(name="vcpo", corrections=("mu_veto",)))
 
 
 def test_decoupled_with_prox_equal_behav_is_ppo():
@@ -255,19 +246,24 @@ def test_unknown_names_raise():
     cfg(prox_estimate="guess").check()
 
 
-def test_objective_overrides_define_the_method():
+def test_registry_holds_typed_objectives_whose_overrides_define_the_method():
+  assert {"grpo", "dapo", "drgrpo", "gspo", "gspo_token", "decoupled", "m2po", "sat",
+          "vcpo", "mu_grpo", "sft"} <= set(losses.LOSSES)
+  assert {"tis", "mis", "m2po", "sat", "vcpo_ess", "vcpo_baseline",
+          "mu_veto"} <= set(corrections.CORRECTIONS)
   dapo = losses.resolve(cfg(name="dapo"))
   assert (dapo.eps_low, dapo.eps_high, dapo.aggregation) == (0.2, 0.28, "token_mean")
   grpo = losses.resolve(cfg(name="grpo"))
   assert (grpo.eps_low, grpo.eps_high, grpo.aggregation) == (0.2, 0.2, "seq_mean_token_mean")
   assert losses.LossSettings().m2_tau == 0.04
-
-
-def test_registry_has_every_section_1_objective():
-  assert {"grpo", "dapo", "drgrpo", "gspo", "gspo_token", "decoupled", "m2po", "sat",
-          "vcpo", "mu_grpo", "sft"} <= set(losses.LOSSES)
-  assert {"tis", "mis", "m2po", "sat", "vcpo_ess", "vcpo_baseline",
-          "mu_veto"} <= set(corrections.CORRECTIONS)
+  decoupled = losses.get_loss("decoupled")
+  assert isinstance(decoupled, losses.Objective)
+  assert (decoupled.name, decoupled.corrections, decoupled.uses_prox) == (
+      "decoupled", ("tis",), True)
+  assert losses.get_loss("dapo").overrides == dict(eps_low=0.2, eps_high=0.28,
+                                                   aggregation="token_mean")
+  assert not isinstance(losses.get_loss("sft"), losses.Objective)  # a plain registered function
+  assert losses.chain_of(cfg(name="sft")) == ()
 
 
 @pytest.mark.parametrize("name", ["grpo", "dapo", "gspo", "decoupled", "m2po", "sat", "vcpo",
@@ -278,18 +274,6 @@ def test_objectives_jit(name):
   config = cfg(name=name)
   loss, _ = jax.jit(lambda lp, b, p: fn(lp, b, prox_logp=p, settings=config))(logp, batch, logp)
   assert np.isfinite(float(loss))
-
-
-def test_built_in_objectives_are_typed_records():
-  decoupled = losses.get_loss("decoupled")
-  assert isinstance(decoupled, losses.Objective)
-  assert (decoupled.name, decoupled.corrections, decoupled.uses_prox) == (
-      "decoupled", ("tis",), True)
-  assert losses.get_loss("dapo").overrides == dict(eps_low=0.2, eps_high=0.28,
-                                                   aggregation="token_mean")
-  assert losses.needs_prox(cfg(name="decoupled")) and not losses.needs_prox(cfg(name="grpo"))
-  assert not isinstance(losses.get_loss("sft"), losses.Objective)  # a plain registered function
-  assert losses.chain_of(cfg(name="sft")) == ()
 
 
 # --- Mu-GRPO: relaxed clipping and the negative-advantage veto -----------------------
