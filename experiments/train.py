@@ -85,32 +85,39 @@ def main(argv):
     summary = run(config)
   except config_flag.InputError as error:
     config_flag.exit_on_input_error(error)
+  print("\n".join(report(config, summary)))
+
+
+def report(config: ml_collections.ConfigDict, summary: dict) -> list[str]:
+  """The lines the launcher prints after a run: accuracy before and after, answers by
+  category, accuracy by problem size, completion lengths, throughput and wall time."""
   # The first evaluation is the warm start's end, or the initial policy without one.
   start = "Warm-start" if config.warm_start.steps or config.warm_start.init_from else "Initial"
-  print(f"{start + ' held-out accuracy:':<29} {summary['warm_start_accuracy']:.3f} "
-        f"+- {summary['warm_start_accuracy_stderr']:.3f}")
-  print(f"Final held-out accuracy:      {summary['final_accuracy']:.3f} "
-        f"+- {summary['final_accuracy_stderr']:.3f}  "
-        f"({100 * (summary['final_accuracy'] - summary['warm_start_accuracy']):+.1f} points)")
+  lines = [f"{start + ' held-out accuracy:':<29} {summary['warm_start_accuracy']:.3f} "
+           f"+- {summary['warm_start_accuracy_stderr']:.3f}",
+           f"Final held-out accuracy:      {summary['final_accuracy']:.3f} "
+           f"+- {summary['final_accuracy_stderr']:.3f}  "
+           f"({100 * (summary['final_accuracy'] - summary['warm_start_accuracy']):+.1f} points)"]
   final = summary["categories"]["final"]
   if final:
-    print("Final held-out answers by category: "
-          + ", ".join(f"{name} {count}" for name, count in final.items() if count)
-          + f" (why each failed: {config.workdir}/samples/, docs/metrics.md)")
+    lines.append("Final held-out answers by category: "
+                 + ", ".join(f"{name} {count}" for name, count in final.items() if count)
+                 + f" (why each failed: {config.workdir}/samples/, docs/metrics.md)")
   if "accuracy_by_size" in summary:
-    print(f"Held-out accuracy by problem size (examples: {start.lower()} -> final):")
+    lines.append(f"Held-out accuracy by problem size (examples: {start.lower()} -> final):")
     for size, row in summary["accuracy_by_size"].items():
       before = "  -  " if row["warm_start"] is None else f"{row['warm_start']:.3f}"
-      print(f"  size {size:>3} ({row['examples']:>4}): {before} -> {row['final']:.3f}")
+      lines.append(f"  size {size:>3} ({row['examples']:>4}): {before} -> {row['final']:.3f}")
   lengths = summary["rollout_completion_length"]
   if lengths:
-    print(f"Rollout completion lengths (tokens): median {lengths['median']}, p95 "
-          f"{lengths['p95']}, max {lengths['max']}")
-  print(f"Throughput: {summary['sampled_tokens_per_s']:.0f} tokens/s sampled, "
-        f"{summary['trained_tokens_per_s']:.0f} tokens/s trained (RL)")
+    lines.append(f"Rollout completion lengths (tokens): median {lengths['median']}, p95 "
+                 f"{lengths['p95']}, max {lengths['max']}")
+  lines.append(f"Throughput: {summary['sampled_tokens_per_s']:.0f} tokens/s sampled, "
+               f"{summary['trained_tokens_per_s']:.0f} tokens/s trained (RL)")
   split = ", ".join(f"{part} {seconds:.0f} s" for part, seconds in summary["time_s"].items())
-  print(f"Wall time: {summary['wall_time_s']:.0f} s ({split}); outputs in "
-        f"{config.workdir}")
+  lines.append(f"Wall time: {summary['wall_time_s']:.0f} s ({split}); outputs in "
+               f"{config.workdir}")
+  return lines
 
 
 if __name__ == "__main__":

@@ -11,14 +11,13 @@ import pathlib
 import pickle
 import re
 import runpy
-import subprocess
-import sys
 import time
 
 import ml_collections
 import pytest
 
 from experiments import config_flag
+from experiments import train as launcher
 from experiments.configs import default
 from experiments.configs import qwen2_5_gsm8k
 from rl import scoring
@@ -400,31 +399,19 @@ def qwen2_folder(tmp_path_factory):
                             max_position_embeddings=512)
 
 
-def test_a_dataset_run_from_the_default_config_needs_no_other_tasks_settings(tmp_path,
-                                                                             qwen2_folder):
+def test_a_dataset_run_from_the_default_config_needs_no_other_tasks_settings(tmp_path):
   """`--config.task.name=dataset` on the default config: the running_sum difficulty fields
   and prompt style it holds are the task's own defaults again (no --config.task.difficulty={}
-  or --config.task.prompt_style=full), and the run trains and says its first evaluation
-  is the initial policy's (no warm start)."""
-  train = _jsonl(tmp_path / "train.jsonl", _gsm_rows(8))
-  test = _jsonl(tmp_path / "test.jsonl", _gsm_rows(4, offset=50))
-  workdir = tmp_path / "run"
-  result = subprocess.run(
-      [sys.executable, "-m", "experiments.train", f"--config.workdir={workdir}",
-       "--config.task.name=dataset", f"--config.task.path={train}",
-       f"--config.task.eval_path={test}", "--config.task.eval_size=4",
-       f"--config.model.checkpoint={qwen2_folder}", "--config.warm_start.steps=0",
-       "--config.rl.steps=1", "--config.rollout.prompts_per_step=2",
-       "--config.rollout.group_size=2", "--config.rollout.prompt_len=192",
-       "--config.rollout.max_new_tokens=6", "--config.rollout.train_length_buckets=()",
-       "--config.eval.batch_size=4", "--config.metrics.eval_samples=0"],
-      cwd=_REPO, capture_output=True, text=True, timeout=600,
-      env=dict(os.environ, PYTHONPATH=_REPO, JAX_PLATFORMS="cpu"))
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert "Initial held-out accuracy:" in result.stdout
-  resolved = json.loads((workdir / "config.json").read_text())
-  assert resolved["task"]["difficulty"] == {} and resolved["task"]["prompt_style"] == "full"
-  assert json.loads((workdir / "summary.json").read_text())["steps"] == 1
+  or --config.task.prompt_style=full), which the settings accept; a run with those values
+  trains (test_a_local_jsonl_dataset_trains_through_the_launcher)."""
+  given = {"task.name": "dataset", "task.path": _jsonl(tmp_path / "train.jsonl", _gsm_rows(8)),
+           "task.eval_path": _jsonl(tmp_path / "test.jsonl", _gsm_rows(4, offset=50)),
+           "task.eval_size": 4}
+  # What the command line gives: the config file's task fields resolved for the new task.
+  config = config_flag.task_defaults(default_run_config(tmp_path / "run", given), list(given),
+                                     file_task="running_sum")
+  assert dict(config.task.difficulty) == {} and config.task.prompt_style == "full"
+  wiring.validate(config)
 
 
 def test_the_qwen_recipe_validates_and_reads_gsm8k_files(tmp_path, qwen2_folder):
@@ -456,7 +443,6 @@ def test_the_qwen_recipe_validates_and_reads_gsm8k_files(tmp_path, qwen2_folder)
 
 
 def test_a_local_jsonl_dataset_trains_through_the_launcher(tmp_path, qwen2_folder):
-  from experiments import train as launcher  # pylint: disable=import-outside-toplevel
   # Every train answer is 7; a short supervised warm start teaches the policy to write
   # "\boxed{7}" whatever the question. Of the two held-out rows (worded like the train rows),
   # one's answer is 7 and the other's is 45, which that policy never writes: held-out accuracy
@@ -484,6 +470,7 @@ def test_a_local_jsonl_dataset_trains_through_the_launcher(tmp_path, qwen2_folde
   c.checkpoint.every = 100
   summary = launcher.run(c)
   assert summary["steps"] == warm_start_steps + 1
+  assert launcher.report(c, summary)[0] == "Warm-start held-out accuracy: 0.500 +- 0.354"
   records = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
   evals = [r for r in records if "eval_accuracy" in r]
   assert [r["step"] for r in evals] == [warm_start_steps, warm_start_steps + 1]

@@ -202,7 +202,9 @@ def test_switches_compose_or_are_refused(tmp_path, kind, selection, async_, stal
       with pytest.raises(ValueError, match=refused):
         wiring.validate(config)
       continue
-    launcher.run(config)
+    summary = launcher.run(config)
+    # No warm start: the launcher reports its first evaluation as the initial policy's.
+    assert launcher.report(config, summary)[0].startswith("Initial held-out accuracy:")
     records = rl_steps(workdir)
     _check_effect(records, kind, selection, async_, staleness)
     _check_train_samples(workdir, records)
@@ -243,22 +245,25 @@ def test_simulated_staleness_counts_optimiser_updates_with_minibatches(tmp_path)
   assert [r["staleness"] for r in records] == [0, 2, 4, 4]
 
 
-def test_model_side_switches_compose_through_the_launcher(tmp_path):
+def test_model_side_switches_compose_through_the_launcher(tmp_path, capsys):
   """The quick tier's one run of the model-side switches together: LoRA adapters
   (lora.rank), mixed precision (model.compute_dtype), rematerialisation (model.remat),
   chunked log-probs (rl.logprob_chunk), several updates per batch (rl.num_minibatches)
   and another objective (loss.name). Each reaches the run: the checkpoint's trained
   parameters are the adapters alone over a frozen float32 base, the sampler-trainer gap
   is bfloat16's, two updates per step, and mu_grpo's metrics. (Each switch has its own
-  slower tests of what it computes.)"""
+  slower tests of what it computes.) The scorer's counters reach metrics.jsonl, and the
+  same launch again finds nothing left to do: it restores the run and says so."""
   from models import lora as lora_lib  # pylint: disable=import-outside-toplevel
   from rl import checkpoint  # pylint: disable=import-outside-toplevel
   config = tiny_run_config(tmp_path, {
       "lora.rank": 2, "model.compute_dtype": "bfloat16", "model.remat": "full",
       "rl.logprob_chunk": 3, "rl.num_minibatches": 2, "loss.name": "mu_grpo"})
   launcher.run(config)
+  assert "Resumed" not in capsys.readouterr().out
   records = rl_steps(str(tmp_path))
   assert len(records) == 2 and all(np.isfinite(r["loss"]) for r in records)
+  assert all(r["reward_timeouts"] == 0 and r["reward_errors"] == 0 for r in records)
   assert all(r["rollout_train_mismatch_kl"] > 1e-10 for r in records)  # bf16's gap, not 0
   assert all("vetoed_fraction" in r for r in records)  # mu_grpo's veto ran
   saved = json.load(open(tmp_path / "config.json"))
@@ -274,4 +279,6 @@ def test_model_side_switches_compose_through_the_launcher(tmp_path):
                                             wiring.lora_config(run))
   assert all(np.asarray(x).dtype == np.float32
              for x in jax.tree.leaves((state["params"], state["frozen"])))
-
+  steps = config.warm_start.steps + config.rl.steps
+  assert launcher.run(config)["steps"] == steps
+  assert f"Resumed from step {steps} (rl phase) in {tmp_path}." in capsys.readouterr().out

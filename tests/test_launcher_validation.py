@@ -2,7 +2,6 @@
 reports unknown command-line fields with the valid ones (experiments/config_flag.py), and
 says when it resumes."""
 
-import json
 import os
 import subprocess
 import sys
@@ -178,21 +177,21 @@ def test_a_refused_input_names_the_field_and_the_fix(tmp_path, overrides, messag
   assert refusal(default_run_config(tmp_path / "run", overrides)).startswith(message)
 
 
-def test_a_refused_input_is_one_line_and_a_nonzero_exit(tmp_path):
-  """No traceback: `error: <message>` and status 2; ARBOR_TRACEBACK=1 shows the traceback."""
-  command = [sys.executable, "-m", "experiments.train", f"--config.workdir={tmp_path / 'run'}",
-             "--config.loss.name=foo"]
+def test_a_refused_input_is_one_line_and_a_nonzero_exit(tmp_path, monkeypatch):
+  """No traceback: `error: <message>` and status 2; ARBOR_TRACEBACK=1 re-raises the error
+  (with its traceback) instead."""
   env = dict(os.environ, PYTHONPATH=_REPO, JAX_PLATFORMS="cpu")
-  env.pop("ARBOR_TRACEBACK", None)
-  result = subprocess.run(command, cwd=_REPO, capture_output=True, text=True, timeout=300,
-                          env=env)
+  env.pop(config_flag.TRACEBACK_ENV, None)
+  result = subprocess.run(
+      [sys.executable, "-m", "experiments.train", f"--config.workdir={tmp_path / 'run'}",
+       "--config.loss.name=foo"], cwd=_REPO, capture_output=True, text=True, timeout=300,
+      env=env)
   assert result.returncode == 2
   assert result.stderr.strip().splitlines()[-1].startswith("error: Unknown loss 'foo'")
   assert "Traceback" not in result.stderr
-  shown = subprocess.run(command, cwd=_REPO, capture_output=True, text=True, timeout=300,
-                         env=dict(env, ARBOR_TRACEBACK="1"))
-  assert shown.returncode != 0 and "Traceback" in shown.stderr
-  assert "InputError: Unknown loss 'foo'" in shown.stderr
+  monkeypatch.setenv(config_flag.TRACEBACK_ENV, "1")
+  with pytest.raises(config_flag.InputError, match="Unknown loss 'foo'"):
+    config_flag.exit_on_input_error(config_flag.InputError("Unknown loss 'foo'"))
 
 
 def test_unknown_field_lists_the_valid_ones():
@@ -221,18 +220,6 @@ def test_unknown_command_line_field_is_a_flag_error(argv):
   section, name = field.split(".")
   assert (f"FATAL Flags parsing error: --config.{field}: config.{section} has no field "
           f"{name!r}; valid fields: ") in result.stderr
-
-
-def test_scoring_counters_reach_metrics_and_resume_is_announced(tmp_path, capsys):
-  config = tiny_run_config(tmp_path, {"warm_start.steps": 1, "rl.steps": 1})
-  train_launcher.run(config)
-  assert "Resumed" not in capsys.readouterr().out
-  (record,) = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")
-               if '"phase": "rl"' in line and '"loss"' in line]
-  assert record["reward_timeouts"] == 0 and record["reward_errors"] == 0
-  summary = train_launcher.run(config)  # nothing left to do: restores and says so
-  assert f"Resumed from step 2 (rl phase) in {tmp_path}." in capsys.readouterr().out
-  assert summary["steps"] == 2
 
 
 def test_rl_warmup_steps_reach_the_rl_optimizer():
