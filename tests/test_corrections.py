@@ -201,20 +201,18 @@ def test_optimal_baseline_reduces_gradient_variance_in_a_bandit():
   mean_reward = rng.uniform(0, 1, n_arms) + 3.0  # an offset makes the baseline matter
   score = np.eye(n_arms) - pi[None, :]               # grad_logits log pi(a), rows a
   g_exact = (score ** 2).sum(1)
-  estimates = {"mean": [], "optimal": []}
-  for _ in range(trials):
-    a = rng.choice(n_arms, size=group, p=mu)
-    reward = mean_reward[a] + rng.normal(0, 0.5, group)
-    log_w = np.log(pi[a]) - np.log(mu[a])
-    w = np.exp(log_w)
-    baselines = {
-        "mean": np.full(group, reward.mean()),
-        "optimal": np.asarray(corrections.optimal_baseline(
-            jnp.asarray(log_w, jnp.float32), jnp.asarray(g_exact[a], jnp.float32),
-            jnp.asarray(reward, jnp.float32), jnp.zeros(group, jnp.int32)))}
-    for name, b in baselines.items():
-      estimates[name].append(((w * (reward - b))[:, None] * score[a]).mean(0))
-  var = {k: np.var(np.asarray(v), axis=0).sum() for k, v in estimates.items()}
+  a = rng.choice(n_arms, size=(trials, group), p=mu)
+  reward = mean_reward[a] + rng.normal(0, 0.5, (trials, group))
+  log_w = np.log(pi[a]) - np.log(mu[a])
+  w = np.exp(log_w)
+  baselines = {  # each trial is one group
+      "mean": reward.mean(1, keepdims=True),
+      "optimal": np.asarray(jax.vmap(corrections.optimal_baseline)(
+          jnp.asarray(log_w, jnp.float32), jnp.asarray(g_exact[a], jnp.float32),
+          jnp.asarray(reward, jnp.float32), jnp.zeros((trials, group), jnp.int32)))}
+  estimates = {name: ((w * (reward - b))[..., None] * score[a]).mean(1)
+               for name, b in baselines.items()}
+  var = {k: np.var(v, axis=0).sum() for k, v in estimates.items()}
   assert var["optimal"] < 0.8 * var["mean"], var
 
 

@@ -21,10 +21,12 @@ _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.serial
+@pytest.mark.slow
 def test_each_hostile_math_completion_takes_at_most_a_few_seconds_of_wall_time():
   # tests/test_math_task.py bounds the CPU time of the same calls, which no other process's
   # load inflates but which cannot see a blocking hang; wall time can. rl.tasks.math_answer's
-  # alarm ends math-verify after VERIFY_TIMEOUT_S (1 s) of wall time.
+  # alarm ends math-verify after VERIFY_TIMEOUT_S (1 s) of wall time. Slow tier: while it
+  # runs (7 s), the quick tier's other worker would wait.
   gsm.score.cache_clear()
   gsm.score("\\boxed{2 \\cdot 36}", "72")  # imports and the parser's first use: not timed
   for completion in scoring_tasks.MATH_HOSTILE:
