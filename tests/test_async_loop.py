@@ -26,11 +26,9 @@ from rl.types import Rollout
 from rl.objectives import losses
 from sampling.partial import PartialConfig
 from sampling.sampler import SamplingConfig
+from tests.rl_fixtures import GRPO
 
 TOKENIZER = CharTokenizer()
-GRPO = losses.LossSettings(name="grpo", eps_low=0.2, eps_high=0.2,
-                                            aggregation="seq_mean_token_mean", norm_len=6.0,
-                                            kl_coef=0.0)
 
 
 # Fakes for the staleness tests: the trainer is slow, the producer fast.
@@ -38,13 +36,12 @@ GRPO = losses.LossSettings(name="grpo", eps_low=0.2, eps_high=0.2,
 def _fake_batch(version, rows=4, width=6):
   completion = np.zeros((rows, width), bool)
   completion[:, 3:] = True
-  rollout = Rollout(tokens=jnp.zeros((rows, width), jnp.int32),
-                    prompt_mask=jnp.asarray(~completion), completion_mask=jnp.asarray(completion),
-                    behavior_logp=jnp.zeros((rows, width)),
-                    version=jnp.asarray(np.where(completion, version, -1).astype(np.int32)),
-                    group=jnp.zeros((rows,), jnp.int32), reward=jnp.zeros((rows,)),
-                    advantages=jnp.zeros((rows, width)))
-  return rollout
+  return Rollout(tokens=jnp.zeros((rows, width), jnp.int32),
+                 prompt_mask=jnp.asarray(~completion), completion_mask=jnp.asarray(completion),
+                 behavior_logp=jnp.zeros((rows, width)),
+                 version=jnp.asarray(np.where(completion, version, -1).astype(np.int32)),
+                 group=jnp.zeros((rows,), jnp.int32), reward=jnp.zeros((rows,)),
+                 advantages=jnp.zeros((rows, width)))
 
 
 def _fake_produced(version, state, decoded_tokens=0):
@@ -62,6 +59,16 @@ def _fake_producer(produce):
   return producers.Producer(
       init=lambda start: producers.CursorState(cursor=producers.cursor_array(start)),
       produce=produce)
+
+
+def _recording_producer(sampled):
+  """A fake producer that records (trains_at, version) of each batch in `sampled` and
+  checks that the published parameters are the version they claim (w counts train steps)."""
+  def produce(state, params, version, rng, trains_at):
+    assert float(params["w"]) == version
+    sampled.append((trains_at, version))
+    return _fake_produced(version, state)
+  return _fake_producer(produce)
 
 
 def _fake_context(train_seconds, updates=1, skipped_on=()):
@@ -92,14 +99,8 @@ def _fake_state():
 @pytest.mark.parametrize("max_staleness", [0, 2])
 def test_producer_waits_so_max_staleness_is_never_exceeded(max_staleness):
   sampled = []
-
-  def produce(state, params, version, rng, trains_at):
-    # The published parameters are the version they claim to be (w counts train steps).
-    assert float(params["w"]) == version
-    sampled.append((trains_at, version))
-    return _fake_produced(version, state)
-
-  state, history = async_loop.run_async(_fake_state(), _fake_context(0.05), _fake_producer(produce), 8,
+  state, history = async_loop.run_async(_fake_state(), _fake_context(0.05),
+                                        _recording_producer(sampled), 8,
                                         max_staleness=max_staleness)
   assert [h["staleness"] for h in history] == [s - v for s, v in sampled]
   assert max(h["staleness"] for h in history) == max_staleness  # ran ahead up to the bound
@@ -114,14 +115,9 @@ def test_versions_and_staleness_count_optimiser_updates(max_staleness, known):
   # staleness counts updates, and the producer runs ahead max_staleness // 2 batches, with
   # the update count given or learnt from the first batch (then batch 1 waits for it).
   sampled = []
-
-  def produce(state, params, version, rng, trains_at):
-    assert float(params["w"]) == version
-    sampled.append((trains_at, version))
-    return _fake_produced(version, state)
-
-  state, history = async_loop.run_async(_fake_state(), _fake_context(0.05, updates=2), _fake_producer(produce),
-                                        8, max_staleness=max_staleness,
+  state, history = async_loop.run_async(_fake_state(), _fake_context(0.05, updates=2),
+                                        _recording_producer(sampled), 8,
+                                        max_staleness=max_staleness,
                                         updates_per_batch=2 if known else None)
   lag = max_staleness // 2
   assert [s for s, _ in sampled] == [2 * i for i in range(8)]  # the step each batch trains at
@@ -136,27 +132,13 @@ def test_skipped_updates_shift_versions_not_the_bound():
   # one step behind 2 per batch. Versions stay the parameters' real TrainState.step, and
   # the bound (2 updates, one batch ahead) still holds against the real step.
   sampled = []
-
-  def produce(state, params, version, rng, trains_at):
-    assert float(params["w"]) == version
-    sampled.append(version)
-    return _fake_produced(version, state)
-
   state, history = async_loop.run_async(_fake_state(), _fake_context(0.05, 2, skipped_on=(2,)),
-                                        _fake_producer(produce), 5, max_staleness=2)
+                                        _recording_producer(sampled), 5, max_staleness=2)
+  versions = [v for _, v in sampled]
   steps = [0, 2, 3, 5, 7]  # the step each batch is trained at
-  assert [h["staleness"] for h in history] == [s - v for s, v in zip(steps, sampled)]
-  assert set(sampled) <= {0, 2, 3, 5, 7} and max(h["staleness"] for h in history) <= 2
+  assert [h["staleness"] for h in history] == [s - v for s, v in zip(steps, versions)]
+  assert set(versions) <= {0, 2, 3, 5, 7} and max(h["staleness"] for h in history) <= 2
   assert int(state.train.step) == 9 and int(state.train.nonfinite_updates) == 1
-
-
-def test_a_wrong_update_count_is_refused():
-  def produce(state, params, version, rng, trains_at):
-    return _fake_produced(version, state)
-
-  with pytest.raises(ValueError, match="updates_per_batch=1.*took 2"):
-    async_loop.run_async(_fake_state(), _fake_context(0.0, updates=2), _fake_producer(produce), 3,
-                         max_staleness=2, updates_per_batch=1)
 
 
 def test_async_steps_report_the_producers_phase_times_and_token_rates():
@@ -179,20 +161,27 @@ def test_async_steps_report_the_producers_phase_times_and_token_rates():
     assert m["trained_tokens_per_s"] == pytest.approx(12 / m["time_train_s"])
 
 
-def test_trainer_refuses_a_batch_beyond_the_bound():
+def test_wrong_update_counts_stale_batches_and_producer_errors_stop_the_trainer():
   def produce(state, params, version, rng, trains_at):
+    return _fake_produced(version, state)
+
+  with pytest.raises(ValueError, match="updates_per_batch=1.*took 2"):
+    async_loop.run_async(_fake_state(), _fake_context(0.0, updates=2), _fake_producer(produce), 3,
+                         max_staleness=2, updates_per_batch=1)
+
+  def stale(state, params, version, rng, trains_at):
     return _fake_produced(0, state)  # always labels its tokens version 0
 
   with pytest.raises(RuntimeError, match="max_staleness=1"):
-    async_loop.run_async(_fake_state(), _fake_context(0.0), _fake_producer(produce), 4, max_staleness=1)
+    async_loop.run_async(_fake_state(), _fake_context(0.0), _fake_producer(stale), 4,
+                         max_staleness=1)
 
-
-def test_producer_errors_reach_the_trainer():
-  def produce(state, params, version, rng, trains_at):
+  def broken(state, params, version, rng, trains_at):
     raise ValueError("broken producer")
 
   with pytest.raises(ValueError, match="broken producer"):
-    async_loop.run_async(_fake_state(), _fake_context(0.0), _fake_producer(produce), 3, max_staleness=1)
+    async_loop.run_async(_fake_state(), _fake_context(0.0), _fake_producer(broken), 3,
+                         max_staleness=1)
 
 
 def test_published_parameters_never_alias_the_trainers_buffers():
