@@ -171,7 +171,6 @@ def test_chunked_logprobs_drop_the_logits_buffers_and_remat_the_activations(tmp_
   assert table.count("\n") == 3 and "| dense | none |" in table and "| 32 | full |" in table
 
 
-@pytest.mark.slow
 def test_mixed_precision_plans_the_bfloat16_step_over_float32_masters(tmp_path, dense_plan):
   """compute_dtype='bfloat16' over float32 parameters: the plan is the memory of the
   step compiled here with bfloat16 compute (not the float32 step's), whose matmuls take
