@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 
 from experiments import config_reference
-from experiments import metrics
 from experiments import train as train_launcher
 from rl import tasks
 from rl import wiring
 from rl.objectives import losses
 from rl.rollouts import kinds
+from tests.launcher_config import apply_overrides, rl_steps
 
 DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
 _BLOCK = re.compile(r"```python\n(.*?)```", re.S)
@@ -60,12 +60,19 @@ def load_config_file(path: pathlib.Path):
   return module.get_config()
 
 
-def test_configuration_reference_is_current():
+def run_tiny(config, workdir):
+  """Runs `config` in `workdir` shrunk to seconds (8 held-out items, 2 warm-start steps of 8,
+  2 RL steps of 2 prompts x 4 completions); its summary and RL train steps' records."""
+  apply_overrides(config, {
+      "workdir": str(workdir), "task.eval_size": 8, "warm_start.steps": 2,
+      "warm_start.batch_size": 8, "rl.steps": 2, "rollout.prompts_per_step": 2,
+      "rollout.group_size": 4, "eval.batch_size": 8})
+  return train_launcher.run(config), rl_steps(workdir)
+
+
+def test_configuration_reference_is_current_and_every_field_has_a_comment():
   assert (DOCS / "configuration.md").read_text() == config_reference.render(), (
       "docs/configuration.md is out of date: run python -m experiments.config_reference")
-
-
-def test_every_config_field_has_a_comment():
   assert config_reference.undocumented() == [], "add a comment to these fields in default.py"
 
 
@@ -101,20 +108,10 @@ def test_add_objective_recipe(recipe_folder):
 
     config = load_config_file(files["reinforce_config.py"])
     assert config.loss.name == "reinforce"
-    config.workdir = str(recipe_folder / "run")
-    config.task.eval_size = 8
-    config.warm_start.steps = 2
-    config.warm_start.batch_size = 8
-    config.rl.steps = 2
-    config.rollout.prompts_per_step = 2
-    config.rollout.group_size = 4
-    config.eval.batch_size = 8
-    summary = train_launcher.run(config)
+    summary, steps = run_tiny(config, recipe_folder / "run")
     assert summary["steps"] == 4 and summary["nonfinite_updates"] == 0
-    records = [r for r in metrics.MetricsLog(
-        str(recipe_folder / "run" / "metrics.jsonl")).read() if r.get("phase") == "rl"]
-    assert all("positive_advantage_fraction" in r for r in records if "loss" in r)
-    assert np.isfinite([r["loss"] for r in records if "loss" in r]).all()
+    assert all("positive_advantage_fraction" in r for r in steps)
+    assert np.isfinite([r["loss"] for r in steps]).all()
   finally:
     losses.LOSSES.unregister("reinforce")
 
@@ -125,18 +122,8 @@ def test_add_rollout_kind_recipe(recipe_folder):
   try:
     config = load_config_file(files["pass_at_group_config.py"])
     assert config.rollout.kind == "pass_at_group"
-    config.workdir = str(recipe_folder / "run")
-    config.task.eval_size = 8
-    config.warm_start.steps = 2
-    config.warm_start.batch_size = 8
-    config.rl.steps = 2
-    config.rollout.prompts_per_step = 2
-    config.rollout.group_size = 4
-    config.eval.batch_size = 8
-    summary = train_launcher.run(config)
+    summary, steps = run_tiny(config, recipe_folder / "run")
     assert summary["steps"] == 4 and summary["nonfinite_updates"] == 0
-    steps = [r for r in metrics.MetricsLog(str(recipe_folder / "run" / "metrics.jsonl")).read()
-             if r.get("phase") == "rl" and "loss" in r]
     assert len(steps) == 2
     for record in steps:  # pass@G is at least the batch's exact-match rate, at most 1
       assert record["exact_match"] <= record["pass_at_group"] <= 1.0
@@ -317,7 +304,6 @@ def test_the_readme_own_data_command_is_a_valid_run():
   import shlex  # pylint: disable=import-outside-toplevel
   from experiments import config_flag  # pylint: disable=import-outside-toplevel
   from experiments.configs import default  # pylint: disable=import-outside-toplevel
-  from tests.launcher_config import apply_overrides  # pylint: disable=import-outside-toplevel
   readme = (_REPO / "README.md").read_text()
   section = readme[readme.index("## Your own model and data"):]
   block = _FENCE.search(section).group()
