@@ -5,9 +5,11 @@ import re
 import numpy as np
 import pytest
 
+from experiments import train as train_launcher
 from rl.tasks import running_sum
 from rl.tasks.running_sum import Problem
 from rl.tasks import make_task
+from tests.launcher_config import default_run_config
 
 
 def test_hand_cases():
@@ -206,24 +208,14 @@ def test_default_length_distribution_has_a_long_tail():
 
 
 def test_bad_difficulty_and_splits_are_named():
-  with pytest.raises(ValueError, match="no difficulty field"):
-    make_task("running_sum", max_digits=3)
-  with pytest.raises(ValueError, match="min_steps"):
-    make_task("running_sum", min_steps=5, max_steps=3)
-  with pytest.raises(ValueError, match="max_steps"):
-    make_task("running_sum", max_steps=10)
-  with pytest.raises(ValueError, match="step=10"):
-    make_task("running_sum", step=10)
-  with pytest.raises(ValueError, match="digits=1"):
-    make_task("running_sum", digits=1)
-  with pytest.raises(ValueError, match="length_tail"):
-    make_task("running_sum", length_tail=1.0)
-  with pytest.raises(ValueError, match="teacher_carry_slip"):
-    make_task("running_sum", teacher_carry_slip=1.5)
-  with pytest.raises(ValueError, match="teacher_carry_slip"):
-    make_task("running_sum", teacher_carry_slip=(0.5, 0.6, 0.7))
-  with pytest.raises(ValueError, match="prompt_style"):
-    make_task("running_sum", "verbose")
+  for settings, message in [
+      (dict(max_digits=3), "no difficulty field"), (dict(min_steps=5, max_steps=3), "min_steps"),
+      (dict(max_steps=10), "max_steps"), (dict(step=10), "step=10"), (dict(digits=1), "digits=1"),
+      (dict(length_tail=1.0), "length_tail"), (dict(teacher_carry_slip=1.5), "teacher_carry_slip"),
+      (dict(teacher_carry_slip=(0.5, 0.6, 0.7)), "teacher_carry_slip"),
+      (dict(prompt_style="verbose"), "prompt_style")]:
+    with pytest.raises(ValueError, match=message):
+      make_task("running_sum", **settings)
   task = make_task("running_sum", eval_size=5)
   with pytest.raises(ValueError, match="eval_size=5"):
     task.examples("eval", 6)
@@ -259,25 +251,13 @@ def test_scored_in_the_isolated_worker_like_any_task():
 def test_default_config_runs_through_the_launcher(tmp_path):
   """The default config (the running_sum testbed), shrunk: the launcher trains on it and
   reports per-size accuracy and rollout lengths in summary.json."""
-  from experiments import train as train_launcher  # pylint: disable=import-outside-toplevel
-  from experiments.configs import default  # pylint: disable=import-outside-toplevel
-  config = default.get_config()
-  config.workdir = str(tmp_path / "run")
-  config.task.difficulty.min_steps = 2
-  config.task.difficulty.max_steps = 3
-  config.task.difficulty.digits = 3
-  config.task.eval_size = 32
-  config.rollout.max_new_tokens = 25  # four 6-token states (the restatement, three additions)
-  config.rollout.prompts_per_step = 2
-  config.rollout.group_size = 4
-  config.rollout.train_length_buckets = (8,)
-  config.warm_start.steps = 4
-  config.warm_start.batch_size = 8
-  config.warm_start.length_window = 2
-  config.rl.steps = 2
-  config.eval.every = 2
-  config.eval.batch_size = 32
-  summary = train_launcher.run(config)
+  summary = train_launcher.run(default_run_config(tmp_path / "run", {
+      "task.difficulty.min_steps": 2, "task.difficulty.max_steps": 3,
+      "task.difficulty.digits": 3, "task.eval_size": 32,
+      # Four 6-token states (the restatement, three additions).
+      "rollout.max_new_tokens": 25, "rollout.prompts_per_step": 2, "rollout.group_size": 4,
+      "rollout.train_length_buckets": (8,), "warm_start.steps": 4, "warm_start.batch_size": 8,
+      "warm_start.length_window": 2, "rl.steps": 2, "eval.every": 2, "eval.batch_size": 32}))
   assert summary["steps"] == 6 and summary["nonfinite_updates"] == 0
   assert set(summary["accuracy_by_size"]) == {"2", "3"}
   assert sum(row["examples"] for row in summary["accuracy_by_size"].values()) == 32
@@ -287,30 +267,17 @@ def test_default_config_runs_through_the_launcher(tmp_path):
   assert 0 < sum(summary["time_s"].values()) < summary["wall_time_s"]
 
 
-
 @pytest.mark.slow
 def test_short_run_improves_held_out_accuracy(tmp_path):
   """The testbed's mechanism end to end on small problems (two-digit totals, one or two
   additions): the warm start copies the teacher (greedy forgets every carry, so only the
   problems without one are right), and GRPO then learns to carry."""
-  from experiments import train as train_launcher  # pylint: disable=import-outside-toplevel
-  from experiments.configs import default  # pylint: disable=import-outside-toplevel
-  config = default.get_config()
-  config.workdir = str(tmp_path / "run")
-  config.task.difficulty.max_steps = 2
-  config.task.difficulty.digits = 2
-  config.task.difficulty.teacher_carry_slip = (0.6, 0.6)  # one carry context, as measured
-  config.task.eval_size = 128
-  config.rollout.prompt_len = 8
-  config.rollout.max_new_tokens = 16
-  config.rollout.train_length_buckets = ()
-  config.rollout.prompts_per_step = 16
-  config.warm_start.steps = 300
-  config.warm_start.length_window = 1
-  config.rl.steps = 30
-  config.rl.warmup_steps = 10
-  config.eval.every = 30
-  config.eval.batch_size = 128
-  summary = train_launcher.run(config)
+  summary = train_launcher.run(default_run_config(tmp_path / "run", {
+      "task.difficulty.max_steps": 2, "task.difficulty.digits": 2,
+      "task.difficulty.teacher_carry_slip": (0.6, 0.6),  # one carry context, as measured
+      "task.eval_size": 128, "rollout.prompt_len": 8, "rollout.max_new_tokens": 16,
+      "rollout.train_length_buckets": (), "rollout.prompts_per_step": 16,
+      "warm_start.steps": 300, "warm_start.length_window": 1, "rl.steps": 30,
+      "rl.warmup_steps": 10, "eval.every": 30, "eval.batch_size": 128}))
   assert summary["warm_start_accuracy"] <= 0.75
   assert summary["final_accuracy"] >= summary["warm_start_accuracy"] + 0.15
