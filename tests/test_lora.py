@@ -28,7 +28,7 @@ from rl import train
 from rl.rollouts import producers
 from sampling.sampler import SamplingConfig
 from sharding import mesh as mesh_lib
-from tests.launcher_config import tiny_run_config
+from tests.launcher_config import apply_overrides, tiny_run_config
 from tests.rl_fixtures import GRPO, DigitTask, random_rollout
 from rl import wiring
 from rl.objectives import losses
@@ -246,8 +246,7 @@ def test_first_update_is_adam_on_the_hand_computed_gradient_of_b():
   first step, no clipping at this gradient norm), dB = s A^T dW from the dense gradient."""
   lr = 1e-3
   optimizer = train.make_optimizer(lr, max_grad_norm=0.0)
-  loss_config = losses.LossSettings(name="sft", aggregation="token_mean",
-                                                     norm_len=1.0)
+  loss_config = losses.LossSettings(name="sft", aggregation="token_mean", norm_len=1.0)
   step = train.make_train_step(CONFIG, optimizer, loss_config)
   base, batch = _base(), random_rollout(batch=8)
   state = _lora_state(optimizer, base)
@@ -342,25 +341,12 @@ def test_lora_config_reads_targets_in_canonical_order(tmp_path):
   assert wiring.phase_lora(wiring.settings(config), wiring.WARM_START) is None
 
 
-
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A short chain_sum run whose RL phase trains rank-4 adapters, through the command line.
 _LAUNCHER_RUN = {
     "lora.rank": 4, "warm_start.steps": 4, "warm_start.batch_size": 8, "rl.steps": 3,
     "rollout.prompts_per_step": 4, "rollout.group_size": 4, "task.eval_size": 16,
     "eval.batch_size": 16, "eval.every": 3, "checkpoint.every": 1000}
-
-
-def _launcher_config(workdir):
-  config = chain_sum_compact.get_config()
-  config.workdir = str(workdir)
-  for path, value in _LAUNCHER_RUN.items():
-    *parents, leaf = path.split(".")
-    node = config
-    for name in parents:
-      node = node[name]
-    node[leaf] = value
-  return config
 
 
 def _restore_rl_state(config, policy, step):
@@ -385,7 +371,8 @@ def test_launcher_lora_run_trains_adapters_only_and_eval_merges_them(tmp_path):
   assert len([r for r in records if r["phase"] == "rl" and "reward_mean" in r]) == 3
   summary = json.loads((tmp_path / "summary.json").read_text())
 
-  config = _launcher_config(tmp_path)
+  config = apply_overrides(chain_sum_compact.get_config(),
+                           {"workdir": str(tmp_path), **_LAUNCHER_RUN})
   policy = eval_launcher.build_policy(wiring.settings(config))
   base = eval_launcher.load_params(config, policy, 4)  # the hand-over: B = 0, merged = base
   final = _restore_rl_state(config, policy, 7).train
