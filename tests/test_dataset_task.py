@@ -133,17 +133,6 @@ def test_unreadable_files_name_the_file_the_line_and_the_field(tmp_path, content
     _task(path, eval_size=1)
 
 
-def test_the_held_out_file_is_named_in_its_errors_too(tmp_path):
-  train = _jsonl(tmp_path / "train.jsonl", _gsm_rows(4))
-  held = tmp_path / "test.jsonl"
-  held.write_text('{"question": "a", "answer": "1"}\n{"question": "b"}\n')
-  with pytest.raises(ValueError, match=re.escape(f"{held}, line 2: no field 'answer'")):
-    _task(train, eval_path=str(held))
-  with pytest.raises(ValueError, match=re.escape(f"config.task.eval_path = "
-                                                 f"'{tmp_path / 'nowhere.jsonl'}': no such")):
-    _task(train, eval_path=str(tmp_path / "nowhere.jsonl"))
-
-
 def test_parquet_without_pyarrow_or_pandas_says_what_to_install(tmp_path, monkeypatch):
   path = tmp_path / "train.parquet"
   path.write_bytes(b"PAR1" + b"\0" * 8 + b"PAR1")  # never parsed: no library to parse it
@@ -198,6 +187,14 @@ def test_bad_settings_are_refused_with_the_fix(tmp_path):
   with pytest.raises(ValueError, match="Every row of config.task.path .* has the prompt of a "
                                        "held-out row"):
     _task(path, eval_path=same)
+  # The held-out file is named in its errors too.
+  broken = tmp_path / "broken.jsonl"
+  broken.write_text('{"question": "a", "answer": "1"}\n{"question": "b"}\n')
+  with pytest.raises(ValueError, match=re.escape(f"{broken}, line 2: no field 'answer'")):
+    _task(path, eval_path=str(broken))
+  with pytest.raises(ValueError, match=re.escape(f"config.task.eval_path = "
+                                                 f"'{tmp_path / 'nowhere.jsonl'}': no such")):
+    _task(path, eval_path=str(tmp_path / "nowhere.jsonl"))
 
 
 # --- The split rule ----------------------------------------------------------------------------
@@ -335,12 +332,6 @@ def test_reference_answers_are_read_as_gsm8k_box_or_text():
 
 # --- Config fields -----------------------------------------------------------------------------
 
-def test_the_default_config_holds_the_dataset_fields_at_their_defaults():
-  c = default.get_config()
-  defaults = dataset_settings.DatasetSettings.defaults()
-  assert {field: c.task[field] for field in defaults} == defaults
-
-
 @pytest.mark.parametrize("field,value", [
     ("path", "data/train.jsonl"), ("eval_path", "data/test.jsonl"), ("prompt_field", "problem"),
     ("answer_field", "solution"), ("instruction", "Box it."), ("template", "{question}"),
@@ -356,6 +347,8 @@ def test_dataset_fields_are_refused_for_another_task(field, value):
 
 def test_the_default_config_switched_to_the_dataset_names_the_fix(tmp_path):
   c = default.get_config()
+  defaults = dataset_settings.DatasetSettings.defaults()  # held at their defaults
+  assert {field: c.task[field] for field in defaults} == defaults
   c.task.name = "dataset"
   c.task.path = _jsonl(tmp_path / "train.jsonl", _gsm_rows(600))
   with pytest.raises(ValueError, match=r"config.task.difficulty = .*'digits': 7.* holds another "
@@ -451,23 +444,19 @@ def test_a_local_jsonl_dataset_trains_through_the_launcher(tmp_path, qwen2_folde
            for i in range(8)]
   held = [{"question": "Question 3: what is 3 + 4?", "answer": "3 + 4 = 7\n#### 7"},
           {"question": "Question 9: what is 9 * 5?", "answer": "#### 45"}]
-  c = default.get_config()
-  c.workdir = str(tmp_path / "run")
-  c.task.name, c.task.prompt_style = "dataset", "full"
-  c.task.difficulty = ml_collections.ConfigDict()
-  c.task.path = _jsonl(tmp_path / "train.jsonl", train)
-  c.task.eval_path = _jsonl(tmp_path / "test.jsonl", held)
-  c.task.eval_size, c.task.instruction = 2, ""
-  c.model.checkpoint = str(qwen2_folder)
-  c.rollout.prompt_len, c.rollout.max_new_tokens = 24, 12
-  c.rollout.train_length_buckets = ()
-  c.rollout.prompts_per_step, c.rollout.group_size = 2, 2
   warm_start_steps = 120
-  c.warm_start.steps, c.warm_start.batch_size = warm_start_steps, 4
-  c.warm_start.learning_rate, c.warm_start.warmup_steps = 1e-2, 0
-  c.rl.steps, c.rl.learning_rate, c.rl.warmup_steps = 1, 1e-6, 0
-  c.eval.batch_size, c.eval.every = 2, 1
-  c.checkpoint.every = 100
+  c = default_run_config(tmp_path / "run", {
+      "task.name": "dataset", "task.prompt_style": "full",
+      "task.difficulty": ml_collections.ConfigDict(),
+      "task.path": _jsonl(tmp_path / "train.jsonl", train),
+      "task.eval_path": _jsonl(tmp_path / "test.jsonl", held), "task.eval_size": 2,
+      "task.instruction": "", "model.checkpoint": str(qwen2_folder), "rollout.prompt_len": 24,
+      "rollout.max_new_tokens": 12, "rollout.train_length_buckets": (),
+      "rollout.prompts_per_step": 2, "rollout.group_size": 2,
+      "warm_start.steps": warm_start_steps, "warm_start.batch_size": 4,
+      "warm_start.learning_rate": 1e-2, "warm_start.warmup_steps": 0, "rl.steps": 1,
+      "rl.learning_rate": 1e-6, "rl.warmup_steps": 0, "eval.batch_size": 2, "eval.every": 1,
+      "checkpoint.every": 100})
   summary = launcher.run(c)
   assert summary["steps"] == warm_start_steps + 1
   assert launcher.report(c, summary)[0] == "Warm-start held-out accuracy: 0.500 +- 0.354"
