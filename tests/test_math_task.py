@@ -257,8 +257,7 @@ def test_the_first_answer_of_a_process_is_not_charged_for_math_verify_start_up()
            "gold = '(3, \\\\frac{\\\\pi}{2})'\n"
            "assert m.matches_reference(m.Answer(text=gold, source='boxed'), gold)\n"
            "assert m.verified_anywhere('so the answer is $\\\\frac{3}{4}$', '0.75')\n")
-  subprocess.run([sys.executable, "-c", check], check=True, timeout=120,
-                 cwd=_REPO)
+  subprocess.run([sys.executable, "-c", check], check=True, timeout=120, cwd=_REPO)
 
 
 def _spin_until(end: float) -> None:
@@ -327,7 +326,7 @@ def test_each_hostile_completion_takes_at_most_a_few_seconds_in_process():
     assert time.process_time() - start < 3.5, completion[:40]
 
 
-def test_format_reward_through_the_launcher_config():
+def test_format_reward_through_the_launcher_config(tmp_path):
   config = smollm2_gsm.get_config()
   assert config.task.difficulty.format_reward == 0.0  # off by default
   wiring.validate(config)
@@ -342,9 +341,7 @@ def test_format_reward_through_the_launcher_config():
   config.task.prompt_style = "compact"
   with pytest.raises(ValueError, match="needs prompt_style='full'"):
     wiring.validate(config)
-
-
-def test_the_launcher_refuses_a_bad_format_reward_before_any_work(tmp_path):
+  # The launcher refuses a bad format reward before any work.
   config = smollm2_gsm.get_config()
   config.workdir = str(tmp_path / "run")
   config.task.difficulty.format_reward = 1.5
