@@ -1,6 +1,7 @@
 """The reward stage (rl/rewards.py) and PURE's process advantages: each against a hand
 computation or a slow reference, then each path through the launcher, then its refusals."""
 
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -16,8 +17,7 @@ from rl.tasks import make_task
 from rl.tasks import math_answer
 from rl.tasks.running_sum import Problem, step_rewards, worked_solution
 from rl.verdicts import Verdict
-from tests.launcher_config import rl_steps, tiny_run_config
-from tests.launcher_config import tiny_running_sum_config
+from tests.launcher_config import refusal, rl_steps, tiny_run_config, tiny_running_sum_config
 
 
 # --- PURE's process advantages ---
@@ -268,22 +268,19 @@ def test_flip_counter_follows_each_prompt_between_visits():
 # --- Through the launcher ---
 
 
-
 @pytest.mark.slow
 def test_each_reward_path_through_the_launcher(tmp_path):
   """One run per path, each checked for its effect: a verifier that passes everything
   rewards every row 1 while the true reward stays the task's; the second opinion is called
   on every row the verifier failed; PURE adds step rewards and changes the loss of the same
   first batch; the vote's memory sees the pool's prompts again at step 2."""
-  launcher.run(tiny_running_sum_config(tmp_path / "grpo", {}))
-  launcher.run(tiny_running_sum_config(tmp_path / "fp", {"reward.false_positive": 1.0}))
-  launcher.run(tiny_running_sum_config(tmp_path / "second", {"reward.false_negative": 0.5,
-                                             "reward.second_opinion": True}))
-  launcher.run(tiny_running_sum_config(tmp_path / "pure", {"advantage.name": "pure_min"}))
-  launcher.run(tiny_running_sum_config(tmp_path / "ttrl", {"reward.kind": "majority_vote",
-                                           "task.train_pool": 2}))
-  grpo, fp, second, pure, ttrl = (rl_steps(tmp_path / n)
-                                  for n in ("grpo", "fp", "second", "pure", "ttrl"))
+  runs = {"grpo": {}, "fp": {"reward.false_positive": 1.0},
+          "second": {"reward.false_negative": 0.5, "reward.second_opinion": True},
+          "pure": {"advantage.name": "pure_min"},
+          "ttrl": {"reward.kind": "majority_vote", "task.train_pool": 2}}
+  for name, overrides in runs.items():
+    launcher.run(tiny_running_sum_config(tmp_path / name, overrides))
+  grpo, fp, second, pure, ttrl = (rl_steps(tmp_path / name) for name in runs)
   assert "trained_reward_mean" not in grpo[0]
   assert [s["trained_reward_mean"] for s in fp] == [1.0, 1.0]
   assert [s["reward_mean"] for s in fp] == [s["reward_mean"] for s in grpo]
@@ -303,7 +300,8 @@ def test_the_stage_wraps_every_rollout_kind(tmp_path, kind):
   """A verifier that passes every wrong completion: every scored row trains with reward 1,
   while the task's own reward (the truth) is unchanged."""
   launcher.run(tiny_running_sum_config(tmp_path / "plain", {"rollout.kind": kind}))
-  launcher.run(tiny_running_sum_config(tmp_path / "fp", {"rollout.kind": kind, "reward.false_positive": 1.0}))
+  launcher.run(tiny_running_sum_config(tmp_path / "fp", {"rollout.kind": kind,
+                                                         "reward.false_positive": 1.0}))
   plain, fp = rl_steps(tmp_path / "plain"), rl_steps(tmp_path / "fp")
   assert [s["trained_reward_mean"] for s in fp] == [1.0, 1.0]
   assert [s["reward_mean"] for s in fp] == [s["reward_mean"] for s in plain]
@@ -335,9 +333,7 @@ def test_the_stage_wraps_every_rollout_kind(tmp_path, kind):
     ({"advantage.verifier_coef": 0.5}, r"verifier_coef = 0.5 .* 'grpo' reads none"),
 ])
 def test_reward_refusals(tmp_path, overrides, message):
-  with pytest.raises(ValueError, match=message):
-    launcher.run(tiny_running_sum_config(tmp_path / "run", overrides))
-  assert not (tmp_path / "run").exists()
+  assert re.search(message, refusal(tiny_running_sum_config(tmp_path / "run", overrides)))
 
 
 @pytest.mark.parametrize("overrides,message", [
@@ -345,6 +341,4 @@ def test_reward_refusals(tmp_path, overrides, message):
     ({"reward.second_opinion": True}, r"task 'chain_sum' has no second_opinion"),
 ])
 def test_a_task_without_what_the_stage_needs_is_refused(tmp_path, overrides, message):
-  with pytest.raises(ValueError, match=message):
-    launcher.run(tiny_run_config(tmp_path / "run", overrides))
-  assert not (tmp_path / "run").exists()
+  assert re.search(message, refusal(tiny_run_config(tmp_path / "run", overrides)))
