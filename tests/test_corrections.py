@@ -26,18 +26,13 @@ def random_tokens(seed, shape=(64,)):
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_sat_interval_is_inside_ppo_interval(seed):
-  _, adv, k = random_tokens(seed)
+def test_sat_interval_is_inside_ppo_interval_and_its_surrogate_pointwise_pessimistic(seed):
+  ratio, adv, k = random_tokens(seed, (4096,))
   lo, hi = losses.clip_interval(adv, EPS_LOW, EPS_HIGH, k)
   assert np.all(lo >= 1 - EPS_LOW) and np.all(hi <= 1 + EPS_HIGH)
   assert np.all(lo <= 1) and np.all(hi >= 1)
   # Only the endpoint the advantage sign selects moves.
   assert np.all(np.where(adv > 0, lo == np.float32(1 - EPS_LOW), hi == np.float32(1 + EPS_HIGH)))
-
-
-@pytest.mark.parametrize("seed", range(5))
-def test_sat_surrogate_is_pointwise_pessimistic(seed):
-  ratio, adv, k = random_tokens(seed, (4096,))
   sat_loss, _ = losses.clip_objective(ratio, adv, EPS_LOW, EPS_HIGH, k)
   ppo_loss, _ = losses.clip_objective(ratio, adv, EPS_LOW, EPS_HIGH)
   assert np.all(np.asarray(sat_loss) >= np.asarray(ppo_loss) - 1e-6)  # surrogate <= PPO's
@@ -255,7 +250,7 @@ def _terms(log_ratio, prox_shift=None, seed=0):
       clip_scale=ones, reward=jnp.zeros(shape[0]), group=jnp.zeros(shape[0], jnp.int32))
 
 
-def test_tis_and_mis_weights():
+def test_tis_and_mis_weights_and_a_factory_binds_its_hyperparameters():
   shift = np.array([[-3.0, -0.5, 0.0, 1.0, 1.6, 2.5]], np.float32)
   terms = _terms(np.zeros((1, 6)), prox_shift=shift)
   out, _ = corrections.truncated_is(is_cap=5.0)(terms)
@@ -266,9 +261,7 @@ def test_tis_and_mis_weights():
   np.testing.assert_allclose(metrics["masked_fraction"], 2 / 6, rtol=1e-6)
   with pytest.raises(ValueError, match="proximal"):
     corrections.truncated_is()(_terms(np.zeros((1, 6))))
-
-
-def test_a_factory_binds_its_hyperparameters():
+  # A factory binds its hyperparameters.
   shift = np.array([[-1.0, 0.0, 0.5, 1.0, 2.0]], np.float32)
   terms = _terms(np.zeros((1, 5)), prox_shift=shift)
   out, metrics = corrections.truncated_is(is_cap=2.0)(terms)
