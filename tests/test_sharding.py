@@ -59,13 +59,11 @@ def single_device_run(setup):
 
 # --- mesh -------------------------------------------------------------------------------
 
-def test_mesh_axes_sizes_and_auto_types(mesh):
+def test_mesh_axes_sizes_auto_types_and_config_errors(mesh):
   assert dict(mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
   assert mesh.axis_types == (AxisType.Auto,) * 3
   assert mesh_lib.batch_size_multiple(mesh) == 4
-
-
-def test_mesh_config_fill_axis_and_errors():
+  # MeshConfig fills a -1 axis and names what it refuses.
   assert mesh_lib.MeshConfig(data=-1, tensor=2).resolve(8) == (4, 1, 2)
   assert mesh_lib.MeshConfig().is_single_device
   with pytest.raises(ValueError, match="needs 4 devices but 8"):
@@ -240,15 +238,13 @@ def test_residual_hook_sees_every_layer_boundary(setup):
   np.testing.assert_allclose(np.asarray(scaled), 0.0, atol=1e-6)  # zero stream, zero logits
 
 
-def test_initialize_without_coordinator_is_single_process(monkeypatch):
+def test_initialize_without_coordinator_is_single_process_holding_every_row(monkeypatch, mesh):
   monkeypatch.delenv("JAX_COORDINATOR_ADDRESS", raising=False)
   assert not multihost.initialize()
   assert multihost.is_primary()
   with pytest.raises(ValueError, match="give both"):
     multihost.initialize("127.0.0.1:1", num_processes=2)
-
-
-def test_host_rows_single_process(mesh):
+  # One process holds every row of the batch.
   sharding = rules.batch_sharding(mesh)
   assert multihost.host_rows(sharding, 8) == (0, 8)
   batch = multihost.global_batch({"x": np.arange(16).reshape(8, 2)}, sharding, 8)
