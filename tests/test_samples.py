@@ -35,14 +35,12 @@ CORRECT, NO_ANSWER, MALFORMED, WRONG, TRUNCATED = (
     verdicts.TRUNCATED)
 
 
-def test_spread_indices_are_fixed_and_cover_the_set():
+def test_eval_samples_are_the_spread_problems_with_their_verdicts():
+  # The spread is fixed and covers the set.
   assert samples.spread_indices(10, 4) == [0, 2, 5, 7]
   assert samples.spread_indices(3, 16) == [0, 1, 2]
   assert samples.spread_indices(500, 16) == samples.spread_indices(500, 16)
   assert samples.spread_indices(500, 16)[-1] == 468 and samples.spread_indices(5, 0) == []
-
-
-def test_eval_samples_are_the_spread_problems_with_their_verdicts():
   rows = [ScoredRow(f"q{i}", f"c{i}", Verdict(WRONG if i % 2 else CORRECT, f"a{i}", f"t{i}"))
           for i in range(8)]
   rewards, lengths = np.arange(8) / 8, np.arange(8) + 1
