@@ -165,7 +165,7 @@ def test_adaptive_scores_hand_computed():
 
 # --- GRESO ---------------------------------------------------------------------------------
 
-def test_greso_keep_probability_as_specified():
+def test_greso_keep_probability_as_specified_and_matched_by_the_skip_frequency():
   config = _config("greso", **{"greso.min_keep_prob": 0.05, "greso.max_skips": 10})
   state = selection.init_state(6, config).replace(
       uninformative_run=jnp.array([0, 1, 3, 10, 2, 2]),
@@ -175,9 +175,7 @@ def test_greso_keep_probability_as_specified():
   keep = selection.keep_probability(state, np.arange(6), config)
   # z=0 -> 1; p_e**z; floor 0.05 (0.5**10 < 0.05); 10 skips in a row -> 1; hard class uses 0.8.
   np.testing.assert_allclose(keep, [1.0, 0.5, 0.125, 0.05, 1.0, 0.64], rtol=1e-6)
-
-
-def test_greso_skip_frequency_matches_keep_probability():
+  # The skip frequency matches the keep probability.
   config = _config("greso", **{"greso.max_skips": 1000})
   pool = 50
   state = selection.init_state(pool, config).replace(
