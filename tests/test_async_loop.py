@@ -255,8 +255,7 @@ def test_async_with_zero_staleness_reproduces_the_sync_loop_exactly(kind):
     sync_metrics.append(metrics)
   async_state, async_metrics = async_loop.run_async(_copy(start), ctx, producer, 3,
                                                     max_staleness=0)
-  for a, b in zip(jax.tree.leaves(sync_state.train), jax.tree.leaves(async_state.train)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  jax.tree.map(np.testing.assert_array_equal, sync_state.train, async_state.train)
   np.testing.assert_array_equal(jax.random.key_data(sync_state.rng)
                                 if jnp.issubdtype(sync_state.rng.dtype, jax.dtypes.prng_key)
                                 else sync_state.rng, async_state.rng)

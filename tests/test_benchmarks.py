@@ -92,8 +92,7 @@ def test_exported_weights_load_back_with_their_tokenizer(tmp_path):
   config, params, tokenizer = _exported_tiny_model(tmp_path / "w")
   loaded_config, loaded, loaded_tokenizer = load_pretrained(str(tmp_path / "w"))
   assert loaded_config == config
-  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(loaded)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  jax.tree.map(np.testing.assert_array_equal, params, loaded)
   text = "Charlotte writes 0.25 of it, then 28 letters: \\boxed{}"
   assert loaded_tokenizer.encode(text, add_bos=True) == tokenizer.encode(text, add_bos=True)
   assert (loaded_tokenizer.eos_id, loaded_tokenizer.pad_id) == (0, 0)

@@ -180,8 +180,7 @@ def test_short_lora_grpo_run_improves_reward():
   rewards, state = _grpo_rewards(base, _LORA)
   first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
   assert last > first + 0.3 and last > 0.6, rewards
-  for got, want in zip(jax.tree.leaves(state.train.frozen), jax.tree.leaves(base_before)):
-    np.testing.assert_array_equal(np.asarray(got), want)
+  jax.tree.map(np.testing.assert_array_equal, state.train.frozen, base_before)
 
 
 @pytest.mark.slow
@@ -230,8 +229,7 @@ def test_train_step_updates_adapters_and_leaves_the_base_unchanged():
   for _ in range(2):  # the first update moves B only (A's gradient is zero while B = 0)
     state, metrics = step(state, batch)
   assert float(metrics["update_skipped"]) == 0.0 and int(state.step) == 2
-  for got, want in zip(jax.tree.leaves(state.frozen), jax.tree.leaves(base)):
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  jax.tree.map(np.testing.assert_array_equal, state.frozen, base)
   for target in LORA.targets:
     for leaf in ("a", "b"):
       assert not np.array_equal(np.asarray(state.params["layers"][target][leaf]),
@@ -276,8 +274,8 @@ def test_microbatched_lora_step_equals_the_full_batch_step():
   for micro in (1, 4):
     step = train.make_train_step(CONFIG, optimizer, GRPO, num_microbatches=micro)
     states[micro], _ = step(_lora_state(optimizer), batch)
-  for a, b in zip(jax.tree.leaves(states[1].params), jax.tree.leaves(states[4].params)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-6),
+               states[1].params, states[4].params)
 
 
 @pytest.mark.slow
@@ -294,8 +292,7 @@ def test_sharded_lora_step_matches_the_single_device_step():
       None, "fsdp", "tensor")  # the frozen base is laid out like the parameters
   assert state.params["layers"]["q"]["a"].sharding.is_fully_replicated
   sharded, _ = sharded_step(state, batch)
-  for a, b in zip(jax.tree.leaves(single), jax.tree.leaves(sharded)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5), single, sharded)
 
 
 def test_merged_export_loads_as_the_adapted_policy(tmp_path):
@@ -376,8 +373,7 @@ def test_launcher_lora_run_trains_adapters_only_and_eval_merges_them(tmp_path):
   policy = eval_launcher.build_policy(wiring.settings(config))
   base = eval_launcher.load_params(config, policy, 4)  # the hand-over: B = 0, merged = base
   final = _restore_rl_state(config, policy, 7).train
-  for got, want in zip(jax.tree.leaves(final.frozen), jax.tree.leaves(base)):
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))  # the base is frozen
+  jax.tree.map(np.testing.assert_array_equal, final.frozen, base)  # the base is frozen
   count = lora_lib.adapter_count(policy.model_config, wiring.lora_config(policy.run))
   assert sum(x.size for x in jax.tree.leaves(final.params)) == count
   assert sum(x.size for x in jax.tree.leaves(final.opt_state) if x.ndim > 0) == 2 * count

@@ -35,8 +35,7 @@ def _rows(batch, start, stop):
 
 
 def _assert_same_params(a, b, atol=1e-6):
-  for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
-    np.testing.assert_allclose(x, y, atol=atol)
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, atol=atol), a.params, b.params)
 
 
 def _digit_context(train_step, prompts_per_step, group_size):
@@ -81,8 +80,8 @@ def test_microbatched_gradient_is_the_full_batch_gradient_for_uneven_microbatche
     assert "learning_rate" not in metrics  # logged only when the step is given the schedule
   np.testing.assert_allclose(loss[1], loss[0], rtol=1e-5)
   assert max(float(jnp.abs(d).max()) for d in jax.tree.leaves(deltas[0])) > 1e-3
-  for full, micro in zip(jax.tree.leaves(deltas[0]), jax.tree.leaves(deltas[1])):
-    np.testing.assert_allclose(micro, full, rtol=1e-4, atol=1e-7)
+  jax.tree.map(lambda full, micro: np.testing.assert_allclose(micro, full, rtol=1e-4, atol=1e-7),
+               *deltas)
 
 
 @pytest.mark.slow
@@ -199,8 +198,7 @@ def test_non_finite_loss_skips_the_update_and_is_counted():
   assert int(new_state.step) == 0 and int(new_state.nonfinite_updates) == 1
   assert metrics["update_skipped"] == 1.0
   assert metrics["learning_rate"] == 0.0  # nothing was applied
-  for x, y in zip(jax.tree.leaves(new_state.params), jax.tree.leaves(params)):
-    np.testing.assert_array_equal(x, y)
+  jax.tree.map(np.testing.assert_array_equal, new_state.params, params)
 
 
 @pytest.mark.slow
