@@ -53,16 +53,17 @@ class Job:
                          None if d.process_id < 0 else d.process_id)
     self.mesh = wiring.build_mesh(run)
     self.primary = multihost.is_primary()
+    init_rng, loop_rng = jax.random.split(jax.random.PRNGKey(run.seed))
+    # The policy first: a LoRA rank its shapes refuse is refused before the workdir exists.
+    self.tokenizer, self.model_config, params = wiring.load_policy(run, init_rng)
+    if wiring.lora_config(run) is not None:
+      lora_lib.check_rank(self.model_config, wiring.lora_config(run))
     os.makedirs(config.workdir, exist_ok=True)
     self.manager = checkpoint.make_manager(os.path.join(config.workdir, "checkpoints"),
                                            run.checkpoint.max_to_keep,
                                            remove_unfinished=True)
     self.config_json = config.to_json_best_effort(indent=2, sort_keys=True)
     self.record_launch()
-    init_rng, loop_rng = jax.random.split(jax.random.PRNGKey(run.seed))
-    self.tokenizer, self.model_config, params = wiring.load_policy(run, init_rng)
-    if wiring.lora_config(run) is not None:  # before the warm start, not after it
-      lora_lib.check_rank(self.model_config, wiring.lora_config(run))
     self.task = wiring.build_task(run)
     self.eval_examples = self.task.examples("eval", run.task.eval_size)
     # A distillation teacher is loaded (and its tokenizer and context checked) before step 1.
