@@ -1,5 +1,11 @@
 """The reward stage (rl/rewards.py) and PURE's process advantages: each against a hand
-computation or a slow reference, then each path through the launcher, then its refusals."""
+computation or a slow reference, then each path through the launcher, then its refusals.
+
+A mutant these tests were run against (on a scratch copy, never committed): PURE's min-form
+credit as the minimum over the steps so far instead of the steps ahead (`cummin` without
+`reverse`) fails test_pure_credit_equals_the_hand_computation_with_padded_rows and
+test_pure_credit_equals_a_slow_reference_on_long_random_batches[min].
+"""
 
 import re
 

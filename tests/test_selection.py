@@ -3,6 +3,10 @@
 Most tests drive `selection.collect` with a Bernoulli simulator instead of a policy: train
 position p answers correctly with probability probs[p], so which groups are informative is
 known in advance and the tests need no model.
+
+A mutant these tests were run against (on a scratch copy, never committed): AR3PO's reused
+row keeping the fresh row's behaviour log-probs instead of the stored response's fails
+test_ar3po_reuses_a_stored_response_with_its_log_probs_and_version.
 """
 
 
