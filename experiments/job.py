@@ -90,10 +90,12 @@ class Job:
     self.bar = None
 
   def record_launch(self) -> None:
-    """Refuses, before anything is built, to resume checkpoints written under a config that
-    differs in a field that changes results (`provenance.check_resume`), then records this
-    launch: its resolved config in config.json, and a line in launches.jsonl (time, argv,
-    the source commit and the hash of its uncommitted code, the config's fingerprint)."""
+    """Refuses, before anything is trained or written (only the policy is loaded by then:
+    a LoRA rank its shapes refuse leaves no workdir behind), to resume checkpoints written
+    under a config that differs in a field that changes results (`provenance.check_resume`),
+    then records this launch: its resolved config in config.json, and a line in
+    launches.jsonl (time, argv, the source commit and the hash of its uncommitted code, the
+    config's fingerprint)."""
     config = self.config
     latest = self.manager.latest_step()
     allowed, previous = {}, None
