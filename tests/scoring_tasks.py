@@ -35,6 +35,20 @@ MATH_HOSTILE = [
 MATH_UNFINISHABLE = 7
 
 
+def assert_each_hostile_math_completion_is_bounded(clock, bound_s: float = 3.5) -> None:
+  """Scores every MATH_HOSTILE completion against the answer 72 (rl.tasks.gsm.score): each
+  scores 0 or times out, within `bound_s` seconds of `clock` (time.process_time for CPU time,
+  time.perf_counter for wall time)."""
+  from rl.tasks import gsm  # pylint: disable=import-outside-toplevel
+  for completion in MATH_HOSTILE:
+    start = clock()
+    try:
+      assert gsm.score(completion, "72") == (0.0, False)
+    except TimeoutError:
+      pass
+    assert clock() - start < bound_s, completion[:40]
+
+
 def power_tower(text: str) -> int:
   """Evaluates 'a**b**c' with Python ints, as a naive scorer would: 9**9**9 never returns."""
   parts = [int(part) for part in text.split("**")]

@@ -29,13 +29,7 @@ def test_each_hostile_math_completion_takes_at_most_a_few_seconds_of_wall_time()
   # runs (7 s), the quick tier's other worker would wait.
   gsm.score.cache_clear()
   gsm.score("\\boxed{2 \\cdot 36}", "72")  # imports and the parser's first use: not timed
-  for completion in scoring_tasks.MATH_HOSTILE:
-    start = time.perf_counter()
-    try:
-      assert gsm.score(completion, "72") == (0.0, False)
-    except TimeoutError:
-      pass
-    assert time.perf_counter() - start < 3.5, completion[:40]
+  scoring_tasks.assert_each_hostile_math_completion_is_bounded(time.perf_counter)
 
 
 _PROBE_CONFTEST = """
